@@ -1,0 +1,240 @@
+"""Chat-template markers, and parsing one complete tool-call region into OpenAI calls.
+
+`Markers` names the literal strings a template puts around reasoning and tool calls;
+`markers_for_tokenizer` infers them. The streaming layer (`server.output_text`) finds the
+region between a family's tool-call markers; `parse_tool_body` parses what lies between.
+The format-specific parsing is mlx-lm's own (`mlx_lm/tool_parsers/*.py`), so the server
+reads tool calls exactly as mlx-lm does; added here are the OpenAI shape (id, JSON argument
+string) and a uniform contract: an exception means "malformed, show it as text".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import secrets
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping, Optional, Sequence
+
+# Names of the mlx-lm parser modules, used as the tool-call format ids in `Markers`.
+QWEN_XML = "qwen3_coder"  # <tool_call>\n<function=NAME>\n<parameter=P>\nV\n</parameter>...
+QWEN_JSON = "json_tools"  # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+GEMMA4 = "gemma4"  # <|tool_call>call:NAME{key:<|"|>str<|"|>,n:1}<tool_call|>
+
+
+def new_call_id() -> str:
+    """OpenAI-style id: "call_" + 24 random hex digits."""
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call; `arguments` is a JSON object serialized as text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The `message.tool_calls[i]` entry of a non-streaming response."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@lru_cache(maxsize=None)
+def _mlx_lm_parser(name: str) -> ModuleType:
+    """Load `mlx_lm.tool_parsers.<name>`.
+
+    Importing it the usual way runs `mlx_lm/__init__.py`, which imports MLX and the whole
+    generation stack (over a second, and an MLX runtime). The parser files themselves only
+    need `json`, `ast` and `regex`, so unless mlx_lm is loaded already we execute the one
+    file on its own, which keeps this text layer free of MLX.
+    """
+    if "mlx_lm" in sys.modules:
+        return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    spec = importlib.util.find_spec("mlx_lm")  # locates the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("mlx_lm is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "tool_parsers" / f"{name}.py"
+    file_spec = importlib.util.spec_from_file_location(f"_dflash_tool_parser_{name}", path)
+    if file_spec is None or file_spec.loader is None or not path.is_file():
+        return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    module = importlib.util.module_from_spec(file_spec)
+    file_spec.loader.exec_module(module)
+    return module
+
+
+def plain_tools(tools: Optional[Sequence[Any]]) -> list[dict[str, Any]]:
+    """The request's tools as plain dicts (mlx-lm's schema lookup calls `.get` on them).
+
+    Accepts dicts or pydantic models; anything without a usable shape is skipped, since a
+    schema is only a hint for converting Qwen XML values.
+    """
+    result: list[dict[str, Any]] = []
+    for tool in tools or ():
+        if hasattr(tool, "model_dump"):
+            tool = tool.model_dump(exclude_none=True)
+        if not isinstance(tool, dict):
+            continue
+        function = tool.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            result.append(tool)
+    return result
+
+
+def _arguments_text(arguments: Any) -> str:
+    """Serialize parsed arguments; only a JSON object is a valid OpenAI argument set."""
+    if isinstance(arguments, str):
+        # The JSON form may carry arguments as an already-encoded string.
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise ValueError(f"tool arguments must be an object, got {type(arguments).__name__}")
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def _to_tool_call(item: Any) -> ToolCall:
+    if not isinstance(item, dict):
+        raise ValueError("tool call is not an object")
+    name = item.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("tool call has no name")
+    # Some Qwen fine-tunes write "parameters" instead of "arguments".
+    arguments = item.get("arguments", item.get("parameters", {}))
+    return ToolCall(name=name.strip(), arguments=_arguments_text(arguments))
+
+
+def _parse_qwen_xml(body: str, tools: list[dict[str, Any]]) -> Any:
+    parser = _mlx_lm_parser(QWEN_XML)
+    try:
+        return parser.parse_tool_call(body, tools)
+    except ValueError:
+        # mlx-lm raises ValueError both for a broken structure and for a value that does not
+        # fit the schema (say "abc" for an integer). Retrying without the schema separates the
+        # two: a well-formed call keeps its raw string values instead of being lost, which is
+        # also what vLLM does; a broken structure raises again.
+        return parser.parse_tool_call(body, None)
+
+
+def parse_tool_body(fmt: str, body: str, tools: Optional[Sequence[Any]] = None) -> list[ToolCall]:
+    """Parse the text between one start and end marker into one or more calls.
+
+    Raises ValueError (or another exception from the underlying parser) when the body is
+    not a well-formed call; the caller falls back to plain content.
+    """
+    stripped = body.strip()
+    if fmt == GEMMA4:
+        parsed = _mlx_lm_parser(GEMMA4).parse_tool_call(stripped)
+        # Gemma's parser returns a list when one region holds several call:NAME{...}.
+        items = parsed if isinstance(parsed, list) else [parsed]
+    elif fmt in (QWEN_XML, QWEN_JSON):
+        # Qwen checkpoints are trained on one form, but fine-tunes drift between the two;
+        # the body's first character tells them apart unambiguously.
+        if stripped.startswith("{"):
+            items = [_mlx_lm_parser(QWEN_JSON).parse_tool_call(stripped)]
+        else:
+            items = [_parse_qwen_xml(stripped, plain_tools(tools))]
+    else:
+        raise ValueError(f"unknown tool-call format {fmt!r}")
+    if not items:
+        raise ValueError("no tool call found")
+    return [_to_tool_call(item) for item in items]
+
+
+def tools_enabled(tools: Optional[Sequence[Any]], tool_choice: Any) -> bool:
+    """Whether tool-call regions should be parsed: tools were given and not switched off."""
+    return bool(tools) and tool_choice != "none"
+
+
+# ---------------------------------------------------------------------------- markers
+
+
+@dataclass(frozen=True)
+class Markers:
+    """The literal strings a chat template uses around reasoning and tool calls."""
+
+    family: str = "plain"  # "qwen", "gemma4" or "plain"; informational
+    reasoning_start: Optional[str] = None
+    reasoning_end: Optional[str] = None
+    tool_start: Optional[str] = None
+    tool_end: Optional[str] = None
+    tool_format: Optional[str] = None  # server.tool_calls.QWEN_XML / QWEN_JSON / GEMMA4
+
+    @property
+    def has_reasoning(self) -> bool:
+        return bool(self.reasoning_start and self.reasoning_end)
+
+    @property
+    def has_tools(self) -> bool:
+        return bool(self.tool_start and self.tool_end and self.tool_format)
+
+
+PLAIN = Markers()
+QWEN_XML_MARKERS = Markers("qwen", "<think>", "</think>", "<tool_call>", "</tool_call>", QWEN_XML)
+QWEN_JSON_MARKERS = Markers("qwen", "<think>", "</think>", "<tool_call>", "</tool_call>", QWEN_JSON)
+# Gemma 4 opens reasoning with the special token <|channel> followed by the word "thought";
+# the pair is matched as one marker (as mlx-lm's _infer_thinking does).
+GEMMA4_MARKERS = Markers(
+    "gemma4", "<|channel>thought", "<channel|>", "<|tool_call>", "<tool_call|>", GEMMA4
+)
+
+
+def markers_for_tokenizer(
+    chat_template: Optional[str], vocab: Optional[Mapping[str, int]] = None
+) -> Markers:
+    """Infer the markers from the chat template (preferred) or, lacking one, the vocab.
+
+    Mirrors mlx-lm's `_infer_tool_parser` / `_infer_thinking` for the families the server
+    supports. A template that never mentions a marker gets none, even when the vocab has
+    the token: some instruct checkpoints keep <think> in the vocab but never emit it.
+    """
+    template = chat_template or ""
+    vocab = vocab or {}
+
+    def known(*tokens: str) -> bool:
+        if template:
+            return all(t in template for t in tokens)
+        return all(t in vocab for t in tokens)
+
+    tool_start = tool_end = tool_format = None
+    if known("<|tool_call>", "<tool_call|>"):
+        tool_start, tool_end, tool_format = "<|tool_call>", "<tool_call|>", GEMMA4
+    elif "<tool_call>\\n<function=" in template or "<tool_call>\n<function=" in template:
+        tool_start, tool_end, tool_format = "<tool_call>", "</tool_call>", QWEN_XML
+    elif (template and "<tool_call>" in template and "tool_call.name" in template) or (
+        not template and known("<tool_call>", "</tool_call>")
+    ):
+        # Without a template the vocab cannot tell XML from JSON; the body parser
+        # detects the form per call anyway.
+        tool_start, tool_end, tool_format = "<tool_call>", "</tool_call>", QWEN_JSON
+
+    reasoning_start = reasoning_end = None
+    if known("<think>", "</think>"):
+        reasoning_start, reasoning_end = "<think>", "</think>"
+    elif known("<|channel>", "<channel|>"):
+        reasoning_start, reasoning_end = "<|channel>thought", "<channel|>"
+
+    if tool_format == GEMMA4 or reasoning_end == "<channel|>":
+        family = "gemma4"
+    elif tool_format or reasoning_start:
+        family = "qwen"
+    else:
+        family = "plain"
+    return Markers(family, reasoning_start, reasoning_end, tool_start, tool_end, tool_format)
+
+
+def prompt_starts_in_reasoning(prompt: str, markers: Markers) -> bool:
+    """True when the rendered prompt ends inside an open reasoning block.
+
+    Qwen3.5/3.6 with thinking on end the generation prompt with "<think>\\n"; with thinking
+    off they end with an empty closed block, and Gemma 4 lets the model open its own.
+    Only the prompt's tail counts, so a "<think>" quoted in a user message does not.
+    """
+    return bool(markers.reasoning_start) and prompt.rstrip().endswith(markers.reasoning_start)
