@@ -1,0 +1,35 @@
+"""Target adapters, one small module per model family."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from .base import Forward, TargetAdapter
+from .dense import DenseAdapter
+from .gemma4 import Gemma4Adapter
+from .qwen3_5 import Qwen35Adapter
+
+# mlx-lm model module -> adapter. Each family listed here has a lossless test in tests/.
+ADAPTERS: dict[str, type[TargetAdapter]] = {
+    "qwen3": DenseAdapter,
+    "qwen3_5": Qwen35Adapter,
+    "qwen3_5_moe": Qwen35Adapter,
+    "gemma4": Gemma4Adapter,
+    "gemma4_text": Gemma4Adapter,
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def adapter_for(model: nn.Module) -> TargetAdapter:
+    module = type(model).__module__.rsplit(".", 1)[-1]
+    if module not in ADAPTERS:
+        raise UnsupportedModelError(
+            f"no dflash adapter for mlx-lm model type {module!r}; supported: {', '.join(sorted(ADAPTERS))}"
+        )
+    return ADAPTERS[module](model)
+
+
+__all__ = ["ADAPTERS", "Forward", "TargetAdapter", "UnsupportedModelError", "adapter_for"]

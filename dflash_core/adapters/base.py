@@ -1,0 +1,99 @@
+"""What every target adapter offers the engine.
+
+An adapter owns the forward loop of one model family over mlx-lm's own modules and weights
+(embedding, decoder layers, final norm, LM head): it never changes mlx-lm's classes. Beyond a plain
+forward it returns the hidden states tapped at the drafter's layer ids (each layer's *output*,
+HF `hidden_states[i + 1]`), records what an exact rollback needs (`record=True`), and rolls the
+caches back to any accepted prefix of the last forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass
+class Forward:
+    logits: mx.array  # [1, rows, V]: every position, or only the last one
+    taps: Optional[mx.array]  # [1, L, n_taps * H] in tap-id order, None without tap ids
+    tape: Any  # what rollback() needs; None unless record=True
+
+
+class TargetAdapter:
+    family = "base"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        # Vision-language checkpoints wrap the text model; only the language model is served.
+        self.text_model = getattr(model, "language_model", model)
+        self.inner = self.text_model.model
+        self.layers = self.inner.layers
+
+    # ----- shapes the drafter is checked against
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_model.args.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_model.args.vocab_size
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The activation dtype (quantized embeddings keep theirs in the scales)."""
+        emb = self.inner.embed_tokens
+        return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
+
+    # ----- lent to the drafter
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The raw embedding (no family-specific scaling): what DFlash drafters were trained on."""
+        return self.inner.embed_tokens(tokens)
+
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        """The target's LM head without any family-specific logit post-processing."""
+        if getattr(self.text_model.args, "tie_word_embeddings", False):
+            return self.inner.embed_tokens.as_linear(hidden)
+        return self.text_model.lm_head(hidden)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final norm and LM head exactly as the mlx-lm model computes them."""
+        return self.lm_head(self.inner.norm(hidden))
+
+    # ----- the family-specific part
+    def make_cache(self, max_rollback: int) -> list:
+        raise NotImplementedError
+
+    def run_layers(self, tokens: mx.array, cache: list, tap_ids: Sequence[int], tape: Optional[list]):
+        """Embed and run every decoder layer; returns (last hidden, {layer id: output})."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list,
+        tap_ids: Sequence[int] = (),
+        *,
+        last_logits_only: bool = False,
+        record: bool = False,
+    ) -> Forward:
+        tape = [] if record else None
+        h, tapped = self.run_layers(tokens, cache, tap_ids, tape)
+        if last_logits_only:
+            h = h[:, -1:]
+        taps = mx.concatenate([tapped[i] for i in tap_ids], axis=-1) if tap_ids else None
+        return Forward(self.logits(h), taps, (tokens.shape[1], tape) if record else None)
+
+    def rollback(self, cache: list, tape: Any, keep: int) -> None:
+        """Undo all but the first `keep` tokens of the recorded forward."""
+        length, _ = tape
+        for c in cache:
+            if c is not None and length > keep:
+                c.trim(length - keep)

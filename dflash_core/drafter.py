@@ -1,0 +1,396 @@
+"""The DFlash drafter: a few Qwen3-style layers conditioned on hidden states tapped from the target.
+
+It has no embedding table and no LM head of its own: the target lends both (see the adapters).
+Each layer projects the target's context vectors with its own k/v projections (cached across
+cycles, never rolled back because only committed positions are ever added) and lets one block of
+`[bonus, MASK * (B-1)]` queries attend over `[context K/V ; block K/V]`. One forward pass proposes
+B-1 tokens (argmax of each row: one denoising step).
+
+Checkpoint format and config layouts: ../shared/REFERENCE.md §1-2 (z-lab `DFlashDraftModel`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be served as it is; the message names the file and the key."""
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    rope_theta: float
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 262144
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: Optional[int] = None
+    causal_override: Optional[bool] = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    attention_bias: bool = False
+    num_target_layers: Optional[int] = None
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding_attention"
+
+    def is_causal(self, layer: int) -> bool:
+        # Precedence: top-level is_causal, then dflash_config.causal, then "sliding means causal".
+        if self.causal_override is not None:
+            return self.causal_override
+        return self.is_sliding(layer)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "DrafterConfig":
+        """Parse both z-lab layouts (old: top-level block_size/rope_theta; new: dflash_config and
+        rope_parameters). Every missing or inconsistent key raises a CheckpointError naming it."""
+
+        def fail(key: str, problem: str):
+            raise CheckpointError(f"{source}: {key}: {problem}")
+
+        archs = raw.get("architectures") or []
+        if isinstance(archs, str):
+            archs = [archs]
+        unknown = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+        if unknown:
+            fail(
+                "architectures",
+                f"{unknown[0]!r} is not supported (this build serves {SUPPORTED_ARCHITECTURES[0]} "
+                "drafters only; DFlash2-style drafters are a different design)",
+            )
+        dcfg = raw.get("dflash_config") or {}
+        if not isinstance(dcfg, dict):
+            fail("dflash_config", "must be an object")
+
+        def required(key: str) -> Any:
+            if key not in raw:
+                fail(key, "is missing")
+            return raw[key]
+
+        hidden = int(required("hidden_size"))
+        n_layers = int(required("num_hidden_layers"))
+        n_heads = int(required("num_attention_heads"))
+        n_kv = int(raw.get("num_key_value_heads", n_heads))
+        head_dim = int(raw.get("head_dim") or hidden // n_heads)
+
+        def pick(key: str, default: Any = None) -> Any:
+            # New layout keeps DFlash keys under dflash_config; old checkpoints at top level.
+            if key in dcfg:
+                return dcfg[key]
+            return raw.get(key, default)
+
+        mask_token_id = pick("mask_token_id")
+        if mask_token_id is None:
+            fail("dflash_config.mask_token_id", "is missing (the drafter cannot build its block without it)")
+        block_size = int(pick("block_size", 16))
+        if block_size < 2:
+            fail("dflash_config.block_size", f"must be at least 2, got {block_size}")
+
+        num_target_layers = pick("num_target_layers")
+        taps = pick("target_layer_ids")
+        if taps is None:
+            if num_target_layers is None:
+                fail("dflash_config.target_layer_ids", "is missing and num_target_layers is not given")
+            taps = default_target_layer_ids(int(num_target_layers), n_layers)
+        taps = [int(t) for t in taps]
+        if not taps or any(t < 0 for t in taps):
+            fail("dflash_config.target_layer_ids", f"must be non-negative layer ids, got {taps}")
+
+        rope_params = raw.get("rope_parameters") or {}
+        rope_theta = raw.get("rope_theta", rope_params.get("rope_theta"))
+        if rope_theta is None:
+            fail("rope_theta", "is missing (neither top-level rope_theta nor rope_parameters.rope_theta)")
+        rope_scaling = raw.get("rope_scaling") or (rope_params or None)
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            if "type" not in rope_scaling and "rope_type" in rope_scaling:
+                rope_scaling["type"] = rope_scaling["rope_type"]
+
+        layer_types = raw.get("layer_types")
+        use_swa = bool(dcfg.get("use_swa", False))
+        if layer_types is None:
+            layer_types = ["sliding_attention" if use_swa else "full_attention"] * n_layers
+        if len(layer_types) != n_layers:
+            fail("layer_types", f"has {len(layer_types)} entries for {n_layers} layers")
+        for t in layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                fail("layer_types", f"unknown layer type {t!r}")
+        window = dcfg.get("swa_window_size") or raw.get("sliding_window")
+        if "sliding_attention" in layer_types and not window:
+            fail("sliding_window", "is missing but layer_types has sliding_attention layers")
+
+        causal = raw.get("is_causal")
+        if causal is None:
+            causal = dcfg.get("causal", dcfg.get("is_causal"))
+
+        softcap = pick("final_logit_softcapping")
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            intermediate_size=int(required("intermediate_size")),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            vocab_size=int(required("vocab_size")),
+            block_size=block_size,
+            target_layer_ids=taps,
+            mask_token_id=int(mask_token_id),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 262144)),
+            layer_types=list(layer_types),
+            sliding_window=int(window) if window else None,
+            causal_override=None if causal is None else bool(causal),
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+            output_multiplier=float(pick("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
+        )
+
+    def check_target(self, source: str, *, hidden_size: int, num_layers: int, vocab_size: int):
+        """Refuse a drafter that does not fit the target instead of serving garbage drafts."""
+        if self.hidden_size != hidden_size:
+            raise CheckpointError(
+                f"{source}: hidden_size: drafter has {self.hidden_size}, target has {hidden_size}"
+            )
+        bad = [t for t in self.target_layer_ids if t >= num_layers]
+        if bad:
+            raise CheckpointError(
+                f"{source}: dflash_config.target_layer_ids: {bad} outside the target's "
+                f"{num_layers} layers (0..{num_layers - 1})"
+            )
+        if self.vocab_size != vocab_size:
+            raise CheckpointError(
+                f"{source}: vocab_size: drafter has {self.vocab_size}, target has {vocab_size}"
+            )
+        if not 0 <= self.mask_token_id < vocab_size:
+            raise CheckpointError(
+                f"{source}: dflash_config.mask_token_id: {self.mask_token_id} is outside the "
+                f"vocabulary (size {vocab_size})"
+            )
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Taps spread over the target when a checkpoint omits them (z-lab's rule)."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + j * span / (num_taps - 1))) for j in range(num_taps)]
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            self.head_dim,
+            base=cfg.rope_theta,
+            traditional=False,
+            scaling_config=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """K/V of `x` at absolute positions offset.. (input_layernorm is not applied to context)."""
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def __call__(self, x, context: tuple[mx.array, mx.array], start: int, mask) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        k, v = self.keys_values(x, start)
+        ctx_k, ctx_v = context
+        keys = mx.concatenate([ctx_k, k], axis=2)
+        values = mx.concatenate([ctx_v, v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, h, context, start, mask):
+        h = h + self.self_attn(self.input_layernorm(h), context, start, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """Weights named exactly as z-lab's checkpoints (fc, hidden_norm, layers.N..., norm)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        n_taps = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def add_context(self, taps: mx.array, cache: list[KVCache]) -> None:
+        """Project target taps [1, n, n_taps*H] of the next n positions into every layer's context
+        K/V. Positions are implied: they continue from what the cache already holds."""
+        c = self.hidden_norm(self.fc(taps))
+        for layer, layer_cache in zip(self.layers, cache):
+            k, v = layer.self_attn.keys_values(c, layer_cache.offset)
+            layer_cache.update_and_fetch(k, v)
+
+    def _context_and_mask(self, layer: int, cache: KVCache, start: int, block: int):
+        cfg = self.config
+        if cache.offset == 0:
+            ctx = _empty_context(cache, self.layers[layer].self_attn, self.fc.weight.dtype)
+        else:
+            ctx = cache.keys_and_values()
+        causal, sliding = cfg.is_causal(layer), cfg.is_sliding(layer)
+        if not causal and not sliding:
+            return ctx, None
+        first_key = 0
+        if sliding:
+            # Keys older than the first query's window can never be seen: do not even read them.
+            first_key = max(0, start - cfg.sliding_window + 1)
+            ctx = (ctx[0][..., first_key:start, :], ctx[1][..., first_key:start, :])
+        q_pos = mx.arange(start, start + block)[:, None]
+        k_pos = mx.concatenate([mx.arange(first_key, start), mx.arange(start, start + block)])[None]
+        mask = mx.ones((block, k_pos.shape[1]), dtype=mx.bool_)
+        if causal:
+            mask = mask & (k_pos <= q_pos)
+        if sliding:
+            mask = mask & (mx.abs(q_pos - k_pos) < cfg.sliding_window)
+        return ctx, mask
+
+    def hidden(self, embeddings: mx.array, cache: list[KVCache]) -> mx.array:
+        """Final-normed hidden states of a block whose first row sits at the cache's offset."""
+        start, block = cache[0].offset, embeddings.shape[1]
+        h = embeddings * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeddings
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            context, mask = self._context_and_mask(i, layer_cache, start, block)
+            h = layer(h, context, start, mask)
+        return self.norm(h)
+
+    def logits(self, hidden: mx.array, lm_head) -> mx.array:
+        cfg = self.config
+        out = lm_head(hidden)
+        if cfg.output_multiplier != 1.0:
+            out = out * cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            out = mx.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return out
+
+    def propose(self, bonus: mx.array, target, cache: list[KVCache]) -> mx.array:
+        """B-1 proposals (int32 [B-1]) for the positions after `bonus`, one forward pass."""
+        cfg = self.config
+        block = mx.concatenate(
+            [bonus.reshape(1).astype(mx.int32), mx.full((cfg.block_size - 1,), cfg.mask_token_id, mx.int32)]
+        )
+        h = self.hidden(target.embed(block[None]), cache)
+        return mx.argmax(self.logits(h[:, 1:], target.lm_head), axis=-1)[0].astype(mx.int32)
+
+
+def _empty_context(cache: KVCache, attn: DrafterAttention, dtype) -> tuple[mx.array, mx.array]:
+    empty = mx.zeros((1, attn.n_kv_heads, 0, attn.head_dim), dtype=dtype)
+    return empty, empty
+
+
+def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
+    """Load a z-lab DFlash checkpoint directory (config.json + *.safetensors), strictly."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{config_file}: file not found (is {path} a DFlash drafter directory?)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from e
+    cfg = DrafterConfig.from_dict(raw, source=str(config_file))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    weights = _sanitize(weights, source=str(path))
+    model = DFlashDrafter(cfg)
+    expected = {k for k, _ in _flat_parameters(model)}
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: weights do not match the DFlash drafter config: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    model.load_weights(list(weights.items()), strict=True)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def _sanitize(weights: dict[str, mx.array], source: str) -> dict[str, mx.array]:
+    out = {}
+    for key, value in weights.items():
+        key = key.removeprefix("model.")
+        if key.startswith(("embed_tokens.", "lm_head.")):
+            # The drafter borrows the target's; a stray copy in the checkpoint is ignored.
+            log.warning("%s: ignoring %s (the drafter uses the target's embedding and LM head)", source, key)
+            continue
+        out[key] = value
+    return out
+
+
+def _flat_parameters(model: nn.Module):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())

@@ -1,0 +1,25 @@
+"""The gated delta recurrence (GatedDeltaNet), behind the backend gate.
+
+    state_t = g_t * state_{t-1} + k_t (beta_t * (v_t - (g_t * state_{t-1}) k_t))^T ;  y_t = state_t q_t
+
+Shapes: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] (float32).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import gated_delta as mlx_lm_gated_delta
+
+from . import backend
+
+
+def gated_delta(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
+    """Run T steps of the recurrence; returns (y [B, T, Hv, Dv], final state)."""
+    if backend() == "metal" and k.shape[-1] % 32 == 0:
+        return mlx_lm_gated_delta.gated_delta_kernel(q, k, v, g, beta, state)
+    return reference(q, k, v, g, beta, state)
+
+
+def reference(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
+    """Pure-MLX path (every backend): mlx-lm's ops implementation, one compiled step per token."""
+    return mlx_lm_gated_delta.gated_delta_ops(q, k, v, g, beta, state)
