@@ -1,0 +1,84 @@
+"""Adapters compute exactly what mlx-lm's own models compute, and taps are layer outputs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash_core.loading import load_target
+
+FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"]
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _tokens(adapter, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.integers(0, adapter.vocab_size, size=(1, n)), dtype=mx.int32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_mlx_lm(request, family):
+    target_dir, _ = request.getfixturevalue(f"{family}_pair")
+    adapter, _, _ = load_target(target_dir)
+    prompt, step = _tokens(adapter, 21), _tokens(adapter, 1, seed=1)
+    ours, theirs = adapter.make_cache(max_rollback=16), make_prompt_cache(adapter.model)
+    np.testing.assert_allclose(
+        np.array(adapter.forward(prompt, ours).logits), np.array(adapter.model(prompt, cache=theirs)), **TOL
+    )
+    # Decoding continues identically from both caches.
+    for _ in range(3):
+        a = adapter.forward(step, ours).logits
+        b = adapter.model(step, cache=theirs)
+        np.testing.assert_allclose(np.array(a), np.array(b), **TOL)
+
+
+def _manual_layer_outputs(adapter, tokens):
+    """Each decoder layer's output from a plain loop over mlx-lm's own layer modules (for Qwen3.5
+    this runs mlx-lm's GatedDeltaNet, not the adapter's mixer)."""
+    h = adapter.inner.embed_tokens(tokens)
+    mask = create_attention_mask(h, None)
+    outputs = []
+    for layer in adapter.layers:
+        is_linear = getattr(layer, "is_linear", False)
+        h = layer(h, None if is_linear else mask, None)
+        outputs.append(h)
+    return outputs
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_5_moe"])
+def test_taps_are_layer_outputs(request, family):
+    target_dir, _ = request.getfixturevalue(f"{family}_pair")
+    adapter, _, _ = load_target(target_dir)
+    tokens = _tokens(adapter, 12)
+    tap_ids = list(range(adapter.num_layers))
+    out = adapter.forward(tokens, adapter.make_cache(16), tap_ids)
+    manual = _manual_layer_outputs(adapter, tokens)
+    H = adapter.hidden_size
+    for i in tap_ids:
+        np.testing.assert_allclose(np.array(out.taps[..., i * H : (i + 1) * H]), np.array(manual[i]), **TOL)
+    # Taps come back concatenated in the order asked for, not in layer order.
+    picked = adapter.forward(tokens, adapter.make_cache(16), [2, 0]).taps
+    np.testing.assert_allclose(np.array(picked[..., :H]), np.array(manual[2]), **TOL)
+    np.testing.assert_allclose(np.array(picked[..., H:]), np.array(manual[0]), **TOL)
+
+
+def test_gemma4_last_tap_is_the_prenorm_hidden_state(gemma4_pair):
+    target_dir, _ = gemma4_pair
+    adapter, _, _ = load_target(target_dir)
+    tokens = _tokens(adapter, 21)
+    last = adapter.num_layers - 1
+    out = adapter.forward(tokens, adapter.make_cache(16), [last])
+    np.testing.assert_allclose(np.array(adapter.logits(out.taps)), np.array(out.logits), **TOL)
+    # Gemma's embedding scale belongs to the target, not to what the drafter is given.
+    raw = adapter.embed(tokens)
+    np.testing.assert_allclose(np.array(raw), np.array(adapter.inner.embed_tokens(tokens)), **TOL)
+
+
+def test_wrapped_checkpoints_unwrap_to_the_language_model(qwen3_5_pair, gemma4_pair):
+    for target_dir in (qwen3_5_pair[0], gemma4_pair[0]):
+        adapter, _, config = load_target(target_dir)
+        assert "text_config" in config
+        assert adapter.text_model is adapter.model.language_model

@@ -1,0 +1,245 @@
+"""The DFlash drafter: forward against a plain reference, taps, config layouts, validation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_core.drafter import CheckpointError, DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
+from dflash_core.loading import load_checked_drafter, load_target
+
+H, HEADS, KV, HD, V = 64, 4, 2, 16, 97
+
+
+def _config(**overrides) -> DrafterConfig:
+    raw = dict(
+        architectures=["DFlashDraftModel"],
+        hidden_size=H,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        head_dim=HD,
+        intermediate_size=96,
+        vocab_size=V,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=5,
+        dflash_config=dict(block_size=8, target_layer_ids=[0, 2], mask_token_id=3),
+    )
+    raw.update(overrides)
+    return DrafterConfig.from_dict(raw)
+
+
+def _random_drafter(cfg: DrafterConfig, seed=0) -> DFlashDrafter:
+    mx.random.seed(seed)
+    model = DFlashDrafter(cfg)
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = [(k, mx.random.normal(v.shape) * (0.3 if v.ndim > 1 else 0.1) + (1.0 if v.ndim == 1 else 0.0))
+              for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(params))
+    return model
+
+
+# ---------------------------------------------------------------- a plain reference, in numpy
+
+
+def _rms(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rope(x, positions, theta=10000.0):
+    # Non-interleaved (rotate-half) RoPE over the full head dim, x: [n, heads, hd].
+    half = x.shape[-1] // 2
+    inv = theta ** (-np.arange(half) / half)
+    ang = positions[:, None] * inv[None]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def _reference_logits(model: DFlashDrafter, taps, block_emb, embed_matrix, start):
+    cfg = model.config
+    p = {k: np.array(v, dtype=np.float64) for k, v in __import__("mlx.utils").utils.tree_flatten(model.parameters())}
+    ctx = _rms(taps @ p["fc.weight"].T, p["hidden_norm.weight"])  # [S, H]
+    S, B = ctx.shape[0], block_emb.shape[0]
+    h = block_emb.copy()
+    ctx_pos, blk_pos = np.arange(S, dtype=np.float64), np.arange(start, start + B, dtype=np.float64)
+    for i in range(cfg.num_hidden_layers):
+        pre = f"layers.{i}."
+        x = _rms(h, p[pre + "input_layernorm.weight"])
+        q = (x @ p[pre + "self_attn.q_proj.weight"].T).reshape(B, HEADS, HD)
+        q = _rope(_rms(q, p[pre + "self_attn.q_norm.weight"]), blk_pos)
+
+        def kv(src, pos):
+            n = src.shape[0]
+            k = (src @ p[pre + "self_attn.k_proj.weight"].T).reshape(n, KV, HD)
+            v = (src @ p[pre + "self_attn.v_proj.weight"].T).reshape(n, KV, HD)
+            return _rope(_rms(k, p[pre + "self_attn.k_norm.weight"]), pos), v
+
+        kc, vc = kv(ctx, ctx_pos)  # context skips input_layernorm
+        kb, vb = kv(x, blk_pos)
+        keys, values = np.concatenate([kc, kb]), np.concatenate([vc, vb])
+        key_pos = np.concatenate([ctx_pos, blk_pos])
+        out = np.zeros((B, HEADS, HD))
+        for qi in range(B):
+            for head in range(HEADS):
+                kvh = head // (HEADS // KV)
+                scores = keys[:, kvh] @ q[qi, head] / math.sqrt(HD)
+                visible = np.ones(len(key_pos), bool)
+                if cfg.is_causal(i):
+                    visible &= key_pos <= blk_pos[qi]
+                if cfg.is_sliding(i):
+                    visible &= np.abs(blk_pos[qi] - key_pos) < cfg.sliding_window
+                scores = np.where(visible, scores, -np.inf)
+                w = np.exp(scores - scores.max())
+                out[qi, head] = (w / w.sum()) @ values[:, kvh]
+        h = h + out.reshape(B, -1) @ p[pre + "self_attn.o_proj.weight"].T
+        x = _rms(h, p[pre + "post_attention_layernorm.weight"])
+        gate, up = x @ p[pre + "mlp.gate_proj.weight"].T, x @ p[pre + "mlp.up_proj.weight"].T
+        h = h + (gate / (1 + np.exp(-gate)) * up) @ p[pre + "mlp.down_proj.weight"].T
+    h = _rms(h, p["norm.weight"])
+    logits = h[1:] @ embed_matrix.T * cfg.output_multiplier
+    if cfg.final_logit_softcapping:
+        logits = np.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    return logits
+
+
+class _Lender:
+    """The target's embedding and LM head, as an adapter lends them."""
+
+    def __init__(self, embed):
+        self.embed_matrix = embed
+
+    def embed(self, tokens):
+        return self.embed_matrix[tokens]
+
+    def lm_head(self, h):
+        return h @ self.embed_matrix.T
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"is_causal": True, "layer_types": None, "sliding_window": None},
+        {"dflash_config": dict(block_size=8, target_layer_ids=[0, 2], mask_token_id=3, output_multiplier=0.5,
+                               final_logit_softcapping=4.0, input_embedding_scale=1.5)},
+    ],
+    ids=["sliding-causal-mix", "all-causal", "scales-and-softcap"],
+)
+def test_drafter_forward_matches_reference(overrides):
+    cfg = _config(**{k: v for k, v in overrides.items() if v is not None})
+    if overrides.get("layer_types", 0) is None:
+        cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+    model = _random_drafter(cfg)
+    mx.random.seed(1)
+    embed = mx.random.normal((V, H))
+    lender = _Lender(embed)
+    cache = model.make_cache()
+    # Context arrives in two pieces (prefill chunk, then an accepted verify prefix).
+    taps = mx.random.normal((1, 11, 2 * H))
+    model.add_context(taps[:, :7], cache)
+    model.add_context(taps[:, 7:], cache)
+    block = mx.array([[17] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+    hidden = model.hidden(lender.embed(block), cache)
+    got = np.array(model.logits(hidden[:, 1:], lender.lm_head)[0])
+    emb = np.array(embed, dtype=np.float64)
+    block_emb = emb[np.array(block[0])] * cfg.input_embedding_scale
+    want = _reference_logits(model, np.array(taps[0], dtype=np.float64), block_emb, emb, start=11)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    proposals = model.propose(mx.array([17]), lender, cache)
+    assert proposals.tolist() == np.argmax(want, axis=-1).tolist()
+
+
+def test_default_taps_follow_zlab_rule():
+    assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_target_layer_ids(40, 1) == [20]
+
+
+def _write(dirpath, raw):
+    (dirpath / "config.json").write_text(json.dumps(raw))
+
+
+def test_both_layouts_load_the_same(tiny_pair_factory):
+    _, new = tiny_pair_factory("qwen3", layout="new")
+    _, old = tiny_pair_factory("qwen3", layout="old")
+    a, b = load_drafter(new).config, load_drafter(old).config
+    for key in ("block_size", "target_layer_ids", "mask_token_id", "rope_theta", "hidden_size", "num_hidden_layers"):
+        assert getattr(a, key) == getattr(b, key), key
+
+
+def test_model_prefix_and_stray_embeddings_are_accepted(tiny_pair_factory, caplog):
+    target, drafter = tiny_pair_factory("qwen3", weight_prefix="model.")
+    weights = mx.load(str(drafter / "model.safetensors"))
+    weights["embed_tokens.weight"] = mx.zeros((3, 3))
+    mx.save_safetensors(str(drafter / "model.safetensors"), weights)
+    model = load_drafter(drafter)
+    assert model.fc.weight.shape[0] == model.config.hidden_size
+    assert "ignoring embed_tokens.weight" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.update(architectures=["DFlash2DraftModel"]), "architectures"),
+        (lambda c: c.pop("hidden_size"), "hidden_size"),
+        (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], sliding_window=None), "sliding_window"),
+    ],
+    ids=["missing-mask", "dflash2", "missing-hidden", "sliding-without-window"],
+)
+def test_config_errors_name_file_and_key(tiny_pair_factory, edit, key):
+    _, drafter = tiny_pair_factory("qwen3", layout="new")
+    raw = json.loads((drafter / "config.json").read_text())
+    edit(raw)
+    _write(drafter, raw)
+    with pytest.raises(CheckpointError) as err:
+        load_drafter(drafter)
+    assert str(drafter / "config.json") in str(err.value)
+    assert key in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda c: c["dflash_config"].update(target_layer_ids=[0, 99]), "target_layer_ids"),
+        (lambda c: c.update(vocab_size=c["vocab_size"] + 1), "vocab_size"),
+    ],
+    ids=["tap-out-of-range", "vocab-mismatch"],
+)
+def test_target_mismatch_errors(tiny_pair_factory, edit, key):
+    target_dir, drafter = tiny_pair_factory("qwen3", layout="new")
+    raw = json.loads((drafter / "config.json").read_text())
+    edit(raw)
+    _write(drafter, raw)
+    target, _, _ = load_target(target_dir)
+    with pytest.raises(CheckpointError) as err:
+        load_checked_drafter(drafter, target)
+    assert str(drafter / "config.json") in str(err.value) and key in str(err.value)
+
+
+def test_hidden_size_mismatch(tiny_pair_factory):
+    target_dir, _ = tiny_pair_factory("qwen3")
+    _, other = tiny_pair_factory("gemma4")
+    target, _, _ = load_target(target_dir)
+    raw = json.loads((other / "config.json").read_text())
+    if raw["hidden_size"] == target.hidden_size:
+        pytest.skip("fixtures share a hidden size")
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_checked_drafter(other, target)
+
+
+def test_unknown_weights_are_refused(tiny_pair_factory):
+    _, drafter = tiny_pair_factory("qwen3")
+    weights = mx.load(str(drafter / "model.safetensors"))
+    weights["layers.0.self_attn.extra.weight"] = mx.zeros((2, 2))
+    mx.save_safetensors(str(drafter / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError, match="unexpected"):
+        load_drafter(drafter)

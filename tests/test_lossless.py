@@ -1,0 +1,106 @@
+"""Speculative output equals target-alone output token for token, for every family.
+
+Random drafters accept almost nothing, so each family is also driven by a forced drafter that
+proposes the target's own continuation with an error planted so that every acceptance length
+0..15 occurs, including full acceptance. Gemma 4's fixture has a sliding window of 8, far below
+the contexts reached here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_core.engine import Engine
+from dflash_core.loading import load_engine
+from forced import ForcedDrafter
+
+FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"]
+N_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def engines(request):
+    loaded = {}
+    for family in FAMILIES:
+        target, drafter = request.getfixturevalue(f"{family}_pair")
+        loaded[family] = load_engine(str(target), str(drafter), prefill_chunk=16)
+    return loaded
+
+
+def _prompt(engine: Engine) -> list[int]:
+    return engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. def f(x): return x * 2")
+
+
+def _run(engine: Engine, prompt, max_tokens=N_TOKENS, **kwargs):
+    chunks = list(engine.generate(prompt, max_tokens=max_tokens, stop_token_ids=set(), **kwargs))
+    return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+
+@pytest.fixture(scope="module")
+def references(engines):
+    out = {}
+    for family, engine in engines.items():
+        prompt = _prompt(engine)
+        # A block longer than needed, so forced drafts never run past the known continuation.
+        tokens, last = _run(engine, prompt, max_tokens=N_TOKENS + 16, speculative=False)
+        assert len(tokens) == N_TOKENS + 16 and last.finish_reason == "length"
+        assert not last.stats.speculative
+        out[family] = (prompt, tokens)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_drafter_is_lossless(engines, references, family):
+    prompt, reference = references[family]
+    tokens, last = _run(engines[family], prompt)
+    assert last.stats.speculative and last.stats.cycles > 0
+    assert tokens == reference[:N_TOKENS]
+
+
+# Every acceptance length 0..15, in an order that also puts short and long ones side by side.
+SCHEDULE = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8, 15, 15, 0, 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_acceptance_length_is_lossless(engines, references, family):
+    engine = engines[family]
+    prompt, reference = references[family]
+    forced = ForcedDrafter(
+        reference=list(prompt) + reference,
+        prompt_length=len(prompt),
+        schedule=SCHEDULE,
+        vocab_size=engine.target.vocab_size,
+        target_layer_ids=engine.drafter.config.target_layer_ids,
+    )
+    forced_engine = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
+    tokens, last = _run(forced_engine, prompt)
+    assert tokens == reference[:N_TOKENS]
+    stats = last.stats
+    # The schedule really happened: full schedule sweeps, every length seen, positions counted.
+    assert stats.cycles >= len(SCHEDULE)
+    per_cycle = [SCHEDULE[i % len(SCHEDULE)] for i in range(stats.cycles)]
+    assert stats.draft_tokens_accepted == sum(per_cycle)
+    assert set(per_cycle) == set(range(16))
+    assert stats.accepted_by_position[0] == sum(1 for a in per_cycle if a >= 1)
+    assert stats.accepted_by_position[14] == sum(1 for a in per_cycle if a == 15)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_eos_and_budget_mid_block(engines, references, family):
+    """A stop token or the token budget inside a multi-token commit ends the output exactly there."""
+    engine = engines[family]
+    prompt, reference = references[family]
+    forced = ForcedDrafter(list(prompt) + reference, len(prompt), [15], engine.target.vocab_size,
+                           engine.drafter.config.target_layer_ids)
+    forced_engine = Engine(engine.target, engine.tokenizer, forced)
+    # Budget that ends inside the second full-acceptance cycle.
+    chunks = list(forced_engine.generate(prompt, max_tokens=21, stop_token_ids=set()))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference[:21] and chunks[-1].finish_reason == "length"
+    # A stop token first produced at index 9 (inside the first cycle's 16 tokens).
+    stop = reference[9]
+    first = reference.index(stop)
+    chunks = list(forced_engine.generate(prompt, max_tokens=200, stop_token_ids={stop}))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference[:first] and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].stats.generated_tokens == first

@@ -1,0 +1,71 @@
+"""Rollback after a verify forward leaves every cache exactly as a fresh forward would.
+
+For each family and each accepted length A = 0..15: prefill, verify a 16-token block, roll back to
+A+1 tokens; compare with prefill plus a forward over the same A+1 tokens. Covers KV caches, Gated
+DeltaNet conv and recurrent states, and Gemma 4's sliding-window ring (the prompt is longer than
+the window, so the ring has wrapped).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from dflash_core.cache import SlidingWindowCache
+from dflash_core.loading import load_target
+
+FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"]
+BLOCK = 16
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _close(a, b):
+    np.testing.assert_allclose(np.array(a), np.array(b), **TOL)
+
+
+def _compare(rolled, fresh):
+    kinds = set()
+    for a, b in zip(rolled, fresh):
+        kinds.add(type(a).__name__)
+        if isinstance(a, ArraysCache):
+            _close(a[0], b[0])  # conv state: the last K-1 inputs
+            _close(a[1], b[1])  # recurrent state
+        elif isinstance(a, SlidingWindowCache):
+            assert a.offset == b.offset
+            live = [p % a.capacity for p in range(max(0, a.offset - a.window), a.offset)]
+            _close(a.keys[..., live, :], b.keys[..., live, :])
+            _close(a.values[..., live, :], b.values[..., live, :])
+        else:
+            assert isinstance(a, KVCache) and a.offset == b.offset
+            _close(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
+            _close(a.values[..., : a.offset, :], b.values[..., : b.offset, :])
+    return kinds
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rollback_matches_fresh_forward(request, family):
+    target_dir, _ = request.getfixturevalue(f"{family}_pair")
+    adapter, _, _ = load_target(target_dir)
+    rng = np.random.default_rng(0)
+    prompt = mx.array(rng.integers(0, adapter.vocab_size, size=(1, 21)), dtype=mx.int32)
+    block = mx.array(rng.integers(0, adapter.vocab_size, size=(1, BLOCK)), dtype=mx.int32)
+    probe = mx.array([[5]], dtype=mx.int32)
+    kinds = set()
+    for accepted in range(BLOCK):
+        keep = accepted + 1
+        rolled = adapter.make_cache(max_rollback=BLOCK)
+        adapter.forward(prompt, rolled)
+        verify = adapter.forward(block, rolled, record=True)
+        adapter.rollback(rolled, verify.tape, keep=keep)
+
+        fresh = adapter.make_cache(max_rollback=BLOCK)
+        adapter.forward(prompt, fresh)
+        adapter.forward(block[:, :keep], fresh)
+        kinds |= _compare(rolled, fresh)
+        # And the caches behave the same from here on.
+        _close(adapter.forward(probe, rolled).logits, adapter.forward(probe, fresh).logits)
+    expected = {"qwen3": {"KVCache"}, "qwen3_5": {"KVCache", "ArraysCache"}, "qwen3_5_moe": {"KVCache", "ArraysCache"},
+                "gemma4": {"KVCache", "SlidingWindowCache"}}[family]
+    assert kinds == expected
