@@ -11,13 +11,9 @@ string) and a uniform contract: an exception means "malformed, show it as text".
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import secrets
-import sys
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Optional, Sequence
 
@@ -49,27 +45,9 @@ class ToolCall:
         }
 
 
-@lru_cache(maxsize=None)
 def _mlx_lm_parser(name: str) -> ModuleType:
-    """Load `mlx_lm.tool_parsers.<name>`.
-
-    Importing it the usual way runs `mlx_lm/__init__.py`, which imports MLX and the whole
-    generation stack (over a second, and an MLX runtime). The parser files themselves only
-    need `json`, `ast` and `regex`, so unless mlx_lm is loaded already we execute the one
-    file on its own, which keeps this text layer free of MLX.
-    """
-    if "mlx_lm" in sys.modules:
-        return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
-    spec = importlib.util.find_spec("mlx_lm")  # locates the package without running it
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("mlx_lm is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / "tool_parsers" / f"{name}.py"
-    file_spec = importlib.util.spec_from_file_location(f"_dflash_tool_parser_{name}", path)
-    if file_spec is None or file_spec.loader is None or not path.is_file():
-        return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
-    module = importlib.util.module_from_spec(file_spec)
-    file_spec.loader.exec_module(module)
-    return module
+    """mlx-lm's own parser for one tool-call format (`mlx_lm.tool_parsers.<name>`)."""
+    return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
 
 
 def plain_tools(tools: Optional[Sequence[Any]]) -> list[dict[str, Any]]:
