@@ -77,11 +77,58 @@ def _summary(stats: dict) -> str:
     return line + f" | speculative off: {stats['speculative_off_reason']}"
 
 
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    p.add_argument("--config", help="config file (default: $DFLASH_CONFIG, else ./config.yaml)")
+    p.add_argument("--target", help="serve this target (repo id or path) instead of the configured models")
+    p.add_argument("--drafter", help="its DFlash drafter (repo id or path)")
+    p.add_argument("--name", help="model name clients send (default: the target's name)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY")
+    p.set_defaults(func=run_serve)
+
+
+def serve_settings(args):
+    from .settings import ModelSettings, config_path, load_settings
+
+    settings = load_settings(config_path(args.config))
+    server = settings.server.model_copy(
+        update={k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key)) if v is not None}
+    )
+    settings = settings.model_copy(update={"server": server})
+    if args.target:
+        name = args.name or model_name(args.target)
+        model = ModelSettings(name=name, target=args.target, drafter=args.drafter)
+        settings = settings.model_copy(update={"models": [model], "default_model": name})
+    elif args.drafter:
+        raise ValueError("--drafter needs --target")
+    if not settings.models:
+        raise ValueError("no model to serve: pass --target (and --drafter) or configure models in config.yaml")
+    return settings
+
+
+def model_name(target: str) -> str:
+    path = Path(target).expanduser()
+    return path.name if path.exists() else target
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
+    settings = serve_settings(args)
+    uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port, log_level="info")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless DFlash speculative decoding on MLX")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    add_serve(sub)
     return parser
 
 

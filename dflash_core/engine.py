@@ -72,7 +72,7 @@ class GenerationChunk:
     token_ids: list[int]
     text: str
     finish_reason: Optional[str] = None  # "stop" (an end-of-sequence token) or "length"
-    stats: Optional[GenerationStats] = None  # on the last chunk only
+    stats: Optional[GenerationStats] = None  # the generation's live statistics, final on the last chunk
 
 
 def accepted_length(drafts: Sequence[int], choices: Sequence[int]) -> int:
@@ -141,7 +141,7 @@ class Engine:
         try:
             for ids in steps:
                 if not ids:  # a prefill chunk: give the caller a chance to interleave
-                    yield GenerationChunk([], "")
+                    yield GenerationChunk([], "", stats=stats)
                     continue
                 now = time.perf_counter()
                 if decode_start is None:
@@ -155,11 +155,11 @@ class Engine:
                         break
                 stats.generated_tokens += len(ids)
                 text = detokenizer.add(ids)
+                stats.decode_seconds = time.perf_counter() - decode_start
                 if finish:
-                    stats.decode_seconds = time.perf_counter() - decode_start
                     yield GenerationChunk(ids, text + detokenizer.flush(), finish, stats)
                     return
-                yield GenerationChunk(ids, text)
+                yield GenerationChunk(ids, text, stats=stats)
         finally:
             steps.close()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -42,7 +44,30 @@ def max_position_embeddings(config: dict) -> Optional[int]:
     return config.get("max_position_embeddings", text_config.get("max_position_embeddings"))
 
 
-def load_engine(
+@dataclass
+class LoadedModel:
+    engine: Engine
+    target_path: Path
+    drafter_path: Optional[Path]
+    config: dict
+    # Sampling defaults the model's authors ship in generation_config.json.
+    generation_defaults: dict = field(default_factory=dict)
+
+
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(path: Path) -> dict:
+    file = Path(path) / "generation_config.json"
+    if not file.exists():
+        return {}
+    raw = json.loads(file.read_text())
+    if raw.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {k: raw[k] for k in GENERATION_DEFAULT_KEYS if raw.get(k) is not None}
+
+
+def load_model(
     target: str,
     drafter: Optional[str] = None,
     *,
@@ -50,15 +75,22 @@ def load_engine(
     drafter_revision: Optional[str] = None,
     prefill_chunk: int = 2048,
     max_context: Optional[int] = None,
-) -> Engine:
-    adapter, tokenizer, config = load_target(resolve(target, target_revision))
-    draft_model = None
+) -> LoadedModel:
+    target_path = resolve(target, target_revision)
+    adapter, tokenizer, config = load_target(target_path)
+    draft_model, drafter_path = None, None
     if drafter:
-        draft_model = load_checked_drafter(resolve(drafter, drafter_revision), adapter)
-    return Engine(
+        drafter_path = resolve(drafter, drafter_revision)
+        draft_model = load_checked_drafter(drafter_path, adapter)
+    engine = Engine(
         adapter,
         tokenizer,
         draft_model,
         prefill_chunk=prefill_chunk,
         max_context=max_context or max_position_embeddings(config),
     )
+    return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
+
+
+def load_engine(target: str, drafter: Optional[str] = None, **kwargs) -> Engine:
+    return load_model(target, drafter, **kwargs).engine

@@ -1,0 +1,108 @@
+"""Typed configuration: config.yaml, then CLI flags on top.
+
+Precedence: CLI flags > the file named by DFLASH_CONFIG > ./config.yaml > built-in defaults.
+An invalid file gives one message naming the file and the key (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: Optional[str] = None
+    cors_origins: list[str] = Field(default_factory=list)
+    queue_size: int = Field(64, ge=1, description="requests that may wait for a turn; more get 429")
+    max_active: int = Field(8, ge=1, description="generations interleaved at once")
+    request_timeout: Optional[float] = Field(600.0, gt=0, description="seconds a request may take")
+
+
+class DefaultSettings(Strict):
+    max_tokens: Optional[int] = Field(None, ge=1, description="None: until end of sequence or context limit")
+    temperature: Optional[float] = Field(None, ge=0)
+    enable_thinking: Optional[bool] = None
+
+
+class ModelSettings(Strict):
+    name: str = Field(description="what clients send as `model`")
+    target: str = Field(description="Hugging Face repo id or local path")
+    target_revision: Optional[str] = None
+    drafter: Optional[str] = Field("auto", description="repo id or path; 'auto': from the registry; null: target only")
+    drafter_revision: Optional[str] = None
+    block_size: Optional[int] = Field(None, ge=2, le=64)
+    max_context: Optional[int] = Field(None, ge=16)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[str, float] = Field(default_factory=dict, description="default sampling parameters")
+    load_at_start: bool = True
+
+
+class Settings(Strict):
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    defaults: DefaultSettings = Field(default_factory=DefaultSettings)
+    models: list[ModelSettings] = Field(default_factory=list)
+    default_model: Optional[str] = None
+    memory_budget_gb: Optional[float] = Field(None, gt=0, description="unload least recently used models above this")
+    prefill_chunk: int = Field(2048, ge=16)
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = [m.name for m in self.models]
+        duplicates = {n for n in names if names.count(n) > 1}
+        if duplicates:
+            raise ValueError(f"duplicate model names: {sorted(duplicates)}")
+        if self.default_model is not None and self.default_model not in names:
+            raise ValueError(f"default_model {self.default_model!r} is not one of the models {names}")
+        return self
+
+    def model(self, name: Optional[str] = None) -> ModelSettings:
+        name = name or self.default_model or (self.models[0].name if self.models else None)
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise ConfigError(f"no model named {name!r} is configured")
+
+
+def config_path(explicit: Optional[str] = None) -> Optional[Path]:
+    if explicit:
+        return Path(explicit)
+    if os.environ.get("DFLASH_CONFIG"):
+        return Path(os.environ["DFLASH_CONFIG"])
+    local = Path("config.yaml")
+    return local if local.exists() else None
+
+
+def load_settings(path: Optional[Path]) -> Settings:
+    if path is None:
+        return Settings()
+    if not path.exists():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    try:
+        return Settings.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise ConfigError(f"{path}: {key}: {first['msg']}") from None
+
+
+ModelKind = Literal["target", "drafter"]

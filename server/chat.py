@@ -1,0 +1,183 @@
+"""From an OpenAI request to what the engine needs: prompt tokens, sampling, limits.
+
+Pure request processing on the event loop (tokenization and Jinja only, no MLX).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from dflash_core.sampling import SamplingError, SamplingParams
+
+from .errors import APIError, bad_request
+from .schemas import NEUTRAL_ONLY, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from .tool_calls import GEMMA4, QWEN_JSON, QWEN_XML, Markers, prompt_starts_in_reasoning
+
+
+@dataclass
+class Prompt:
+    text: Optional[str]  # what the model sees, when rendered from text
+    tokens: list[int]
+    starts_in_reasoning: bool = False
+    forced_output: str = ""  # an opening the server wrote for the model (forced tool calls)
+
+
+def refuse_unsupported(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
+    for name, (neutral, message) in NEUTRAL_ONLY.items():
+        value = getattr(request, name, None)
+        if value not in neutral:
+            raise bad_request(f"{message} (got {name}={value!r})", param=name)
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    response_format = getattr(request, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        raise bad_request(
+            f"response_format {response_format.type!r} is not supported yet (only 'text')", param="response_format"
+        )
+
+
+def _arguments_object(text: str, param: str) -> Any:
+    # Chat templates iterate over arguments, so they need the object, not its JSON text.
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise bad_request(f"{param} is not valid JSON: {e}", param=param) from e
+
+
+def template_messages(request: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(request.messages):
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_object(
+                            call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
+                        ),
+                    },
+                }
+                for j, call in enumerate(m.tool_calls)
+            ]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content or m.reasoning
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        out.append(message)
+    return out
+
+
+def forced_tool_opening(markers: Markers, tool_choice) -> str:
+    """Text that starts a tool call, so that `required` or a named function is honoured."""
+    name = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
+    if markers.tool_format == QWEN_XML:
+        return "<tool_call>\n" + (f"<function={name}>\n" if name else "")
+    if markers.tool_format == QWEN_JSON:
+        return "<tool_call>\n" + (f'{{"name": "{name}", "arguments": ' if name else "")
+    if markers.tool_format == GEMMA4:
+        return "<|tool_call>call:" + (name or "")
+    raise bad_request("this model's chat template has no tool-call format", param="tool_choice")
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, template_defaults: dict) -> Prompt:
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    choice = request.tool_choice
+    if tools and not markers.has_tools:
+        raise bad_request("this model's chat template does not support tools", param="tools")
+    if choice is not None and choice != "none" and not tools:
+        raise bad_request("tool_choice requires tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names an unknown function {choice.function.name!r}", param="tool_choice")
+    kwargs = {**template_defaults, **(request.chat_template_kwargs or {})}
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if forced:
+        kwargs["enable_thinking"] = False  # the answer starts with the call itself
+    hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        text = hf_tokenizer.apply_chat_template(
+            template_messages(request),
+            tools=tools if choice != "none" else None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **kwargs,
+        )
+    except APIError:
+        raise
+    except Exception as e:  # the template rejects this conversation (roles, order, ...)
+        raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
+    opening = forced_tool_opening(markers, choice) if forced else ""
+    tokens = hf_tokenizer.encode(text + opening, add_special_tokens=False)
+    return Prompt(text + opening, tokens, starts_in_reasoning=prompt_starts_in_reasoning(text + opening, markers),
+                  forced_output=opening)
+
+
+def completion_prompt(request: CompletionRequest, tokenizer) -> Prompt:
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        vocab = len(getattr(tokenizer, "_tokenizer", tokenizer))
+        if any(not 0 <= p < vocab for p in prompt):
+            raise bad_request("prompt token ids must be within the vocabulary", param="prompt")
+        return Prompt(None, list(prompt))
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad_request("only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    return Prompt(prompt, tokenizer.encode(prompt))
+
+
+def max_new_tokens(request, defaults: dict) -> Optional[int]:
+    for value in (getattr(request, "max_completion_tokens", None), request.max_tokens, defaults.get("max_tokens")):
+        if value is not None:
+            return value
+    return None  # until end of sequence or the context limit
+
+
+def check_context(prompt_tokens: int, max_tokens: Optional[int], max_context: Optional[int]) -> None:
+    if max_context is None:
+        return
+    wanted = prompt_tokens + (max_tokens or 1)
+    if wanted > max_context:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_context} tokens. However, you requested {wanted} "
+            f"tokens ({prompt_tokens} in the prompt, {max_tokens or 1} for the completion). Please reduce the "
+            "length of the prompt or of the completion.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def sampling_params(request, defaults: dict, vocab_size: int) -> SamplingParams:
+    """Request values, else the model's configured defaults, else OpenAI's defaults."""
+    values = {}
+    for name in SAMPLING_FIELDS:
+        value = getattr(request, name)
+        if value is None:
+            value = defaults.get(name)
+        if value is not None:
+            values[name] = value
+    values.setdefault("temperature", 1.0)
+    bias = None
+    if request.logit_bias:
+        try:
+            bias = {int(token): float(value) for token, value in request.logit_bias.items()}
+        except ValueError as e:
+            raise bad_request("logit_bias keys must be token ids", param="logit_bias") from e
+    params = SamplingParams(**values, logit_bias=bias, seed=request.seed)
+    try:
+        return params.validate(vocab_size)
+    except SamplingError as e:
+        raise bad_request(str(e), param=e.param) from e

@@ -1,0 +1,261 @@
+"""Running one request on the worker and shaping its output as OpenAI responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from dflash_core.engine import GenerationChunk, GenerationStats
+from dflash_core.sampling import SamplingParams
+
+from .chat import Prompt
+from .errors import APIError
+from .metrics import Metrics
+from .models import ServedModel
+from .output_text import ChatOutputParser, Delta, StopMatcher, delta_to_openai
+from .scheduler import Job, QueueFullError, Scheduler, SchedulerStopped
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass
+class Run:
+    """One generation queued on the worker, read back as engine chunks."""
+
+    scheduler: Scheduler
+    served: ServedModel
+    prompt: Prompt
+    max_tokens: Optional[int]
+    sampling: SamplingParams
+    stop_token_ids: Optional[set[int]] = None
+    timeout: Optional[float] = None
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: Optional[float] = None
+    stats: Optional[GenerationStats] = None
+    job: Optional[Job] = None
+
+    def submit(self) -> None:
+        engine = self.served.engine
+        self.job = Job(
+            start=lambda: engine.generate(
+                self.prompt.tokens,
+                max_tokens=self.max_tokens,
+                sampling=self.sampling,
+                stop_token_ids=self.stop_token_ids,
+            ),
+            loop=asyncio.get_running_loop(),
+        )
+        try:
+            self.scheduler.submit(self.job)
+        except QueueFullError as e:
+            raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from e
+        except SchedulerStopped as e:
+            raise APIError(503, str(e), type="server_error", headers={"Retry-After": "5"}) from e
+
+    def cancel(self) -> None:
+        if self.job is not None:
+            self.job.cancel()
+
+    async def chunks(self) -> AsyncIterator[GenerationChunk]:
+        deadline = None if self.timeout is None else self.started + self.timeout
+        try:
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                try:
+                    item = await asyncio.wait_for(self.job.outputs.get(), remaining)
+                except asyncio.TimeoutError:
+                    raise APIError(504, f"the request took longer than {self.timeout:g} s", type="server_error",
+                                   code="timeout") from None
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    if isinstance(item, ValueError):
+                        raise APIError(400, str(item)) from item
+                    raise APIError(500, f"generation failed: {type(item).__name__}: {item}", type="server_error") from item
+                self.stats = item.stats
+                if item.token_ids and self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            self.cancel()  # a no-op after a normal end; frees the worker on any early exit
+
+    def usage(self) -> dict:
+        stats = self.stats or GenerationStats(prompt_tokens=len(self.prompt.tokens))
+        return {
+            "prompt_tokens": stats.prompt_tokens,
+            "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.prompt_tokens - stats.prefill_tokens},
+        }
+
+    def report(self) -> dict:
+        """The `dflash` object: what speculation did for this request."""
+        return (self.stats or GenerationStats()).as_dict()
+
+    def record(self, metrics: Metrics) -> None:
+        if self.first_token_at is not None:
+            metrics.ttft.observe(self.first_token_at - self.started)
+        if self.stats is not None:
+            metrics.record_generation(self.stats)
+
+
+async def wait_for_disconnect(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request, coroutine):
+    """Await `coroutine`, cancelling it if the client goes away first."""
+    work = asyncio.ensure_future(coroutine)
+    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        raise ClientGone()
+    finally:
+        gone.cancel()
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(data: Any) -> dict:
+    return {"data": data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}
+
+
+# ------------------------------------------------------------------------- chat completions
+
+
+class ChatResponder:
+    def __init__(self, run: Run, model: str, parser: ChatOutputParser):
+        self.run, self.model, self.parser = run, model, parser
+        self.id, self.created = _id("chatcmpl"), int(time.time())
+        self.engine_finish = "stop"
+
+    def _chunk(self, delta: dict, finish_reason=None, **extra) -> dict:
+        return {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra,
+        }
+
+    async def _deltas(self) -> AsyncIterator[Delta]:
+        for delta in self.parser.feed(self.run.prompt.forced_output):
+            yield delta
+        async for chunk in self.run.chunks():
+            for delta in self.parser.feed(chunk.text):
+                yield delta
+            if self.parser.stop_matched is not None:
+                break  # leaving chunks() cancels the generation within one cycle
+            if chunk.finish_reason:
+                self.engine_finish = chunk.finish_reason
+        for delta in self.parser.finish():
+            yield delta
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
+        yield sse(self._chunk({"role": "assistant", "content": ""}))
+        try:
+            async for delta in self._deltas():
+                yield sse(self._chunk(_openai_delta(delta)))
+        except APIError as e:
+            yield sse(e.body())
+            yield sse("[DONE]")
+            return
+        finish = self.parser.finish_reason(self.engine_finish)
+        yield sse(self._chunk({}, finish, dflash=self.run.report()))
+        if include_usage:
+            yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                       "choices": [], "usage": self.run.usage(), "dflash": self.run.report()})
+        yield sse("[DONE]")
+
+    async def complete(self) -> dict:
+        content, reasoning, calls = [], [], []
+        async for delta in self._deltas():
+            if delta.content is not None:
+                content.append(delta.content)
+            elif delta.reasoning is not None:
+                reasoning.append(delta.reasoning)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = "".join(reasoning)
+        calls = [call.to_openai() for call in self.parser.tool_calls]
+        if calls:
+            message["tool_calls"] = calls
+        elif message["content"] is None:
+            message["content"] = ""
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": self.parser.finish_reason(self.engine_finish),
+                         "logprobs": None}],
+            "usage": self.run.usage(), "dflash": self.run.report(),
+        }
+
+
+def _openai_delta(delta: Delta) -> dict:
+    out = delta_to_openai(delta)
+    if "reasoning_content" in out:
+        out["reasoning"] = out["reasoning_content"]  # clients read either name
+    return out
+
+
+# ------------------------------------------------------------------------------ completions
+
+
+class CompletionResponder:
+    def __init__(self, run: Run, model: str, stop):
+        self.run, self.model, self.matcher = run, model, StopMatcher(stop)
+        self.id, self.created = _id("cmpl"), int(time.time())
+        self.engine_finish = "stop"
+
+    def _body(self, text: str, finish_reason=None, **extra) -> dict:
+        return {
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}], **extra,
+        }
+
+    async def _texts(self) -> AsyncIterator[str]:
+        async for chunk in self.run.chunks():
+            text = self.matcher.feed(chunk.text)
+            if text:
+                yield text
+            if self.matcher.matched is not None:
+                return
+            if chunk.finish_reason:
+                self.engine_finish = chunk.finish_reason
+        text = self.matcher.finish()
+        if text:
+            yield text
+
+    def _finish_reason(self) -> str:
+        return "stop" if self.matcher.matched is not None else self.engine_finish
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
+        try:
+            async for text in self._texts():
+                yield sse(self._body(text))
+        except APIError as e:
+            yield sse(e.body())
+            yield sse("[DONE]")
+            return
+        yield sse(self._body("", self._finish_reason(), dflash=self.run.report()))
+        if include_usage:
+            yield sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                       "choices": [], "usage": self.run.usage(), "dflash": self.run.report()})
+        yield sse("[DONE]")
+
+    async def complete(self) -> dict:
+        text = "".join([t async for t in self._texts()])
+        return self._body(text, self._finish_reason(), usage=self.run.usage(), dflash=self.run.report())

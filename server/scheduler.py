@@ -1,0 +1,167 @@
+"""One worker thread owns the accelerator and does all MLX work.
+
+Requests wait in a bounded queue. Active generations are served round-robin, one engine step (a
+prefill chunk or one draft-verify cycle) each, so a long generation cannot starve a short one. The
+worker hands each step's output to the request's asyncio queue; a cancelled request is closed at
+its next turn (within one cycle), which frees its caches. An exception fails only its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class SchedulerStopped(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One request's generation. `start` runs on the worker thread and returns the step iterator
+    (typically `engine.generate(...)`); its items are delivered to `outputs` in order, followed by
+    None at the end or the exception that ended it."""
+
+    start: Callable[[], Iterator[Any]]
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    steps: Optional[Iterator[Any]] = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def _deliver(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+class Scheduler:
+    def __init__(self, *, queue_size: int = 64, max_active: int = 8):
+        self.queue_size = queue_size
+        self.max_active = max_active
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []
+        self._tasks: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
+
+    # ---------------------------------------------------------------- called from the server
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            if self._stopping:
+                raise SchedulerStopped("the server is shutting down")
+            if len(self._waiting) >= self.queue_size:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append(job)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], Any]) -> "asyncio.Future":
+        """Run `fn` on the worker thread between steps (model loading, for instance)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def task():
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_set_exception, future, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        with self._wake:
+            self._tasks.append(task)
+            self._wake.notify()
+        return future
+
+    def run_on_worker(self, fn: Callable[[], None]) -> None:
+        """Queue `fn` on the worker thread without waiting for it."""
+        with self._wake:
+            self._tasks.append(fn)
+            self._wake.notify()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    # ---------------------------------------------------------------- the worker thread
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._waiting or self._active or self._tasks):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                tasks = list(self._tasks)
+                self._tasks.clear()
+                while self._waiting and len(self._active) < self.max_active:
+                    self._active.append(self._waiting.popleft())
+            for task in tasks:
+                task()
+            for job in list(self._active):
+                self._step(job)
+        for job in self._active + list(self._waiting):
+            self._finish(job, SchedulerStopped("the server is shutting down"))
+
+    def _step(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._finish(job, None)
+            return
+        try:
+            if job.steps is None:
+                job.steps = job.start()
+            item = next(job.steps)
+        except StopIteration:
+            self._finish(job, None)
+            return
+        except Exception as e:  # one request's failure must not take the worker down
+            log.exception("generation failed")
+            self._finish(job, e)
+            return
+        job._deliver(item)
+
+    def _finish(self, job: Job, end: Optional[BaseException]) -> None:
+        if job.steps is not None:
+            try:
+                job.steps.close()  # frees the generation's caches now, not at garbage collection
+            except Exception:  # noqa: BLE001
+                log.exception("closing a generation failed")
+            job.steps = None
+        if job in self._active:
+            self._active.remove(job)
+        job._deliver(end)
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,137 @@
+"""Request bodies of the OpenAI-compatible API.
+
+Unknown fields are refused (400), never silently ignored. A few OpenAI fields are accepted only
+with the value that changes nothing (`n: 1`, `logprobs: false`, ...): see `NEUTRAL_ONLY`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    # Earlier assistant reasoning, as returned by this server (both spellings).
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+    def text(self) -> Optional[str]:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(StrictModel):
+    type: str
+
+
+StopField = Union[str, list[str], None]
+
+
+class SamplingFields(StrictModel):
+    model: str
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: StopField = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # Accepted only with their neutral value (see NEUTRAL_ONLY).
+    n: Optional[int] = None
+    logprobs: Optional[Any] = None
+    top_logprobs: Optional[int] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, value):
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    response_format: Optional[ResponseFormat] = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int]]
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+# field -> (neutral values, what to say when another value is sent)
+NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
+    "n": ((None, 1), "only n=1 is supported"),
+    "logprobs": ((None, False, 0), "logprobs are not supported yet"),
+    "top_logprobs": ((None, 0), "logprobs are not supported yet"),
+    "echo": ((None, False), "echo is not supported"),
+    "suffix": ((None, ""), "suffix is not supported"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+    "parallel_tool_calls": ((None, True), "parallel_tool_calls=false is not supported"),
+}
