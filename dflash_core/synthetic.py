@@ -275,7 +275,7 @@ GEMMA4_CHAT_TEMPLATE = """\
     {%- endif -%}
     {%- set ns.open = false -%}
     {%- if m.reasoning_content and loop.index0 > ns.last_user -%}
-      {{- '<|channel>thought\n' + m.reasoning_content + '<channel|>' -}}
+      {{- '<|channel>thought\n' + m.reasoning_content + '\n<channel|>' -}}
     {%- endif -%}
     {%- for call in m.tool_calls or [] -%}
       {%- set fn = call.function if call.function is defined else call -%}
@@ -348,7 +348,7 @@ _REAL_IDS["qwen3_5_moe"] = _REAL_IDS["qwen3_5"]
 
 
 def _tiny_text(family: str) -> dict[str, Any]:
-    """Text-config fields of the tiny shapes (everything fp32 is < ~1 MB)."""
+    """Text-config fields of the tiny shapes (0.8-1.0 MB of fp32 weights each)."""
     base = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 vocab_size=TINY_VOCAB, max_position_embeddings=4096)
@@ -360,15 +360,15 @@ def _tiny_text(family: str) -> dict[str, Any]:
                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
                     full_attention_interval=2)
         if family == "qwen3_5_moe":
-            base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        shared_expert_intermediate_size=64)
+            base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16)
         return base
     # Gemma 4: a union of the E2B features (per-layer inputs, KV sharing) and
     # the 31B ones (k == v on full layers, wider global heads), window 8.
     return {**base, "num_hidden_layers": 5, "sliding_window": 8,
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
                             "sliding_attention", "full_attention"],
-            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 4,
             "vocab_size_per_layer_input": TINY_VOCAB, "global_head_dim": 32,
             "num_global_key_value_heads": 1, "attention_k_eq_v": True,
             "use_double_wide_mlp": False}
@@ -383,16 +383,27 @@ def _merge(base: dict, over: dict | None) -> dict:
 
 def target_config(family: str, shape: str | dict = "tiny", *, ids: dict | None = None,
                   config_overrides: dict | None = None) -> dict[str, Any]:
-    """The config.json of a target. `ids` = {eos, bos, pad} token ids."""
+    """The config.json of a target.
+
+    `shape`: "tiny", a REAL_SHAPES name, or a dict of text-config fields laid
+    over {"base": "tiny" or a REAL_SHAPES name} (derived fields such as
+    layer_types follow it). `config_overrides` is deep-merged last, verbatim
+    (tests use it to plant inconsistent configs). `ids` = {eos, bos, pad}.
+    """
     _check_family(family)
-    if isinstance(shape, str) and shape != "tiny":
-        if shape not in REAL_SHAPES:
-            raise ValueError(f"unknown shape {shape!r}; known: tiny, {', '.join(REAL_SHAPES)}")
-        text = dict(REAL_SHAPES[shape])
+    over = dict(shape) if isinstance(shape, dict) else {}
+    base = over.pop("base", "tiny") if isinstance(shape, dict) else shape
+    if base == "tiny":
+        text = _tiny_text(family)
+    elif base in REAL_SHAPES:
+        text = copy.deepcopy(REAL_SHAPES[base])
         if text.pop("family") != family:
-            raise ValueError(f"shape {shape!r} is not a {family} model")
+            raise ValueError(f"shape {base!r} is not a {family} model")
     else:
-        text = _merge(_tiny_text(family), shape if isinstance(shape, dict) else None)
+        raise ValueError(f"unknown shape {base!r}; known: tiny, {', '.join(REAL_SHAPES)}")
+    text = _merge(text, over)
+    if len(text.get("layer_types", [])) not in (0, text["num_hidden_layers"]):
+        raise ValueError("layer_types must have num_hidden_layers entries; pass them in shape")
     ids = ids or _REAL_IDS[family]
     tokens = {"eos_token_id": ids["eos"], "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
     text.setdefault("rms_norm_eps", 1e-6)
@@ -465,7 +476,7 @@ def build_target(out_dir, family: str, *, shape: str | dict = "tiny", dtype: str
         ids = (dict(eos=[table["<eos>"], table["<turn|>"]], bos=table["<bos>"], pad=table["<pad>"])
                if family == "gemma4" else
                dict(eos=table["<|im_end|>"], bos=table["<|endoftext|>"], pad=table["<|endoftext|>"]))
-    elif shape == "tiny" or isinstance(shape, dict):
+    elif shape == "tiny" or (isinstance(shape, dict) and shape.get("base", "tiny") == "tiny"):
         ids = dict(eos=0, bos=0, pad=0)  # no vocabulary to take them from
     config = target_config(family, shape, ids=ids, config_overrides=config_overrides)
     config["dtype"] = dtype
@@ -492,8 +503,8 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int | None = None
         k = num_taps or 5
         return [int(1 + j * (n - 4) / (k - 1) + 0.5) for j in range(k)]
     k = num_taps or (2 if n <= 4 else 3)
-    ids = sorted({min(n - 1, int(1 + j * (n - 3) / max(k - 1, 1) + 0.5)) for j in range(k)})
-    return ids
+    return sorted({min(n - 1, int(1 + j * max(n - 3, 1) / max(k - 1, 1) + 0.5))
+                   for j in range(k)})
 
 
 def _read_target(target_dir: Path) -> tuple[str, dict, dict]:
@@ -606,10 +617,14 @@ def drafter_tensor_shapes(hidden: int, num_taps: int, num_layers: int, heads: in
     return shapes
 
 
-def tiny_pair(root, family: str, **drafter_kwargs) -> tuple[Path, Path]:
-    """build_target + build_drafter under root/"target" and root/"drafter"."""
+def tiny_pair(root, family: str, *, target_kwargs: dict | None = None,
+              **drafter_kwargs) -> tuple[Path, Path]:
+    """build_target + build_drafter under root/"target" and root/"drafter".
+
+    `target_kwargs` go to build_target, e.g. {"shape": {"hidden_size": 96}}.
+    """
     root = Path(root)
-    target = build_target(root / "target", family)
+    target = build_target(root / "target", family, **(target_kwargs or {}))
     return target, build_drafter(root / "drafter", target, **drafter_kwargs)
 
 
