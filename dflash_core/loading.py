@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm import utils as mlx_lm_utils
 
 from .adapters import TargetAdapter, adapter_for
 from .drafter import DFlashDrafter, load_drafter
@@ -19,12 +19,12 @@ log = logging.getLogger(__name__)
 
 
 def load_target(path: Path) -> tuple[TargetAdapter, object, dict]:
-    model, config = load_model(Path(path))
+    model, config = mlx_lm_utils.load_model(Path(path))
     text_config = config.get("text_config") or {}
     eos = config.get("eos_token_id", text_config.get("eos_token_id"))
     if isinstance(eos, int):
         eos = [eos]
-    tokenizer = load_tokenizer(Path(path), eos_token_ids=eos)
+    tokenizer = mlx_lm_utils.load_tokenizer(Path(path), eos_token_ids=eos)
     return adapter_for(model), tokenizer, config
 
 

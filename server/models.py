@@ -79,6 +79,12 @@ class ModelPool:
     def names(self) -> list[str]:
         return [m.name for m in self.settings.models]
 
+    def add(self, served: ServedModel) -> None:
+        """Serve an already built model (tests, embedding dflash in another program)."""
+        if served.name not in self.names():
+            self.settings.models.append(served.settings)
+        self._served[served.name] = served
+
     def served(self) -> list[ServedModel]:
         return list(self._served.values())
 

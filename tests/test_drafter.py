@@ -226,14 +226,11 @@ def test_target_mismatch_errors(tiny_pair_factory, edit, key):
 
 
 def test_hidden_size_mismatch(tiny_pair_factory):
-    target_dir, _ = tiny_pair_factory("qwen3")
-    _, other = tiny_pair_factory("gemma4")
-    target, _, _ = load_target(target_dir)
-    raw = json.loads((other / "config.json").read_text())
-    if raw["hidden_size"] == target.hidden_size:
-        pytest.skip("fixtures share a hidden size")
-    with pytest.raises(CheckpointError, match="hidden_size"):
-        load_checked_drafter(other, target)
+    _, drafter = tiny_pair_factory("qwen3")  # hidden 64
+    wide_target, _ = tiny_pair_factory("qwen3", target_kwargs={"shape": {"hidden_size": 96}})
+    target, _, _ = load_target(wide_target)
+    with pytest.raises(CheckpointError, match="hidden_size: drafter has 64, target has 96"):
+        load_checked_drafter(drafter, target)
 
 
 def test_unknown_weights_are_refused(tiny_pair_factory):

@@ -1,0 +1,90 @@
+"""A forced-output model for end-to-end server tests.
+
+`ScriptedTarget` is a target adapter whose greedy continuation of any prompt is a given token
+script (then end-of-sequence); `ScriptedDrafter` proposes that script, so every cycle accepts all
+15 drafts and the server receives 16 tokens per commit. Real tokenizers and chat templates make the
+output parsers, detokenizer and SSE path run as they do with real models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import mlx.core as mx
+
+from dflash_core.engine import Engine
+
+
+@dataclass
+class _Position:
+    prompt_length: Optional[int] = None
+    offset: int = 0
+
+    def trim(self, n: int) -> int:
+        self.offset -= n
+        return n
+
+
+class ScriptedTarget:
+    family = "scripted"
+    num_layers, hidden_size = 1, 4
+
+    def __init__(self, vocab_size: int, eos: int):
+        self.vocab_size, self.eos = vocab_size, eos
+        self.script: list[int] = []
+        self.dtype = mx.float32
+
+    def make_cache(self, max_rollback: int):
+        return [_Position()]
+
+    def _token_at(self, index: int) -> int:
+        return self.script[index] if 0 <= index < len(self.script) else self.eos
+
+    def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
+        position = cache[0]
+        n = tokens.shape[1]
+        if position.prompt_length is None:
+            position.prompt_length = n  # the first forward is the whole prompt
+        rows = range(position.offset, position.offset + n)
+        if last_logits_only:
+            rows = rows[-1:]
+        # Row at position p predicts the token at p + 1.
+        choices = [self._token_at(p + 1 - position.prompt_length) for p in rows]
+        logits = mx.zeros((len(choices), self.vocab_size))
+        logits = logits.at[mx.arange(len(choices)), mx.array(choices)].add(30.0)[None]
+        position.offset += n
+        taps = mx.zeros((1, n, self.hidden_size * len(tap_ids))) if tap_ids else None
+        return SimpleNamespace(logits=logits, taps=taps, tape=(n, None) if record else None)
+
+    def rollback(self, cache, tape, keep):
+        cache[0].trim(tape[0] - keep)
+
+
+class ScriptedDrafter:
+    block_size = 16
+
+    def __init__(self, target: ScriptedTarget):
+        self.target = target
+        self.config = SimpleNamespace(target_layer_ids=[0], block_size=self.block_size)
+
+    def make_cache(self):
+        return [_Position()]
+
+    def add_context(self, taps, cache):
+        if cache[0].prompt_length is None:
+            cache[0].prompt_length = taps.shape[1]
+        cache[0].offset += taps.shape[1]
+
+    def propose(self, bonus, target, cache):
+        position = cache[0]
+        first = position.offset + 1 - position.prompt_length  # script index after the bonus token
+        return mx.array([self.target._token_at(first + j) for j in range(self.block_size - 1)], dtype=mx.int32)
+
+
+def scripted_engine(tokenizer, speculative: bool = True) -> Engine:
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    target = ScriptedTarget(len(hf), eos)
+    return Engine(target, tokenizer, ScriptedDrafter(target) if speculative else None, prefill_chunk=1 << 20)

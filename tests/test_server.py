@@ -1,0 +1,381 @@
+"""The HTTP server end to end: a real uvicorn server, the official openai SDK, raw httpx for bad input."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from dflash_core.settings import ModelSettings, ServerSettings, Settings
+from live_server import LiveServer
+from scripted import scripted_engine
+from server.models import ServedModel, load_served
+from server.tool_calls import markers_for_tokenizer
+
+KEY = "sk-test-key"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def live(qwen3_5_pair):
+    target, drafter = qwen3_5_pair
+    settings = Settings(
+        server=ServerSettings(api_key=KEY, queue_size=2, max_active=2),
+        models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter), max_context=512)],
+    )
+    with LiveServer(settings) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _post(live, path, body, key=KEY, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (dict, list)):
+        return httpx.post(live.url + path, json=body, headers=headers, timeout=60, **kwargs)
+    return httpx.post(live.url + path, content=body, headers={**headers, "content-type": "application/json"},
+                      timeout=60, **kwargs)
+
+
+def _still_serving(live, client):
+    assert httpx.get(live.url + "/health").status_code == 200
+    out = client.completions.create(model="tiny", prompt="ok", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+# ------------------------------------------------------------------------------ happy paths
+
+
+def test_chat_non_streaming(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert out.usage.completion_tokens == 12 and out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    report = out.model_extra["dflash"]
+    assert report["speculative"] is True and report["cycles"] >= 1
+    assert report["generated_tokens"] == 12 and len(report["acceptance_by_position"]) == 15
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+    message = full.choices[0].message
+    assert text == (message.content or "")
+    assert reasoning == (message.model_extra.get("reasoning_content") or "")
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert finals[0].model_extra["dflash"]["speculative"] is True
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 20
+
+
+def test_completions(client):
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 10
+    stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_models_health_metrics(live, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+    client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0)
+    text = httpx.get(live.url + "/metrics").text
+    for name in ("dflash_requests_total", "dflash_queue_depth", "dflash_active_requests", "dflash_generated_tokens_total",
+                 "dflash_time_to_first_token_seconds_bucket", "dflash_inter_token_latency_seconds_bucket",
+                 "dflash_spec_cycles_total", "dflash_spec_draft_tokens_accepted_total", "dflash_prefill_tokens_per_second"):
+        assert name in text, name
+
+
+def test_concurrent_streams_equal_their_solo_outputs(client):
+    prompts = ["The river", "Numbers: 1 2 3"]
+    solo = [client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0).choices[0].text for p in prompts]
+
+    def stream(prompt):
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(stream, prompts)) == solo
+
+
+def test_disconnect_frees_the_worker(live, client):
+    scheduler = live.state.scheduler
+    body = {"model": "tiny", "prompt": "Go on and on", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert scheduler.active == 1
+    deadline = time.monotonic() + 10
+    while scheduler.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.active == 0, "the cancelled generation still holds the worker"
+    start = time.monotonic()
+    out = client.completions.create(model="tiny", prompt="next", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3 and time.monotonic() - start < 5
+    assert 'dflash_cancelled_requests_total{endpoint="completions"} 1.0' in httpx.get(live.url + "/metrics").text
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _error(response, status, param=None, code=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+@pytest.mark.parametrize(
+    "body, status, param, code",
+    [
+        ('{"model": "tiny", "messages": [', 400, None, None),
+        ({"model": "tiny", "messages": MESSAGES, "temperature": "hot"}, 400, "temperature", None),
+        ({"model": "tiny", "messages": "hello"}, 400, "messages", None),
+        ({"model": "tiny", "messages": MESSAGES, "n": 2}, 400, "n", None),
+        ({"model": "tiny", "messages": MESSAGES, "logprobs": True}, 400, "logprobs", None),
+        ({"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+        ({"model": "tiny", "messages": MESSAGES, "frobnicate": 1}, 400, "frobnicate", None),
+        ({"model": "tiny", "messages": MESSAGES, "top_p": 0}, 400, "top_p", None),
+        ({"model": "tiny", "messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "logit_bias", None),
+        ({"model": "nope", "messages": MESSAGES}, 404, "model", "model_not_found"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages",
+         "context_length_exceeded"),
+        ({"model": "tiny", "messages": MESSAGES, "max_tokens": 600}, 400, "messages", "context_length_exceeded"),
+    ],
+    ids=["malformed-json", "wrong-type", "messages-not-list", "n2", "logprobs", "response-format", "unknown-field",
+         "top-p-zero", "logit-bias-range", "unknown-model", "prompt-too-long", "max-tokens-too-long"],
+)
+def test_bad_requests(live, client, body, status, param, code):
+    _error(_post(live, "/v1/chat/completions", body), status, param, code)
+    _still_serving(live, client)
+
+
+def test_context_error_reports_token_counts(live):
+    error = _error(_post(live, "/v1/completions", {"model": "tiny", "prompt": "word " * 600}), 400,
+                   code="context_length_exceeded")
+    assert "512" in error["message"] and "prompt" in error["message"]
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_api_key_is_required(live, client, key):
+    error = _error(_post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES}, key=key), 401)
+    assert error["type"] == "authentication_error"
+    _still_serving(live, client)
+
+
+def test_full_queue_answers_429(live, client):
+    """max_active=2 and queue_size=2: with two long streams running and two waiting, one more is refused."""
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 400, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    streams = []
+    try:
+        for _ in range(4):
+            ctx = httpx.stream("POST", live.url + "/v1/completions", json=body, headers=headers, timeout=60)
+            streams.append(ctx)
+            assert ctx.__enter__().status_code == 200
+        error = _error(_post(live, "/v1/completions", {**body, "stream": False}), 429)
+        assert error["type"] == "rate_limit_error"
+        assert _post(live, "/v1/completions", {**body, "stream": False}).headers["retry-after"]
+    finally:
+        for ctx in streams:
+            ctx.__exit__(None, None, None)
+    deadline = time.monotonic() + 10
+    while (live.state.scheduler.active or live.state.scheduler.waiting) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _still_serving(live, client)
+
+
+# ------------------------------------------------------------------ forced-output (scripted) models
+
+
+@pytest.fixture(scope="module")
+def scripted(qwen3_5_pair, gemma4_pair):
+    def prepare(state):
+        for name, pair in (("scripted-qwen", qwen3_5_pair), ("scripted-gemma", gemma4_pair)):
+            real = load_served(ModelSettings(name=name, target=str(pair[0]), drafter=None), 2048)
+            engine = scripted_engine(real.engine.tokenizer)
+            hf = real.engine.tokenizer._tokenizer
+            state.pool.add(ServedModel(ModelSettings(name=name, target=str(pair[0]), drafter=None), real.loaded.__class__(
+                engine, real.loaded.target_path, None, real.loaded.config, {}), markers_for_tokenizer(hf.chat_template, hf.get_vocab())))
+
+    settings = Settings(models=[])
+    with LiveServer(settings, prepare=prepare) as server:
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        yield server
+
+
+def _script(server, name, text):
+    engine = server.state.pool._served[name].engine
+    engine.target.script = engine.tokenizer._tokenizer.encode(text, add_special_tokens=False)
+    return engine.target.script
+
+
+def _stream_chat(client, model, **kwargs):
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                 stream=True, temperature=0, **kwargs))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+    reasoning_alias = "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or "" for c in chunks if c.choices)
+    assert reasoning == reasoning_alias
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return chunks, content, reasoning, finish
+
+
+def test_reasoning_goes_to_reasoning_content(scripted):
+    _script(scripted, "scripted-qwen", "The user greets me. I should answer politely.\n</think>\n\nHello there, friend!")
+    chunks, content, reasoning, finish = _stream_chat(scripted.client, "scripted-qwen")
+    assert reasoning == "The user greets me. I should answer politely."
+    assert content == "Hello there, friend!" and finish == ["stop"]
+    full = scripted.client.chat.completions.create(model="scripted-qwen", messages=[{"role": "user", "content": "hi"}],
+                                                   temperature=0)
+    message = full.choices[0].message
+    assert message.content == "Hello there, friend!"
+    assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == reasoning
+    # Multi-token commits really happened: 16 tokens per cycle.
+    assert full.model_extra["dflash"]["tokens_per_cycle"] > 8
+
+
+def test_thinking_off_gives_plain_content(scripted):
+    _script(scripted, "scripted-qwen", "Just the answer.")
+    _, content, reasoning, _ = _stream_chat(scripted.client, "scripted-qwen",
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert content == "Just the answer." and reasoning == ""
+
+
+QWEN_CALL = (
+    "I will look it up.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_tool_call_streaming_and_not(scripted):
+    _script(scripted, "scripted-qwen", QWEN_CALL)
+    chunks, content, reasoning, finish = _stream_chat(scripted.client, "scripted-qwen", tools=[WEATHER_TOOL])
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].id and calls[0].function.name == "get_weather" and calls[0].index == 0
+    arguments = "".join(tc.function.arguments or "" for tc in calls)
+    assert json.loads(arguments) == {"city": "Paris", "days": 3}
+    assert finish == ["tool_calls"] and content == "" and reasoning == "I will look it up."
+
+    full = scripted.client.chat.completions.create(model="scripted-qwen", messages=[{"role": "user", "content": "hi"}],
+                                                   tools=[WEATHER_TOOL], temperature=0)
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
+
+
+def test_tool_call_round_trip_renders(scripted):
+    """An assistant tool call and a tool result are accepted back into the conversation."""
+    _script(scripted, "scripted-qwen", "</think>\n\nIt is sunny.")
+    out = scripted.client.chat.completions.create(
+        model="scripted-qwen", tools=[WEATHER_TOOL], temperature=0,
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
+    assert out.choices[0].message.content == "It is sunny."
+
+
+def test_named_tool_choice_forces_the_call(scripted):
+    # The server writes the opening; the model only continues with the parameters.
+    _script(scripted, "scripted-qwen", "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")
+    out = scripted.client.chat.completions.create(
+        model="scripted-qwen", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL], temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+
+
+def test_malformed_tool_call_falls_back_to_content(scripted):
+    text = "</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome"
+    _script(scripted, "scripted-qwen", text)
+    _, content, _, finish = _stream_chat(scripted.client, "scripted-qwen", tools=[WEATHER_TOOL])
+    assert "<tool_call>" in content and "Rome" in content and finish == ["stop"]
+
+
+def test_gemma4_tool_call(scripted):
+    _script(scripted, "scripted-gemma", '<|tool_call>call:get_weather{city:<|"|>Lima<|"|>,days:2}<tool_call|>')
+    chunks, content, _, finish = _stream_chat(scripted.client, "scripted-gemma", tools=[WEATHER_TOOL])
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls and calls[0].function.name == "get_weather"
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Lima", "days": 2}
+    assert finish == ["tool_calls"]
+
+
+def test_gemma4_reasoning_channel(scripted):
+    _script(scripted, "scripted-gemma", "<|channel>thought\nPondering.<channel|>Answer.")
+    _, content, reasoning, _ = _stream_chat(scripted.client, "scripted-gemma")
+    assert reasoning.strip() == "Pondering." and content == "Answer."
+
+
+@pytest.mark.parametrize("stop", ["brown fox", ["zzz", "lazy"], "Answer: The quick"])
+def test_stop_strings_straddling_commits_never_leak(scripted, stop):
+    text = "</think>\n\nAnswer: The quick brown fox jumps over the lazy dog, again and again and again."
+    _script(scripted, "scripted-qwen", text)
+    _, content, _, finish = _stream_chat(scripted.client, "scripted-qwen", stop=stop)
+    stops = [stop] if isinstance(stop, str) else stop
+    visible = text.split("</think>\n\n", 1)[1]
+    cut = min(visible.index(s) for s in stops if s in visible)
+    assert content == visible[:cut] and finish == ["stop"]
+    completion = scripted.client.completions.create(model="scripted-qwen", prompt="x", stop=stop, temperature=0)
+    assert all(s not in completion.choices[0].text for s in stops)
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_multibyte_characters_split_across_tokens_stream_intact(scripted):
+    text = "</think>\n\nGrüße 東京 🚀🔥 naïve café ✓"
+    tokens = _script(scripted, "scripted-qwen", text)
+    hf = scripted.state.pool._served["scripted-qwen"].engine.tokenizer._tokenizer
+    assert any("\ufffd" in hf.decode([t]) for t in tokens), "the script should split a character"
+    chunks, content, _, _ = _stream_chat(scripted.client, "scripted-qwen")
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert all("\ufffd" not in p for p in pieces)
+    assert content == "Grüße 東京 🚀🔥 naïve café ✓"
+    # Target-alone decoding hands out one token at a time: still intact.
+    engine = scripted.state.pool._served["scripted-qwen"].engine
+    drafter, engine.drafter = engine.drafter, None
+    try:
+        _, content, _, _ = _stream_chat(scripted.client, "scripted-qwen")
+    finally:
+        engine.drafter = drafter
+    assert content == "Grüße 東京 🚀🔥 naïve café ✓"
