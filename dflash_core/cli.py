@@ -1,4 +1,4 @@
-"""The `dflash` command line."""
+"""The `dflash` command line: serve, generate, models, doctor (and bench, train)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,51 @@ import sys
 from pathlib import Path
 
 from .sampling import SamplingParams
+from .settings import ConfigError, ModelSettings, Settings, config_path, load_settings
+
+
+def _add_model_flags(p, *, what: str) -> None:
+    p.add_argument("--config", help="config file (default: $DFLASH_CONFIG, else ./config.yaml)")
+    p.add_argument("--model", help=f"a configured model name, or a target repo/path whose drafter comes from the registry ({what})")
+    p.add_argument("--target", help="target model: Hugging Face repo id or local directory")
+    p.add_argument("--drafter", help="DFlash drafter: repo id or local directory ('none' for the target alone)")
+    p.add_argument("--target-revision")
+    p.add_argument("--drafter-revision")
+
+
+def settings_from_args(args) -> Settings:
+    """config file < CLI flags. `--target` replaces the configured models by that one."""
+    settings = load_settings(config_path(args.config))
+    if args.target:
+        drafter = args.drafter or "auto"
+        spec = ModelSettings(
+            name=getattr(args, "name", None) or model_name(args.target),
+            target=args.target,
+            target_revision=args.target_revision,
+            drafter=None if drafter.lower() == "none" else drafter,
+            drafter_revision=args.drafter_revision,
+        )
+        return settings.model_copy(update={"models": [spec], "default_model": spec.name})
+    if args.drafter:
+        raise ConfigError("--drafter needs --target")
+    if args.model:
+        spec = settings.model(args.model)
+        others = [m for m in settings.models if m.name != spec.name]
+        return settings.model_copy(update={"models": [spec] + others, "default_model": spec.name})
+    return settings
+
+
+def model_name(target: str) -> str:
+    path = Path(target).expanduser()
+    return path.name if path.exists() else target
+
+
+# ---------------------------------------------------------------------------------- generate
 
 
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text once (speculative unless --no-speculative)")
-    p.add_argument("--target", required=True, help="target model: local directory or Hugging Face repo id")
-    p.add_argument("--drafter", help="DFlash drafter: local directory or Hugging Face repo id")
-    p.add_argument("--target-revision")
-    p.add_argument("--drafter-revision")
+    _add_model_flags(p, what="default: the config's default model")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
@@ -33,15 +70,17 @@ def add_generate(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from .loading import load_engine
+    from .loading import load_configured
 
-    engine = load_engine(
-        args.target, args.drafter, target_revision=args.target_revision, drafter_revision=args.drafter_revision
-    )
+    settings = settings_from_args(args)
+    spec = settings.model()
+    engine = load_configured(spec, settings.prefill_chunk).engine
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     tokenizer = engine.tokenizer
     if args.chat:
-        tokens = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        tokens = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, **spec.chat_template_kwargs
+        )
     else:
         tokens = tokenizer.encode(text)
     sampling = SamplingParams(
@@ -77,40 +116,17 @@ def _summary(stats: dict) -> str:
     return line + f" | speculative off: {stats['speculative_off_reason']}"
 
 
+# ------------------------------------------------------------------------------------- serve
+
+
 def add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="start the OpenAI-compatible server")
-    p.add_argument("--config", help="config file (default: $DFLASH_CONFIG, else ./config.yaml)")
-    p.add_argument("--target", help="serve this target (repo id or path) instead of the configured models")
-    p.add_argument("--drafter", help="its DFlash drafter (repo id or path)")
-    p.add_argument("--name", help="model name clients send (default: the target's name)")
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server (default model: config.yaml's)")
+    _add_model_flags(p, what="served first; other configured models stay available")
+    p.add_argument("--name", help="model name clients send with --target (default: the target's name)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", help="require Authorization: Bearer KEY")
     p.set_defaults(func=run_serve)
-
-
-def serve_settings(args):
-    from .settings import ModelSettings, config_path, load_settings
-
-    settings = load_settings(config_path(args.config))
-    server = settings.server.model_copy(
-        update={k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key)) if v is not None}
-    )
-    settings = settings.model_copy(update={"server": server})
-    if args.target:
-        name = args.name or model_name(args.target)
-        model = ModelSettings(name=name, target=args.target, drafter=args.drafter)
-        settings = settings.model_copy(update={"models": [model], "default_model": name})
-    elif args.drafter:
-        raise ValueError("--drafter needs --target")
-    if not settings.models:
-        raise ValueError("no model to serve: pass --target (and --drafter) or configure models in config.yaml")
-    return settings
-
-
-def model_name(target: str) -> str:
-    path = Path(target).expanduser()
-    return path.name if path.exists() else target
 
 
 def run_serve(args) -> int:
@@ -118,17 +134,71 @@ def run_serve(args) -> int:
 
     from server.app import create_app
 
-    settings = serve_settings(args)
+    settings = settings_from_args(args)
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key)) if v is not None}
+    settings = settings.model_copy(update={"server": settings.server.model_copy(update=updates)})
     uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port, log_level="info")
     return 0
+
+
+# ------------------------------------------------------------------------------ models, doctor
+
+
+def add_models(sub) -> None:
+    p = sub.add_parser("models", help="configured models and the built-in registry; which are on disk")
+    p.add_argument("--config")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_models)
+
+
+def _size(n) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def run_models(args) -> int:
+    from .doctor import models_report
+
+    rows = models_report(load_settings(config_path(args.config)))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'source':<9} {'name':<34} {'drafter':<36} {'target on disk':>15} {'drafter on disk':>16}")
+    for r in rows:
+        print(f"{r['source']:<9} {r['name']:<34} {str(r['drafter']):<36} {_size(r['target_bytes']):>15} "
+              f"{_size(r['drafter_bytes']):>16}")
+    return 0
+
+
+def add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="MLX versions, backend, device, memory, kernels, model cache and hub")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-hub", action="store_true", help="do not try to reach the Hugging Face hub")
+    p.set_defaults(func=run_doctor)
+
+
+def run_doctor(args) -> int:
+    from .doctor import doctor_report
+
+    report = doctor_report(check_hub=not args.no_hub)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for key, value in report.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items())
+        print(f"{key:<18} {value}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ main
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless DFlash speculative decoding on MLX")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate(sub)
-    add_serve(sub)
+    for add in (add_serve, add_generate, add_models, add_doctor):
+        add(sub)
     return parser
 
 
@@ -138,7 +208,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
-        # Configuration and checkpoint problems: one clear line, no traceback.
+        # Configuration and checkpoint problems: one clear message, no traceback, exit code 2.
         print(f"dflash: error: {e}", file=sys.stderr)
         return 2
 

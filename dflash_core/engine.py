@@ -92,12 +92,15 @@ class Engine:
         *,
         prefill_chunk: int = 2048,
         max_context: Optional[int] = None,
+        drafter_off_reason: Optional[str] = None,
     ):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
+        # Why there is no drafter, reported with every generation that runs without one.
+        self.drafter_off_reason = drafter_off_reason or "no drafter configured"
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -122,7 +125,7 @@ class Engine:
             raise ValueError(f"no room to generate: prompt has {len(prompt_tokens)} tokens, limit {self.max_context}")
         stats = GenerationStats(prompt_tokens=len(prompt_tokens), prefill_tokens=len(prompt_tokens))
         if self.drafter is None:
-            stats.speculative_off_reason = "no drafter configured"
+            stats.speculative_off_reason = self.drafter_off_reason
         elif not speculative:
             stats.speculative_off_reason = "disabled by request"
         else:

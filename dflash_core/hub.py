@@ -15,7 +15,14 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
 
 
-def resolve(name: str, revision: Optional[str] = None, *, allow_download: bool = True) -> Path:
+# What a server needs from a repo (not, say, the original PyTorch weights of a converted model).
+TARGET_FILES = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+DRAFTER_FILES = ["*.json", "*.safetensors"]
+
+
+def resolve(
+    name: str, revision: Optional[str] = None, *, files: Optional[list[str]] = None, allow_download: bool = True
+) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
@@ -28,12 +35,13 @@ def resolve(name: str, revision: Optional[str] = None, *, allow_download: bool =
 
     try:
         # Cached files first, so a model already on disk needs no network at all.
-        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+        return Path(snapshot_download(name, revision=revision, allow_patterns=files, local_files_only=True))
     except LocalEntryNotFoundError:
         if not allow_download:
             raise ModelNotFoundError(_not_cached(name, revision)) from None
     try:
-        return Path(snapshot_download(name, revision=revision))
+        # huggingface_hub draws its progress bars; files already cached are not fetched again.
+        return Path(snapshot_download(name, revision=revision, allow_patterns=files))
     except Exception as e:  # offline, unknown repo, gated repo, ...
         raise ModelNotFoundError(f"{_not_cached(name, revision)}\n  download failed: {type(e).__name__}: {e}") from e
 
@@ -42,6 +50,6 @@ def _not_cached(name: str, revision: Optional[str]) -> str:
     rev = f" --revision {revision}" if revision else ""
     return (
         f"{name}{'@' + revision if revision else ''} is not in the local Hugging Face cache. "
-        f"Download it on a machine with network access (`huggingface-cli download {name}{rev}`) "
+        f"Download it on a machine with network access (`hf download {name}{rev}`) "
         "or pass the path of a local model directory."
     )

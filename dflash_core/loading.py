@@ -8,18 +8,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm import utils as mlx_lm_utils
 
 from .adapters import TargetAdapter, adapter_for
 from .drafter import DFlashDrafter, load_drafter
 from .engine import Engine
-from .hub import resolve
+from .hub import DRAFTER_FILES, TARGET_FILES, resolve
+from .registry import find_pair
 
 log = logging.getLogger(__name__)
 
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
-def load_target(path: Path) -> tuple[TargetAdapter, object, dict]:
+
+def load_target(path: Path, *, dtype: Optional[str] = None, quantize_bits: Optional[int] = None,
+                quantize_group_size: int = 64) -> tuple[TargetAdapter, object, dict]:
     model, config = mlx_lm_utils.load_model(Path(path))
+    if dtype is not None:
+        # Keep what the model wants in float32 (GatedDeltaNet's A_log) and quantized weights as they are.
+        predicate = getattr(model, "cast_predicate", None) or (lambda _: True)
+        model.set_dtype(DTYPES[dtype], predicate)
+    if quantize_bits is not None:
+        if "quantization" in config:
+            raise ValueError(f"{path}: already quantized ({config['quantization']}); remove quantize_bits")
+        nn.quantize(model, group_size=quantize_group_size, bits=quantize_bits,
+                    class_predicate=_quantizable(model, quantize_group_size))
+    mx.eval(model.parameters())
     text_config = config.get("text_config") or {}
     eos = config.get("eos_token_id", text_config.get("eos_token_id"))
     if isinstance(eos, int):
@@ -28,7 +44,18 @@ def load_target(path: Path) -> tuple[TargetAdapter, object, dict]:
     return adapter_for(model), tokenizer, config
 
 
-def load_checked_drafter(path: Path, target: TargetAdapter) -> DFlashDrafter:
+def _quantizable(model: nn.Module, group_size: int):
+    model_predicate = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
+            return False
+        return model_predicate(path, module) if model_predicate else True
+
+    return predicate
+
+
+def load_checked_drafter(path: Path, target: TargetAdapter, block_size: Optional[int] = None) -> DFlashDrafter:
     drafter = load_drafter(path, dtype=target.dtype)
     drafter.config.check_target(
         str(Path(path) / "config.json"),
@@ -36,6 +63,13 @@ def load_checked_drafter(path: Path, target: TargetAdapter) -> DFlashDrafter:
         num_layers=target.num_layers,
         vocab_size=target.vocab_size,
     )
+    if block_size is not None:
+        if not 2 <= block_size <= drafter.config.block_size:
+            raise ValueError(
+                f"block_size {block_size}: must be between 2 and the drafter's trained block size "
+                f"{drafter.config.block_size}"
+            )
+        drafter.config.block_size = block_size
     return drafter
 
 
@@ -53,6 +87,14 @@ class LoadedModel:
     # Sampling defaults the model's authors ship in generation_config.json.
     generation_defaults: dict = field(default_factory=dict)
 
+    @property
+    def nbytes(self) -> int:
+        """Weights in memory: the target's and the drafter's."""
+        from mlx.utils import tree_flatten
+
+        modules = [self.engine.target.model] + ([self.engine.drafter] if self.engine.drafter is not None else [])
+        return sum(v.nbytes for m in modules for _, v in tree_flatten(m.parameters()))
+
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -67,29 +109,64 @@ def generation_defaults(path: Path) -> dict:
     return {k: raw[k] for k in GENERATION_DEFAULT_KEYS if raw.get(k) is not None}
 
 
+def choose_drafter(target: str, drafter: Optional[str], drafter_revision: Optional[str]):
+    """(drafter, revision, why speculation is off). `drafter="auto"` asks the registry."""
+    if drafter == "auto":
+        pair = find_pair(target)
+        if pair is None:
+            reason = f"no known DFlash drafter for {target}: serving the target alone"
+            log.warning(reason)
+            return None, None, reason
+        log.info("drafter for %s: %s (registry)", target, pair.drafter)
+        return pair.drafter, drafter_revision or pair.drafter_revision, None
+    if not drafter:
+        return None, None, "no drafter configured"
+    return drafter, drafter_revision, None
+
+
 def load_model(
     target: str,
-    drafter: Optional[str] = None,
+    drafter: Optional[str] = "auto",
     *,
     target_revision: Optional[str] = None,
     drafter_revision: Optional[str] = None,
     prefill_chunk: int = 2048,
     max_context: Optional[int] = None,
+    block_size: Optional[int] = None,
+    dtype: Optional[str] = None,
+    quantize_bits: Optional[int] = None,
 ) -> LoadedModel:
-    target_path = resolve(target, target_revision)
-    adapter, tokenizer, config = load_target(target_path)
+    drafter, drafter_revision, off_reason = choose_drafter(target, drafter, drafter_revision)
+    target_path = resolve(target, target_revision, files=TARGET_FILES)
+    adapter, tokenizer, config = load_target(target_path, dtype=dtype, quantize_bits=quantize_bits)
     draft_model, drafter_path = None, None
     if drafter:
-        drafter_path = resolve(drafter, drafter_revision)
-        draft_model = load_checked_drafter(drafter_path, adapter)
+        drafter_path = resolve(drafter, drafter_revision, files=DRAFTER_FILES)
+        draft_model = load_checked_drafter(drafter_path, adapter, block_size)
     engine = Engine(
         adapter,
         tokenizer,
         draft_model,
         prefill_chunk=prefill_chunk,
         max_context=max_context or max_position_embeddings(config),
+        drafter_off_reason=off_reason,
     )
     return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
+
+
+def load_configured(spec, prefill_chunk: int = 2048) -> LoadedModel:
+    """Load a `settings.ModelSettings` entry."""
+    return load_model(
+        spec.target,
+        spec.drafter,
+        target_revision=spec.target_revision,
+        drafter_revision=spec.drafter_revision,
+        prefill_chunk=prefill_chunk,
+        max_context=spec.max_context,
+        block_size=spec.block_size,
+        dtype=spec.dtype,
+        quantize_bits=spec.quantize_bits,
+    )
 
 
 def load_engine(target: str, drafter: Optional[str] = None, **kwargs) -> Engine:

@@ -44,17 +44,23 @@ class ModelSettings(Strict):
     target_revision: Optional[str] = None
     drafter: Optional[str] = Field("auto", description="repo id or path; 'auto': from the registry; null: target only")
     drafter_revision: Optional[str] = None
-    block_size: Optional[int] = Field(None, ge=2, le=64)
+    block_size: Optional[int] = Field(None, ge=2, le=64, description="draft fewer tokens than the drafter was trained for")
+    dtype: Optional[Literal["float16", "bfloat16", "float32"]] = Field(None, description="cast the target's weights")
+    quantize_bits: Optional[Literal[4, 8]] = Field(None, description="quantize an unquantized target when loading")
     max_context: Optional[int] = Field(None, ge=16)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, float] = Field(default_factory=dict, description="default sampling parameters")
     load_at_start: bool = True
 
 
+# What `dflash serve` serves when nothing else is configured.
+DEFAULT_MODEL = ModelSettings(name="qwen3.5-4b", target="Qwen/Qwen3.5-4B", drafter="z-lab/Qwen3.5-4B-DFlash")
+
+
 class Settings(Strict):
     server: ServerSettings = Field(default_factory=ServerSettings)
     defaults: DefaultSettings = Field(default_factory=DefaultSettings)
-    models: list[ModelSettings] = Field(default_factory=list)
+    models: list[ModelSettings] = Field(default_factory=lambda: [DEFAULT_MODEL.model_copy()])
     default_model: Optional[str] = None
     memory_budget_gb: Optional[float] = Field(None, gt=0, description="unload least recently used models above this")
     prefill_chunk: int = Field(2048, ge=16)
@@ -70,11 +76,15 @@ class Settings(Strict):
         return self
 
     def model(self, name: Optional[str] = None) -> ModelSettings:
+        """A configured model by name; another name is taken as a target (repo or path) whose
+        drafter comes from the registry."""
         name = name or self.default_model or (self.models[0].name if self.models else None)
+        if name is None:
+            raise ConfigError("no model is configured")
         for m in self.models:
             if m.name == name:
                 return m
-        raise ConfigError(f"no model named {name!r} is configured")
+        return ModelSettings(name=name, target=name)
 
 
 def config_path(explicit: Optional[str] = None) -> Optional[Path]:
@@ -104,5 +114,3 @@ def load_settings(path: Optional[Path]) -> Settings:
         key = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise ConfigError(f"{path}: {key}: {first['msg']}") from None
 
-
-ModelKind = Literal["target", "drafter"]

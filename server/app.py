@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from dflash_core.settings import Settings
 
@@ -126,12 +127,27 @@ def _start(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, s
     chat.check_context(len(prompt.tokens), max_tokens, served.engine.max_context)
     sampling = chat.sampling_params(body, defaults, served.engine.target.vocab_size)
     run = Run(state.scheduler, served, prompt, max_tokens, sampling, stop_tokens, state.settings.server.request_timeout)
-    run.submit()
+    state.pool.acquire(served)  # not unloaded while in use; released in _respond
+    try:
+        run.submit()
+    except Exception:
+        state.pool.release(served)
+        raise
     return run
 
 
 async def _respond(state: ServerState, endpoint: str, request: Request, run: Run, responder, body):
     metrics = state.metrics
+    finished = False
+
+    def finish() -> None:  # exactly once, however the response ends
+        nonlocal finished
+        if not finished:
+            finished = True
+            run.cancel()
+            run.record(metrics)
+            state.pool.release(run.served)
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -143,17 +159,17 @@ async def _respond(state: ServerState, endpoint: str, request: Request, run: Run
                 metrics.cancelled.labels(endpoint=endpoint).inc()
                 raise
             finally:
-                run.cancel()
-                run.record(metrics)
+                finish()
 
-        return EventSourceResponse(events(), ping=15)
+        # The background task also runs when the client left before the stream even started.
+        return EventSourceResponse(events(), ping=15, background=BackgroundTask(finish))
     try:
         return await until_disconnect(request, responder.complete())
     except ClientGone:
         metrics.cancelled.labels(endpoint=endpoint).inc()
         return Response(status_code=499)
     finally:
-        run.record(metrics)
+        finish()
 
 
 class CountRequests:

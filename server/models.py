@@ -1,4 +1,8 @@
-"""The models this server can serve, loaded on the worker thread at start or on first use."""
+"""The models this server can serve, loaded on the worker thread at start or on first use.
+
+With `memory_budget_gb` set, loading a model first unloads the least recently used models that
+no request is using until the new one fits (its size estimated from its weight files).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
-from dflash_core.loading import LoadedModel, load_model
+import mlx.core as mx
+
+from dflash_core.hub import DRAFTER_FILES, TARGET_FILES, resolve
+from dflash_core.loading import LoadedModel, choose_drafter, load_configured
 from dflash_core.settings import ModelSettings, Settings
 
 from .errors import APIError
@@ -24,6 +32,8 @@ class ServedModel:
     loaded: LoadedModel
     markers: Markers
     created: int = field(default_factory=lambda: int(time.time()))
+    last_used: float = field(default_factory=time.monotonic)
+    in_use: int = 0
 
     @property
     def engine(self):
@@ -51,20 +61,19 @@ class ServedModel:
         return out
 
 
-def load_served(settings: ModelSettings, prefill_chunk: int) -> ServedModel:
-    drafter = None if settings.drafter in (None, "auto") else settings.drafter
-    loaded = load_model(
-        settings.target,
-        drafter,
-        target_revision=settings.target_revision,
-        drafter_revision=settings.drafter_revision,
-        prefill_chunk=prefill_chunk,
-        max_context=settings.max_context,
-    )
-    tokenizer = loaded.engine.tokenizer
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    markers = markers_for_tokenizer(getattr(hf, "chat_template", None), hf.get_vocab())
-    return ServedModel(settings, loaded, markers)
+def load_served(spec: ModelSettings, prefill_chunk: int) -> ServedModel:
+    loaded = load_configured(spec, prefill_chunk)
+    hf = getattr(loaded.engine.tokenizer, "_tokenizer", loaded.engine.tokenizer)
+    return ServedModel(spec, loaded, markers_for_tokenizer(getattr(hf, "chat_template", None), hf.get_vocab()))
+
+
+def estimated_bytes(spec: ModelSettings) -> int:
+    """Weight files on disk (downloading them if needed): what loading will roughly take."""
+    paths = [resolve(spec.target, spec.target_revision, files=TARGET_FILES)]
+    drafter, revision, _ = choose_drafter(spec.target, spec.drafter, spec.drafter_revision)
+    if drafter:
+        paths.append(resolve(drafter, revision, files=DRAFTER_FILES))
+    return sum(f.stat().st_size for p in paths for f in Path(p).glob("*.safetensors"))
 
 
 class ModelPool:
@@ -72,21 +81,21 @@ class ModelPool:
         self.settings = settings
         self.scheduler = scheduler
         self._served: dict[str, ServedModel] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._load_lock = asyncio.Lock()
         self.loading_error: Optional[str] = None
         self.ready = False
 
     def names(self) -> list[str]:
         return [m.name for m in self.settings.models]
 
+    def served(self) -> list[ServedModel]:
+        return list(self._served.values())
+
     def add(self, served: ServedModel) -> None:
         """Serve an already built model (tests, embedding dflash in another program)."""
         if served.name not in self.names():
             self.settings.models.append(served.settings)
         self._served[served.name] = served
-
-    def served(self) -> list[ServedModel]:
-        return list(self._served.values())
 
     async def load_startup(self) -> None:
         try:
@@ -99,19 +108,45 @@ class ModelPool:
             self.loading_error = f"{type(e).__name__}: {e}"
 
     async def get(self, name: str) -> ServedModel:
-        if name in self._served:
-            return self._served[name]
-        spec = next((m for m in self.settings.models if m.name == name), None)
-        if spec is None:
-            raise APIError(
-                404, f"The model {name!r} does not exist. Available: {', '.join(self.names())}",
-                type="invalid_request_error", param="model", code="model_not_found",
-            )
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            if name not in self._served:
-                log.info("loading model %s (target %s, drafter %s)", name, spec.target, spec.drafter)
-                self._served[name] = await self.scheduler.call(
-                    lambda: load_served(spec, self.settings.prefill_chunk)
+        served = self._served.get(name)
+        if served is None:
+            spec = next((m for m in self.settings.models if m.name == name), None)
+            if spec is None:
+                raise APIError(
+                    404, f"The model {name!r} does not exist. Available: {', '.join(self.names())}",
+                    param="model", code="model_not_found",
                 )
-        return self._served[name]
+            async with self._load_lock:  # one load at a time: the budget check must see the others
+                served = self._served.get(name)
+                if served is None:
+                    served = await self.scheduler.call(lambda: self._load(spec))
+        served.last_used = time.monotonic()
+        return served
+
+    def _load(self, spec: ModelSettings) -> ServedModel:
+        """On the worker thread: make room under the budget, then load."""
+        budget = self.settings.memory_budget_gb
+        if budget is not None:
+            self._make_room(int(budget * 1e9) - estimated_bytes(spec))
+        log.info("loading model %s (target %s, drafter %s)", spec.name, spec.target, spec.drafter)
+        served = load_served(spec, self.settings.prefill_chunk)
+        self._served[spec.name] = served
+        return served
+
+    def _make_room(self, allowed: int) -> None:
+        while sum(m.loaded.nbytes for m in self._served.values()) > allowed:
+            idle = [m for m in self._served.values() if m.in_use == 0]
+            if not idle:
+                log.warning("memory budget exceeded, but every loaded model is in use")
+                return
+            victim = min(idle, key=lambda m: m.last_used)
+            log.info("unloading %s (least recently used) to stay within the memory budget", victim.name)
+            del self._served[victim.name]
+            mx.clear_cache()
+
+    def acquire(self, served: ServedModel) -> None:
+        served.in_use += 1
+        served.last_used = time.monotonic()
+
+    def release(self, served: ServedModel) -> None:
+        served.in_use -= 1

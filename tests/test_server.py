@@ -379,3 +379,27 @@ def test_multibyte_characters_split_across_tokens_stream_intact(scripted):
     finally:
         engine.drafter = drafter
     assert content == "Grüße 東京 🚀🔥 naïve café ✓"
+
+
+# ------------------------------------------------------------------------------ several models
+
+
+def test_several_models_lazy_loading_and_memory_budget(qwen3_pair, gemma4_pair):
+    """Two models, one loaded on first use; a budget that fits one model unloads the least recently used."""
+    settings = Settings(
+        memory_budget_gb=0.002,  # each tiny target + drafter is 1.2 to 1.3 MB of weights
+        models=[
+            ModelSettings(name="a", target=str(qwen3_pair[0]), drafter=str(qwen3_pair[1])),
+            ModelSettings(name="b", target=str(gemma4_pair[0]), drafter=str(gemma4_pair[1]), load_at_start=False),
+        ],
+    )
+    with LiveServer(settings) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        pool = server.state.pool
+        assert [m.id for m in client.models.list().data] == ["a", "b"]
+        assert [m.name for m in pool.served()] == ["a"]
+        out = client.completions.create(model="b", prompt="hello", max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4 and out.model_extra["dflash"]["speculative"]
+        assert [m.name for m in pool.served()] == ["b"]  # "a" was unloaded to make room
+        client.completions.create(model="a", prompt="hello", max_tokens=4, temperature=0)
+        assert [m.name for m in pool.served()] == ["a"]

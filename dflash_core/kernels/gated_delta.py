@@ -23,3 +23,10 @@ def gated_delta(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
 def reference(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
     """Pure-MLX path (every backend): mlx-lm's ops implementation, one compiled step per token."""
     return mlx_lm_gated_delta.gated_delta_ops(q, k, v, g, beta, state)
+
+
+def active_path() -> str:
+    """Which implementation `gated_delta` uses here (for `dflash doctor`)."""
+    if backend() == "metal":
+        return "mlx-lm Metal kernel"
+    return "pure MLX (one compiled step per token)"

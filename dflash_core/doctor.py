@@ -1,0 +1,100 @@
+"""What `dflash doctor` and `dflash models` report about this machine and its models."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from .kernels import backend
+from .kernels import gated_delta
+from .registry import KNOWN_PAIRS
+from .settings import Settings
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def hub_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hub_reachable(timeout: float = 3.0) -> str:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "offline mode (HF_HUB_OFFLINE is set)"
+    import httpx
+
+    try:
+        httpx.head(constants.ENDPOINT, timeout=timeout, follow_redirects=True)
+        return f"reachable ({constants.ENDPOINT})"
+    except httpx.HTTPError as e:
+        return f"unreachable ({constants.ENDPOINT}: {type(e).__name__}); local models and the cache still work"
+
+
+def system_memory_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def doctor_report(check_hub: bool = True) -> dict:
+    info = mx.device_info()
+    memory = system_memory_bytes()
+    return {
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "mlx": _version("mlx"),
+        "mlx-lm": _version("mlx-lm"),
+        "dflash": _version("dflash"),
+        "backend": backend(),
+        "default_device": str(mx.default_device()),
+        "device": info.get("device_name", "unknown"),
+        "system_memory_gb": round(memory / 1e9, 1) if memory else None,
+        "device_memory_gb": round(info["memory_size"] / 1e9, 1) if "memory_size" in info else None,
+        "kernels": {"gated_delta": gated_delta.active_path()},
+        "model_cache": str(hub_cache_dir()),
+        "hub": hub_reachable() if check_hub else "not checked",
+    }
+
+
+def cached_repos() -> dict[str, int]:
+    """Repo id -> bytes on disk, for everything in the Hugging Face cache."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        return {repo.repo_id: repo.size_on_disk for repo in scan_cache_dir().repos}
+    except Exception:  # no cache directory yet
+        return {}
+
+
+def _local_size(name: str, cache: dict[str, int]) -> Optional[int]:
+    path = Path(name).expanduser()
+    if path.exists():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return cache.get(name)
+
+
+def models_report(settings: Settings) -> list[dict]:
+    cache = cached_repos()
+    rows = []
+    for m in settings.models:
+        rows.append({"source": "config", "name": m.name, "target": m.target, "drafter": m.drafter,
+                     "target_bytes": _local_size(m.target, cache),
+                     "drafter_bytes": _local_size(m.drafter, cache) if m.drafter and m.drafter != "auto" else None})
+    for pair in KNOWN_PAIRS:
+        rows.append({"source": "registry", "name": pair.target, "target": pair.target, "drafter": pair.drafter,
+                     "target_bytes": cache.get(pair.target), "drafter_bytes": cache.get(pair.drafter)})
+    return rows

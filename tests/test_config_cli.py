@@ -1,0 +1,194 @@
+"""config.yaml, precedence, the registry, downloads and the `dflash` command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_core import cli
+from dflash_core.hub import ModelNotFoundError, resolve
+from dflash_core.loading import choose_drafter, load_model
+from dflash_core.registry import base_model_key, find_pair
+from dflash_core.settings import DEFAULT_MODEL, ConfigError, Settings, load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_repo_config_is_valid_and_serves_qwen35_4b():
+    settings = load_settings(REPO / "config.yaml")
+    spec = settings.model()
+    assert (spec.target, spec.drafter) == ("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash")
+    assert settings.server.host == "127.0.0.1" and settings.server.port == 8000
+    assert Settings().model() == DEFAULT_MODEL  # the same default without any file
+
+
+@pytest.mark.parametrize(
+    "content, key",
+    [
+        ({"server": {"prot": 8000}}, "server.prot"),
+        ({"server": {"port": "eighty"}}, "server.port"),
+        ({"models": [{"name": "a"}]}, "models.0.target"),
+        ({"models": [{"name": "a", "target": "x", "dtype": "int3"}]}, "models.0.dtype"),
+        ({"models": [{"name": "a", "target": "x"}, {"name": "a", "target": "y"}]}, "duplicate model names"),
+        ({"default_model": "b", "models": [{"name": "a", "target": "x"}]}, "default_model"),
+    ],
+)
+def test_invalid_config_names_file_and_key(tmp_path, content, key):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(content))
+    with pytest.raises(ConfigError) as err:
+        load_settings(path)
+    assert str(path) in str(err.value) and key in str(err.value)
+
+
+def test_invalid_config_exits_2_with_one_message(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("server:\n  port: [1, 2]\n")
+    assert cli.main(["generate", "--config", str(path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash: error:") and str(path) in err and "server.port" in err
+    assert "Traceback" not in err
+
+
+def _args(argv):
+    return cli.build_parser().parse_args(argv)
+
+
+def test_precedence(tmp_path, monkeypatch):
+    local = tmp_path / "config.yaml"
+    local.write_text(yaml.safe_dump({"server": {"port": 1111}, "models": [{"name": "local", "target": "org/local"}]}))
+    env = tmp_path / "env.yaml"
+    env.write_text(yaml.safe_dump({"server": {"port": 2222}, "models": [{"name": "env", "target": "org/env"}]}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DFLASH_CONFIG", raising=False)
+    assert cli.settings_from_args(_args(["serve"])).server.port == 1111  # ./config.yaml
+    monkeypatch.setenv("DFLASH_CONFIG", str(env))
+    settings = cli.settings_from_args(_args(["serve"]))
+    assert settings.server.port == 2222 and settings.model().name == "env"  # DFLASH_CONFIG beats ./config.yaml
+    settings = cli.settings_from_args(_args(["serve", "--target", "org/flag", "--drafter", "org/flag-drafter"]))
+    assert settings.model().target == "org/flag" and settings.model().drafter == "org/flag-drafter"  # flags win
+    monkeypatch.chdir(REPO / "tests")  # no config.yaml here, no DFLASH_CONFIG: built-in defaults
+    monkeypatch.delenv("DFLASH_CONFIG")
+    assert cli.settings_from_args(_args(["serve"])).model() == DEFAULT_MODEL
+
+
+def test_model_flag_picks_a_configured_model_or_a_target(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DFLASH_CONFIG", raising=False)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(
+        {"models": [{"name": "a", "target": "org/a"}, {"name": "b", "target": "org/b", "drafter": None}]}))
+    settings = cli.settings_from_args(_args(["serve", "--model", "b"]))
+    assert settings.model().target == "org/b" and [m.name for m in settings.models] == ["b", "a"]
+    spec = cli.settings_from_args(_args(["serve", "--model", "mlx-community/Qwen3.5-9B-4bit"])).model()
+    assert spec.target == "mlx-community/Qwen3.5-9B-4bit" and spec.drafter == "auto"
+
+
+@pytest.mark.parametrize(
+    "name, drafter",
+    [
+        ("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash"),
+        ("mlx-community/Qwen3.5-9B-4bit", "z-lab/Qwen3.5-9B-DFlash"),
+        ("mlx-community/Qwen3.5-9B-MLX-8bit", "z-lab/Qwen3.5-9B-DFlash"),
+        ("/models/Qwen3.5-27B-bf16", "z-lab/Qwen3.5-27B-DFlash"),
+        ("mlx-community/Qwen3.6-35B-A3B-4bit", "z-lab/Qwen3.6-35B-A3B-DFlash"),
+        ("mlx-community/gemma-4-31b-it-4bit", "z-lab/gemma-4-31B-it-DFlash"),
+        ("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
+        ("Qwen/Qwen3.5-9B-Base", None),
+        ("meta-llama/Llama-3.2-1B", None),
+    ],
+)
+def test_registry_finds_drafters_from_community_names(name, drafter):
+    pair = find_pair(name)
+    assert (pair.drafter if pair else None) == drafter
+
+
+def test_base_model_key():
+    assert base_model_key("mlx-community/Qwen3.5-4B-MLX-bf16") == "qwen3.5-4b"
+    assert base_model_key("Qwen3.5-4B-q4_k_m") == "qwen3.5-4b"
+
+
+def test_unknown_target_serves_alone_and_says_so(qwen3_pair):
+    target, _ = qwen3_pair
+    drafter, _, reason = choose_drafter(str(target), "auto", None)
+    assert drafter is None and "no known DFlash drafter" in reason
+    engine = load_model(str(target), "auto").engine
+    last = list(engine.generate(engine.tokenizer.encode("hi"), max_tokens=3))[-1]
+    assert not last.stats.speculative and "no known DFlash drafter" in last.stats.speculative_off_reason
+
+
+def test_missing_repo_gives_a_clear_offline_message(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve("someone/no-such-model")
+    message = str(err.value)
+    assert "hf download someone/no-such-model" in message and "local model directory" in message
+    with pytest.raises(ModelNotFoundError, match="no such directory"):
+        resolve("./does/not/exist")
+
+
+def test_generate_json_on_local_fixtures(qwen3_5_pair, capsys):
+    target, drafter = qwen3_5_pair
+    code = cli.main(["generate", "--target", str(target), "--drafter", str(drafter), "--prompt", "Hello",
+                     "--max-tokens", "24", "--json", "--chat"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 24 and isinstance(out["text"], str)
+    stats = out["stats"]
+    for key in ("prompt_tokens", "prefill_tokens", "prefill_seconds", "decode_seconds", "generated_tokens", "cycles",
+                "draft_tokens_proposed", "draft_tokens_accepted", "tokens_per_cycle", "acceptance_by_position",
+                "speculative", "speculative_off_reason", "finish_reason", "decode_tokens_per_second", "block_size"):
+        assert key in stats, key
+    assert stats["speculative"] and stats["finish_reason"] == "length"
+    code = cli.main(["generate", "--target", str(target), "--drafter", str(drafter), "--prompt", "Hello",
+                     "--max-tokens", "24", "--json", "--chat", "--no-speculative"])
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["token_ids"] == out["token_ids"]
+    assert plain["stats"]["speculative_off_reason"] == "disabled by request"
+
+
+def test_dtype_quantization_and_block_size(qwen3_pair):
+    target, drafter = qwen3_pair
+    loaded = load_model(str(target), str(drafter), quantize_bits=8, block_size=6)
+    engine = loaded.engine
+    assert engine.drafter.block_size == 6
+    prompt = engine.tokenizer.encode("Quantized")
+    alone = [t for c in engine.generate(prompt, max_tokens=40, speculative=False) for t in c.token_ids]
+    chunks = list(engine.generate(prompt, max_tokens=40))
+    assert [t for c in chunks for t in c.token_ids] == alone  # lossless on a quantized target too
+    assert len(chunks[-1].stats.acceptance_by_position) == 5
+    half = load_model(str(target), None, dtype="float16").engine
+    assert half.target.dtype.__str__().endswith("float16")
+    with pytest.raises(ValueError, match="block_size"):
+        load_model(str(target), str(drafter), block_size=40)
+
+
+def test_models_and_doctor_commands(qwen3_pair, tmp_path, capsys):
+    target, _ = qwen3_pair
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"models": [{"name": "mine", "target": str(target), "drafter": None}]}))
+    assert cli.main(["models", "--config", str(config), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    mine = next(r for r in rows if r["name"] == "mine")
+    assert mine["source"] == "config" and mine["target_bytes"] > 0
+    assert any(r["source"] == "registry" and r["drafter"] == "z-lab/Qwen3.5-9B-DFlash" for r in rows)
+    assert cli.main(["models", "--config", str(config)]) == 0
+    assert "z-lab/Qwen3.5-9B-DFlash" in capsys.readouterr().out
+    assert cli.main(["doctor", "--json", "--no-hub"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == "cpu" and report["mlx"].startswith("0.") and report["kernels"]["gated_delta"]
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "backend" in out and "hub" in out
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("serve", "generate", "models", "doctor"):
+        assert command in out
