@@ -86,3 +86,83 @@ class SlidingWindowCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def cache_arrays(cache: list) -> list[mx.array]:
+    """Every array a list of layer caches holds (for eval and for memory accounting)."""
+    arrays = []
+    for c in cache:
+        if c is None:
+            continue
+        if hasattr(c, "cache"):  # mlx-lm ArraysCache (GatedDeltaNet conv and recurrent state)
+            arrays.extend(a for a in c.cache if a is not None)
+        elif getattr(c, "keys", None) is not None:
+            arrays.extend([c.keys, c.values])
+    return arrays
+
+
+# ------------------------------------------------------------------ snapshots for prefix reuse
+#
+# A frozen cache holds arrays nobody writes to: KV buffers are copied to their used length, and
+# arrays that caches replace rather than write into (GatedDeltaNet states, a ring buffer whose
+# next write will copy because the snapshot still references it) are kept by reference. Thawing
+# builds new cache objects around new array objects, so requests sharing a snapshot never write
+# into each other's, or the snapshot's, arrays.
+
+
+def freeze(cache: list) -> list:
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    frozen = []
+    for c in cache:
+        if c is None:
+            frozen.append(None)
+        elif isinstance(c, SlidingWindowCache):
+            frozen.append(("ring", c.window, c.slack, c.offset, c.keys[...] if c.keys is not None else None,
+                           c.values[...] if c.values is not None else None))
+        elif isinstance(c, ArraysCache):
+            frozen.append(("arrays", list(c.cache)))
+        elif isinstance(c, KVCache):
+            keys = None if c.keys is None else mx.contiguous(c.keys[..., : c.offset, :])
+            values = None if c.values is None else mx.contiguous(c.values[..., : c.offset, :])
+            frozen.append(("kv", c.offset, keys, values))
+        else:
+            raise TypeError(f"cannot snapshot a {type(c).__name__}")
+    return frozen
+
+
+def thaw(frozen: list) -> list:
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    cache = []
+    for f in frozen:
+        if f is None:
+            cache.append(None)
+        elif f[0] == "ring":
+            _, window, slack, offset, keys, values = f
+            c = SlidingWindowCache(window, slack)
+            c.offset = offset
+            c.keys = None if keys is None else keys[...]
+            c.values = None if values is None else values[...]
+            cache.append(c)
+        elif f[0] == "arrays":
+            c = ArraysCache(size=len(f[1]))
+            c.cache = list(f[1])
+            cache.append(c)
+        else:
+            _, offset, keys, values = f
+            c = KVCache()
+            c.offset = offset
+            c.keys = None if keys is None else keys[...]
+            c.values = None if values is None else values[...]
+            cache.append(c)
+    return cache
+
+
+def frozen_arrays(frozen: list) -> list[mx.array]:
+    out = []
+    for f in frozen:
+        if f is None:
+            continue
+        out.extend(a for a in (f[1] if f[0] == "arrays" else f[-2:]) if a is not None)
+    return out

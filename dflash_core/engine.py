@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
 from .adapters import TargetAdapter
+from .cache import cache_arrays
 from .detokenize import IncrementalDetokenizer
 from .drafter import DFlashDrafter
+from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
 
 
@@ -83,6 +85,17 @@ def accepted_length(drafts: Sequence[int], choices: Sequence[int]) -> int:
     return n
 
 
+@dataclass
+class DecodeState:
+    """One generation's device state: the target's caches, the drafter's context, and the tokens
+    whose state they hold (what a prefix-cache snapshot of them would be keyed by)."""
+
+    cache: list
+    context: Optional[list]
+    fed: list[int]
+    pending: Any = None  # the tape of a verify queued ahead, not yet accepted or rolled back
+
+
 class Engine:
     def __init__(
         self,
@@ -93,6 +106,7 @@ class Engine:
         prefill_chunk: int = 2048,
         max_context: Optional[int] = None,
         drafter_off_reason: Optional[str] = None,
+        prefix_cache: Optional[PrefixCache] = None,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -101,6 +115,9 @@ class Engine:
         self.max_context = max_context
         # Why there is no drafter, reported with every generation that runs without one.
         self.drafter_off_reason = drafter_off_reason or "no drafter configured"
+        self.prefix_cache = prefix_cache
+        # Caches keep room to roll back one block in every mode, so snapshots fit every request.
+        self.max_rollback = drafter.block_size if drafter is not None else 16
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -133,19 +150,32 @@ class Engine:
             stats.block_size = self.drafter.block_size
             stats.accepted_by_position = [0] * (self.drafter.block_size - 1)
         eos = self.eos_token_ids if stop_token_ids is None else set(stop_token_ids)
-        return self._stream(prompt_tokens, budget, sampling, stats, eos)
+        return self._stream(list(prompt_tokens), budget, sampling, stats, eos)
 
     def _stream(self, prompt, budget, sampling, stats, eos) -> Iterator[GenerationChunk]:
-        sampler = Sampler(sampling, self.target.vocab_size, prompt)
-        steps = self._speculative(prompt, sampler, stats) if stats.speculative else self._target_only(prompt, sampler)
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
         start = time.perf_counter()
+        hit = self.prefix_cache.lookup(prompt, need_context=stats.speculative) if self.prefix_cache else None
+        if hit is not None:
+            cache, context = hit.restore()
+            state = DecodeState(cache, context if stats.speculative else None, list(hit.tokens))
+            stats.prefill_tokens = len(prompt) - len(hit.tokens)
+        else:
+            context = self.drafter.make_cache() if stats.speculative else None
+            state = DecodeState(self.target.make_cache(max_rollback=self.max_rollback), context, [])
+        sampler = Sampler(sampling, self.target.vocab_size, prompt)
+        if stats.speculative:
+            steps = self._speculative(prompt, sampler, stats, state, hit)
+        else:
+            steps = self._target_only(prompt, sampler, state, hit)
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        produced: list[int] = []  # every token the loop committed, before any cut
         decode_start = None
         try:
             for ids in steps:
                 if not ids:  # a prefill chunk: give the caller a chance to interleave
                     yield GenerationChunk([], "", stats=stats)
                     continue
+                produced += ids
                 now = time.perf_counter()
                 if decode_start is None:
                     decode_start = now
@@ -160,74 +190,109 @@ class Engine:
                 text = detokenizer.add(ids)
                 stats.decode_seconds = time.perf_counter() - decode_start
                 if finish:
+                    self._remember_generation(state, prompt, produced, stats.generated_tokens + (finish == "stop"))
                     yield GenerationChunk(ids, text + detokenizer.flush(), finish, stats)
                     return
                 yield GenerationChunk(ids, text, stats=stats)
         finally:
             steps.close()
 
-    def _prefill(self, prompt, cache, tap_ids=(), on_taps=None):
-        """Chunked prefill; yields between chunks and returns the last position's logits."""
-        tokens = mx.array(prompt, dtype=mx.int32)[None]
-        for begin in range(0, len(prompt), self.prefill_chunk):
-            out = self.target.forward(tokens[:, begin : begin + self.prefill_chunk], cache, tap_ids, last_logits_only=True)
-            if on_taps is not None:
-                on_taps(out.taps)
-            if begin + self.prefill_chunk < len(prompt):
-                mx.eval(out.logits, cache_arrays(cache))  # bound the graph and the memory of one chunk
-                yield []
-        return out.logits[0]
+    def _remember_generation(self, state: DecodeState, prompt, produced, kept: int) -> None:
+        """Snapshot the end of a finished generation when the caches hold only tokens that were
+        handed out (the next turn of a conversation starts with them). The snapshot this request
+        started from stays: a retry or an edited last message may want it again."""
+        generated = state.fed[len(prompt) :]
+        if self.prefix_cache is not None and len(generated) <= kept and generated == produced[: len(generated)]:
+            if state.pending is not None:  # undo the verify queued for a cycle that will not come
+                self.target.rollback(state.cache, state.pending, keep=0)
+                state.pending = None
+            self.prefix_cache.insert(state.fed, state.cache, state.context)
 
-    def _target_only(self, prompt, sampler: Sampler) -> Iterator[list[int]]:
-        cache = self.target.make_cache(max_rollback=0)
-        logits = yield from self._prefill(prompt, cache)
+    def _snapshot_points(self, prompt, start: int) -> tuple[list[int], Optional[int]]:
+        """Message boundaries (after end-of-turn tokens) worth a snapshot: the first one, shared
+        by conversations with the same system prompt, and the last two."""
+        if self.prefix_cache is None:
+            return [], None
+        eos = self.eos_token_ids
+        ends = [i + 1 for i, t in enumerate(prompt[:-1]) if t in eos]
+        first = ends[0] if ends and ends[0] > start else None
+        points = sorted({p for p in ends[-2:] + ([first] if first else []) if p > start})
+        return points, first
+
+    def _prefill(self, prompt, state: DecodeState, tap_ids=(), hit=None):
+        """Chunked prefill from the cached prefix on; yields between chunks, snapshots at message
+        boundaries and at the end, and returns the last position's logits [1, V]."""
+        start = len(state.fed)
+        if start == len(prompt):  # the whole prompt was cached, with its logits
+            return hit.logits[None]
+        boundaries, first = self._snapshot_points(prompt, start)
+        stops = sorted(set(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk)) | set(boundaries))
+        tokens = mx.array(prompt, dtype=mx.int32)[None]
+        begin = start
+        for end in stops + [len(prompt)]:
+            out = self.target.forward(tokens[:, begin:end], state.cache, tap_ids, last_logits_only=True)
+            if state.context is not None:
+                self.drafter.add_context(out.taps, state.context)
+            state.fed += prompt[begin:end]
+            if end in boundaries:
+                self.prefix_cache.insert(state.fed, state.cache, state.context, shared=end == first, extends=hit)
+            if end < len(prompt):
+                mx.eval(out.logits, cache_arrays(state.cache))  # bound the graph and the memory of one chunk
+                yield []
+            begin = end
+        logits = out.logits[0]
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(state.fed, state.cache, state.context, logits=logits[0], extends=hit)
+        return logits
+
+    def _target_only(self, prompt, sampler: Sampler, state: DecodeState, hit) -> Iterator[list[int]]:
+        logits = yield from self._prefill(prompt, state, (), hit)
         token = sampler.choose(logits, None, 0)
         index = 0
         while True:
             sampler.commit(token)
             # Queue the next step before reading this token: the device never waits for the host.
-            next_token = sampler.choose(self.target.forward(token[None], cache).logits[0], None, index + 1)
+            next_token = sampler.choose(self.target.forward(token[None], state.cache).logits[0], None, index + 1)
             mx.async_eval(next_token)
-            yield token.tolist()
+            committed = token.tolist()
+            state.fed += committed
+            yield committed
             token, index = next_token, index + 1
 
-    def _speculative(self, prompt, sampler: Sampler, stats: GenerationStats) -> Iterator[list[int]]:
-        target, drafter = self.target, self.drafter
+    def _speculative(self, prompt, sampler: Sampler, stats: GenerationStats, state: DecodeState, hit):
+        target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
         tap_ids, block = drafter.config.target_layer_ids, drafter.block_size
-        cache, context = target.make_cache(max_rollback=block), drafter.make_cache()
-        logits = yield from self._prefill(prompt, cache, tap_ids, lambda taps: drafter.add_context(taps, context))
-        bonus = sampler.choose(logits, None, 0)
-        sampler.commit(bonus)
-        proposals = drafter.propose(bonus, target, context)
-        mx.async_eval(proposals)
-        yield bonus.tolist()
-        index = 0  # generated-token index of the bonus token
-        while True:
+
+        def launch(bonus, index):
+            """Queue draft, verify and the target's choices; the host reads them next cycle."""
+            proposals = drafter.propose(bonus, target, context)
+            mx.async_eval(proposals)  # the draft runs while the verify graph is built
             verify = target.forward(mx.concatenate([bonus, proposals])[None], cache, tap_ids, record=True)
             choices = sampler.choose(verify.logits[0], proposals, index + 1)
+            mx.async_eval(choices, verify.taps)
+            state.pending = verify.tape
+            return proposals, verify, choices
+
+        logits = yield from self._prefill(prompt, state, tap_ids, hit)
+        bonus = sampler.choose(logits, None, 0)
+        sampler.commit(bonus)
+        index = 0  # generated-token index of the bonus token
+        proposals, verify, choices = launch(bonus, index)
+        last = bonus.tolist()
+        yield last
+        while True:
             host = mx.concatenate([proposals, choices]).tolist()  # the one blocking read per cycle
             drafts, picks = host[: block - 1], host[block - 1 :]
             accepted = accepted_length(drafts, picks)
             target.rollback(cache, verify.tape, keep=accepted + 1)
+            state.pending = None
             drafter.add_context(verify.taps[:, : accepted + 1], context)
-            bonus = choices[accepted : accepted + 1]
+            state.fed += last + drafts[:accepted]
             committed = drafts[:accepted] + [picks[accepted]]
             sampler.commit(mx.array(committed, dtype=mx.int32))
-            proposals = drafter.propose(bonus, target, context)
-            mx.async_eval(proposals)  # the next draft runs while the host hands out tokens
-            stats.record_cycle(accepted)
             index += accepted + 1
+            # The next cycle is on the device before the host hands these tokens out.
+            proposals, verify, choices = launch(choices[accepted : accepted + 1], index)
+            stats.record_cycle(accepted)
+            last = committed[-1:]
             yield committed
-
-
-def cache_arrays(cache: list) -> list[mx.array]:
-    """Every array a list of layer caches holds (for eval and for memory accounting)."""
-    arrays = []
-    for c in cache:
-        if c is None:
-            continue
-        if hasattr(c, "cache"):  # mlx-lm ArraysCache (GatedDeltaNet conv and recurrent state)
-            arrays.extend(a for a in c.cache if a is not None)
-        elif getattr(c, "keys", None) is not None:
-            arrays.extend([c.keys, c.values])
-    return arrays

@@ -16,6 +16,7 @@ from .adapters import TargetAdapter, adapter_for
 from .drafter import DFlashDrafter, load_drafter
 from .engine import Engine
 from .hub import DRAFTER_FILES, TARGET_FILES, resolve
+from .prefix_cache import PrefixCache
 from .registry import find_pair
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def load_model(
     block_size: Optional[int] = None,
     dtype: Optional[str] = None,
     quantize_bits: Optional[int] = None,
+    prefix_cache_bytes: int = 0,
 ) -> LoadedModel:
     drafter, drafter_revision, off_reason = choose_drafter(target, drafter, drafter_revision)
     target_path = resolve(target, target_revision, files=TARGET_FILES)
@@ -150,11 +152,12 @@ def load_model(
         prefill_chunk=prefill_chunk,
         max_context=max_context or max_position_embeddings(config),
         drafter_off_reason=off_reason,
+        prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None,
     )
     return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
 
 
-def load_configured(spec, prefill_chunk: int = 2048) -> LoadedModel:
+def load_configured(spec, prefill_chunk: int = 2048, prefix_cache_bytes: int = 0) -> LoadedModel:
     """Load a `settings.ModelSettings` entry."""
     return load_model(
         spec.target,
@@ -166,6 +169,7 @@ def load_configured(spec, prefill_chunk: int = 2048) -> LoadedModel:
         block_size=spec.block_size,
         dtype=spec.dtype,
         quantize_bits=spec.quantize_bits,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
 
 

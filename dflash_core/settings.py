@@ -64,6 +64,7 @@ class Settings(Strict):
     default_model: Optional[str] = None
     memory_budget_gb: Optional[float] = Field(None, gt=0, description="unload least recently used models above this")
     prefill_chunk: int = Field(2048, ge=16)
+    prefix_cache_gb: float = Field(2.0, ge=0, description="per model, for reusing prompt prefixes; 0 disables")
 
     @model_validator(mode="after")
     def _unique_names(self):

@@ -30,9 +30,15 @@ class Metrics:
         self.proposed = Counter("dflash_spec_draft_tokens_proposed", "Draft tokens proposed", registry=r)
         self.accepted = Counter("dflash_spec_draft_tokens_accepted", "Draft tokens accepted", registry=r)
         self.accepted_at = Counter("dflash_spec_accepted_by_position", "Accepted drafts by block position", ["position"], registry=r)
+        self.prefix_hits = Counter("dflash_prefix_cache_hits", "Requests that reused a cached prompt prefix", registry=r)
+        self.prefix_misses = Counter("dflash_prefix_cache_misses", "Requests that computed their whole prompt", registry=r)
+        self.prefix_cached_tokens = Counter("dflash_prefix_cache_tokens", "Prompt tokens reused from the cache", registry=r)
         self.spec_off = Counter("dflash_spec_off_requests", "Requests decoded without speculation", ["reason"], registry=r)
 
     def record_generation(self, stats: GenerationStats) -> None:
+        cached = stats.prompt_tokens - stats.prefill_tokens
+        (self.prefix_hits if cached else self.prefix_misses).inc()
+        self.prefix_cached_tokens.inc(cached)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.prefill_tokens.inc(stats.prefill_tokens)
         self.generated_tokens.inc(stats.generated_tokens)

@@ -61,8 +61,8 @@ class ServedModel:
         return out
 
 
-def load_served(spec: ModelSettings, prefill_chunk: int) -> ServedModel:
-    loaded = load_configured(spec, prefill_chunk)
+def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache_gb: float = 0.0) -> ServedModel:
+    loaded = load_configured(spec, prefill_chunk, int(prefix_cache_gb * 1e9))
     hf = getattr(loaded.engine.tokenizer, "_tokenizer", loaded.engine.tokenizer)
     return ServedModel(spec, loaded, markers_for_tokenizer(getattr(hf, "chat_template", None), hf.get_vocab()))
 
@@ -129,7 +129,7 @@ class ModelPool:
         if budget is not None:
             self._make_room(int(budget * 1e9) - estimated_bytes(spec))
         log.info("loading model %s (target %s, drafter %s)", spec.name, spec.target, spec.drafter)
-        served = load_served(spec, self.settings.prefill_chunk)
+        served = load_served(spec, self.settings.prefill_chunk, self.settings.prefix_cache_gb)
         self._served[spec.name] = served
         return served
 

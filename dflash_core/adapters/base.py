@@ -23,11 +23,17 @@ class Forward:
     tape: Any  # what rollback() needs; None unless record=True
 
 
+# Decode and verify forwards (at most this many tokens) run each layer as a few compiled
+# functions: building a graph of thousands of small ops on the host otherwise bounds a step.
+COMPILED_MAX_TOKENS = 16
+
+
 class TargetAdapter:
     family = "base"
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self._compiled_fns: dict = {}
         # Vision-language checkpoints wrap the text model; only the language model is served.
         self.text_model = getattr(model, "language_model", model)
         self.inner = self.text_model.model
@@ -66,6 +72,13 @@ class TargetAdapter:
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and LM head exactly as the mlx-lm model computes them."""
         return self.lm_head(self.inner.norm(hidden))
+
+    def compiled(self, key, make):
+        """mx.compile(make()) once per key (traced again only for new input shapes)."""
+        fn = self._compiled_fns.get(key)
+        if fn is None:
+            fn = self._compiled_fns[key] = mx.compile(make())
+        return fn
 
     # ----- the family-specific part
     def make_cache(self, max_rollback: int) -> list:

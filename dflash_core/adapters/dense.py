@@ -3,10 +3,35 @@ MoE). Every cache is a trimmable KV cache, so rollback is a trim."""
 
 from __future__ import annotations
 
-from mlx_lm.models.base import create_attention_mask
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from .base import TargetAdapter
+from .base import COMPILED_MAX_TOKENS, TargetAdapter
+
+
+def attention_inputs(layer):
+    """input norm -> q, k, v with per-head norms and RoPE at an array offset (Qwen3 attention)."""
+    attn = layer.self_attn
+
+    def pre(h, offset):
+        B, L, _ = h.shape
+        x = layer.input_layernorm(h)
+        q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+    return pre
+
+
+def attention_output_and_mlp(layer):
+    def post(h, attended):
+        B, L, _ = h.shape
+        h = h + layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return post
 
 
 class DenseAdapter(TargetAdapter):
@@ -17,10 +42,21 @@ class DenseAdapter(TargetAdapter):
 
     def run_layers(self, tokens, cache, tap_ids, tape):
         h = self.embed(tokens)
-        mask = create_attention_mask(h, cache[0])
         tapped = {}
+        if tokens.shape[1] > COMPILED_MAX_TOKENS:  # prefill: large ops, graph building is cheap
+            mask = create_attention_mask(h, cache[0])
+            for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+                h = layer(h, mask, layer_cache)
+                if i in tap_ids:
+                    tapped[i] = h
+            return h, tapped
+        offset = mx.array(cache[0].offset)
+        mask = None if tokens.shape[1] == 1 else "causal"
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = layer(h, mask, layer_cache)
+            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer))(h, offset)
+            k, v = layer_cache.update_and_fetch(k, v)
+            attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=mask)
+            h = self.compiled(("post", i), lambda: attention_output_and_mlp(layer))(h, attended)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

@@ -9,10 +9,57 @@ earlier layer of the same type, sliding-window layers, and logit soft-capping. S
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from ..cache import SlidingWindowCache
-from .base import TargetAdapter
+from .base import COMPILED_MAX_TOKENS, TargetAdapter
+
+
+def attention_inputs(layer):
+    """Gemma 4 attention up to the cache: q, and k, v unless this layer shares another's."""
+    attn = layer.self_attn
+
+    def pre(h, offset):
+        B, L, _ = h.shape
+        x = layer.input_layernorm(h)
+        q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, attn.head_dim)).transpose(0, 2, 1, 3)
+        q = attn.rope(q, offset=offset)
+        if not attn.has_kv:
+            return (q,)
+        k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        v = k if attn.use_k_eq_v else attn.v_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
+        v = attn.v_norm(v).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    return pre
+
+
+def attention_output_and_feed_forward(layer):
+    """Everything mlx-lm's DecoderLayer does after attention (MoE and per-layer input included)."""
+
+    def post(h, attended, *per_layer_input):
+        per_layer_input = per_layer_input[0] if per_layer_input else None
+        B, L, _ = h.shape
+        out = layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        h = h + layer.post_attention_layernorm(out)
+        residual = h
+        if layer.enable_moe:
+            dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            top_k_indices, top_k_weights = layer.router(h)
+            experts = layer.experts(layer.pre_feedforward_layernorm_2(h), top_k_indices, top_k_weights)
+            h = dense + layer.post_feedforward_layernorm_2(experts)
+        else:
+            h = layer.mlp(layer.pre_feedforward_layernorm(h))
+        h = residual + layer.post_feedforward_layernorm(h)
+        if layer.per_layer_input_gate is not None and per_layer_input is not None:
+            gate = nn.gelu_approx(layer.per_layer_input_gate(h)) * per_layer_input
+            h = h + layer.post_per_layer_input_norm(layer.per_layer_projection(gate))
+        return h * layer.layer_scalar if layer.layer_scalar is not None else h
+
+    return post
 
 
 class Gemma4Adapter(TargetAdapter):
@@ -58,6 +105,8 @@ class Gemma4Adapter(TargetAdapter):
             per_layer = [projected[:, :, i, :] for i in range(len(self.layers))]
         masks = self._masks(tokens.shape[1], cache)
         cache = cache + [None] * (len(self.layers) - len(cache))
+        if tokens.shape[1] <= COMPILED_MAX_TOKENS:
+            return self._compiled_layers(h, cache, masks, per_layer, tap_ids)
         shared = [(None, None)] * len(self.layers)
         tapped = {}
         for i, layer in enumerate(self.layers):
@@ -71,6 +120,28 @@ class Gemma4Adapter(TargetAdapter):
                 offset=offset,
             )
             shared[i] = (kvs, offset)
+            if i in tap_ids:
+                tapped[i] = h
+        return h, tapped
+
+    def _compiled_layers(self, h, cache, masks, per_layer, tap_ids):
+        """Decode and verify: each layer as two compiled functions around the cache update."""
+        offset = mx.array(next(c for c in cache if c is not None).offset)
+        shared = [None] * len(self.layers)
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            inputs = self.compiled(("pre", i), lambda: attention_inputs(layer))(h, offset)
+            if attn.has_kv:
+                q, k, v = inputs
+                k, v = cache[i].update_and_fetch(k, v)
+                shared[i] = (k, v)
+            else:
+                (q,) = inputs
+                k, v = shared[i] = shared[self.inner.previous_kvs[i]]
+            attended = scaled_dot_product_attention(q, k, v, cache=cache[i], scale=attn.scale, mask=masks[layer.layer_type])
+            post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer))
+            h = post(h, attended, *(() if per_layer[i] is None else (per_layer[i],)))
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

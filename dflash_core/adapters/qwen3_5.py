@@ -11,12 +11,73 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..kernels.gated_delta import gated_delta
-from .base import TargetAdapter
+from .base import COMPILED_MAX_TOKENS, TargetAdapter
+
+
+def gated_delta_layer(layer):
+    """A whole GatedDeltaNet decoder layer as a pure function of (h, conv state, recurrent state):
+    mlx-lm's GatedDeltaNet.__call__ for one unpadded sequence, plus the MLP, returning what a
+    rollback replays (conv input and the recurrence's step inputs)."""
+    m = layer.linear_attn
+
+    def block(h, conv_state, state):
+        B, S, _ = h.shape
+        x = layer.input_layernorm(h)
+        qkv = m.in_proj_qkv(x)
+        z = m.in_proj_z(x).reshape(B, S, m.num_v_heads, m.head_v_dim)
+        b = m.in_proj_b(x)
+        a = m.in_proj_a(x)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        conv_out = nn.silu(m.conv1d(conv_input))
+        q, k, v = [
+            t.reshape(B, S, heads, dim)
+            for t, heads, dim in zip(
+                mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
+                [m.num_k_heads, m.num_k_heads, m.num_v_heads],
+                [m.head_k_dim, m.head_k_dim, m.head_v_dim],
+            )
+        ]
+        q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
+        g = compute_g(m.A_log, a, m.dt_bias)
+        beta = mx.sigmoid(b)
+        y, new_state = gated_delta(q, k, v, g, beta, state)
+        h = h + m.out_proj(m.norm(y, z).reshape(B, S, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        new_conv_state = conv_input[:, -(m.conv_kernel_size - 1) :]
+        return h, new_conv_state, new_state, (conv_input, q, k, v, g, beta)
+
+    return block
+
+
+def gated_attention_inputs(layer):
+    """Qwen3-Next attention up to the cache: q (with its output gate), k, v, RoPE at an array offset."""
+    attn = layer.self_attn
+
+    def pre(h, offset):
+        B, L, _ = h.shape
+        x = layer.input_layernorm(h)
+        queries, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+        q = attn.q_norm(queries).transpose(0, 2, 1, 3)
+        k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v, gate.reshape(B, L, -1)
+
+    return pre
+
+
+def gated_attention_output_and_mlp(layer):
+    def post(h, attended, gate):
+        B, L, _ = h.shape
+        out = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        h = h + layer.self_attn.o_proj(out * mx.sigmoid(gate))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return post
 
 
 class Qwen35Adapter(TargetAdapter):
@@ -27,14 +88,28 @@ class Qwen35Adapter(TargetAdapter):
 
     def run_layers(self, tokens, cache, tap_ids, tape):
         h = self.embed(tokens)
+        B, S = tokens.shape
+        small = S <= COMPILED_MAX_TOKENS  # decode and verify: compiled blocks
         attention_cache = next(c for c, layer in zip(cache, self.layers) if not layer.is_linear)
+        offset = mx.array(attention_cache.offset)
         mask = create_attention_mask(h, attention_cache)
         tapped = {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             if layer.is_linear:
-                mixed = gated_delta_mixer(layer.linear_attn, layer.input_layernorm(h), layer_cache, tape)
-                h = h + mixed
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                m = layer.linear_attn
+                conv_state, state = layer_cache[0], layer_cache[1]
+                if conv_state is None:
+                    conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
+                    state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+                block = self.compiled(("gdn", i), lambda: gated_delta_layer(layer)) if small else gated_delta_layer(layer)
+                h, layer_cache[0], layer_cache[1], steps = block(h, conv_state, state)
+                if tape is not None:
+                    tape.append((*steps, state))
+            elif small:
+                q, k, v, gate = self.compiled(("pre", i), lambda: gated_attention_inputs(layer))(h, offset)
+                k, v = layer_cache.update_and_fetch(k, v)
+                attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=mask)
+                h = self.compiled(("post", i), lambda: gated_attention_output_and_mlp(layer))(h, attended, gate)
             else:
                 h = layer(h, mask, layer_cache)
             if i in tap_ids:
@@ -54,41 +129,9 @@ class Qwen35Adapter(TargetAdapter):
             # Conv state after `keep` tokens: the K-1 inputs ending at the last kept token.
             kernel = layer.linear_attn.conv_kernel_size
             layer_cache[0] = mx.contiguous(conv_input[:, keep : keep + kernel - 1])
-            _, layer_cache[1] = gated_delta(
-                q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], beta[:, :keep], state
-            )
-
-
-def gated_delta_mixer(m, x: mx.array, cache: ArraysCache, tape: list | None) -> mx.array:
-    """mlx-lm's GatedDeltaNet.__call__ for one unpadded sequence, keeping rollback inputs."""
-    B, S, _ = x.shape
-    qkv = m.in_proj_qkv(x)
-    z = m.in_proj_z(x).reshape(B, S, m.num_v_heads, m.head_v_dim)
-    b = m.in_proj_b(x)
-    a = m.in_proj_a(x)
-
-    conv_state = cache[0]
-    if conv_state is None:
-        conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=x.dtype)
-    conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    cache[0] = mx.contiguous(conv_input[:, -(m.conv_kernel_size - 1) :])
-    conv_out = nn.silu(m.conv1d(conv_input))
-
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
-            [m.num_k_heads, m.num_k_heads, m.num_v_heads],
-            [m.head_k_dim, m.head_k_dim, m.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
-    g = compute_g(m.A_log, a, m.dt_bias)
-    beta = mx.sigmoid(b)
-    state = cache[1]
-    if state is None:
-        state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-    y, cache[1] = gated_delta(q, k, v, g, beta, state)
-    if tape is not None:
-        tape.append((conv_input, q, k, v, g, beta, state))
-    return m.out_proj(m.norm(y, z).reshape(B, S, -1))
+            if keep == 0:
+                layer_cache[1] = state
+            else:
+                _, layer_cache[1] = gated_delta(
+                    q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], beta[:, :keep], state
+                )

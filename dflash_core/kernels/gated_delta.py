@@ -3,6 +3,8 @@
     state_t = g_t * state_{t-1} + k_t (beta_t * (v_t - (g_t * state_{t-1}) k_t))^T ;  y_t = state_t q_t
 
 Shapes: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] (float32).
+Metal keeps mlx-lm's kernel, CUDA uses ours (gated_delta_cuda.py), everything else the pure-MLX
+reference, which tests compare every available path against.
 """
 
 from __future__ import annotations
@@ -11,12 +13,24 @@ import mlx.core as mx
 from mlx_lm.models import gated_delta as mlx_lm_gated_delta
 
 from . import backend
+from . import gated_delta_cuda
+
+
+def path_for(q, v, g) -> str:
+    if backend() == "metal" and q.shape[-1] % 32 == 0:
+        return "metal"
+    if backend() == "cuda" and gated_delta_cuda.supported(q, v, g):
+        return "cuda"
+    return "reference"
 
 
 def gated_delta(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
     """Run T steps of the recurrence; returns (y [B, T, Hv, Dv], final state)."""
-    if backend() == "metal" and k.shape[-1] % 32 == 0:
+    path = path_for(q, v, g)
+    if path == "metal":
         return mlx_lm_gated_delta.gated_delta_kernel(q, k, v, g, beta, state)
+    if path == "cuda":
+        return gated_delta_cuda.gated_delta_cuda(q, k, v, g, beta, state)
     return reference(q, k, v, g, beta, state)
 
 
@@ -27,6 +41,8 @@ def reference(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
 
 def active_path() -> str:
     """Which implementation `gated_delta` uses here (for `dflash doctor`)."""
-    if backend() == "metal":
-        return "mlx-lm Metal kernel"
-    return "pure MLX (one compiled step per token)"
+    return {
+        "metal": "mlx-lm Metal kernel",
+        "cuda": "dflash CUDA kernel (one launch per layer)",
+        "cpu": "pure MLX (one compiled step per token)",
+    }[backend()]

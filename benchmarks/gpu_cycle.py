@@ -1,0 +1,266 @@
+"""What one DFlash cycle costs on the accelerator, at the real shapes of the supported targets.
+
+Random-weight targets and drafters at real shapes (no downloads), bf16 and 4-bit. For each context
+length, in one run: prefill tok/s; target-alone decode ms for this engine and for stock mlx-lm;
+verify-16 ms (a 16-token forward with taps, then rollback, with and without the GatedDeltaNet
+replay a partial acceptance needs); draft ms; and end-to-end tokens/s of the engine's own loop with
+a FORCED acceptance of 3, 5 and 6.5 tokens per cycle (the target's choice is overridden to agree
+with the drafts: this measures speed, not acceptance).
+
+    python benchmarks/gpu_cycle.py --models qwen3.5-9b --quant bf16 --contexts 1024,8192 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.adapters import adapter_for  # noqa: E402
+from dflash_core.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids  # noqa: E402
+from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.kernels import backend  # noqa: E402
+from dflash_core.kernels.gated_delta import active_path  # noqa: E402
+from dflash_core.prefix_cache import PrefixCache  # noqa: E402
+from dflash_core.synthetic import REAL_SHAPES, random_model, target_config  # noqa: E402
+
+# Released drafters' shapes (REFERENCE.md §2): layers, heads, kv heads, intermediate, taps, mask,
+# layer types (sliding window) of the z-lab checkpoint for each target.
+DRAFTERS = {
+    "qwen3-8b": dict(layers=5, heads=32, kv=8, inter=12288, taps=[1, 9, 17, 25, 33], mask=151669),
+    "qwen3.5-9b": dict(layers=5, heads=32, kv=8, inter=12288, taps=[1, 8, 15, 22, 29], mask=248070),
+    "qwen3.5-27b": dict(layers=5, heads=32, kv=8, inter=17408, taps=[1, 16, 31, 46, 61], mask=248070),
+    "qwen3.6-35b-a3b": dict(layers=6, heads=32, kv=8, inter=6144, taps=[1, 6, 11, 16, 22, 27, 32, 37], mask=248077,
+                            sliding=(5, 4096)),
+    "gemma-4-31b": dict(layers=5, heads=64, kv=8, inter=10752, taps=[1, 12, 23, 35, 46, 57], mask=4,
+                        sliding=(4, 2048), softcap=30.0),
+}
+FORCED = {"3": [2], "5": [4], "6.5": [5, 6]}  # accepted drafts per cycle -> tokens per cycle
+
+
+def build_target(name: str, quant: str, layers: int | None, tiny: bool = False):
+    family = REAL_SHAPES[name]["family"]
+    shape = {"base": "tiny" if tiny else name}
+    if layers:  # fewer layers for a quick look; the full model is the default
+        shape["num_hidden_layers"] = layers
+        if "layer_types" in REAL_SHAPES[name] and not tiny:
+            shape["layer_types"] = REAL_SHAPES[name]["layer_types"][:layers]
+    model = random_model(target_config(family, shape), dtype="float32" if tiny else "bfloat16")
+    if quant == "4bit":
+        predicate = getattr(model, "quant_predicate", None)
+        nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: (
+            hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0 and (predicate(p, m) if predicate else True)))
+    mx.eval(model.parameters())
+    return adapter_for(model)
+
+
+def build_drafter(name: str, target, tiny: bool = False) -> DFlashDrafter:
+    d = DRAFTERS[name]
+    if tiny:  # script smoke test on a CPU
+        d = {**d, "layers": 2, "heads": 4, "kv": 2, "inter": 128, "taps": [1, 2], "mask": 3,
+             "sliding": (1, 8) if "sliding" in d else (0, None)}
+    n_sliding, window = d.get("sliding", (0, None))
+    taps = [t for t in d["taps"] if t < target.num_layers] or default_target_layer_ids(target.num_layers, 3)
+    raw = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": target.hidden_size, "num_hidden_layers": d["layers"],
+        "num_attention_heads": d["heads"], "num_key_value_heads": d["kv"], "head_dim": 16 if tiny else 128,
+        "intermediate_size": d["inter"], "vocab_size": target.vocab_size, "rope_theta": 10000000.0,
+        "layer_types": ["sliding_attention"] * n_sliding + ["full_attention"] * (d["layers"] - n_sliding),
+        "sliding_window": window,
+        "dflash_config": {"block_size": 16, "target_layer_ids": taps, "mask_token_id": d["mask"],
+                          "final_logit_softcapping": d.get("softcap")},
+    }
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    drafter.set_dtype(target.dtype)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+class ForcedAcceptance:
+    """A target whose choice at each verify row is overridden so that exactly `schedule[cycle]`
+    drafts are accepted. Everything else (forward, taps, rollback) is the real adapter."""
+
+    def __init__(self, target, schedule, block=16):
+        self.target, self.schedule, self.block, self.cycle = target, schedule, block, 0
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
+        out = self.target.forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
+        if tokens.shape[1] != self.block:
+            return out
+        accept = self.schedule[self.cycle % len(self.schedule)]
+        self.cycle += 1
+        drafts = tokens[0, 1:]
+        wanted = mx.concatenate([drafts[:accept], (drafts[accept: accept + 1] + 1) % self.vocab_size,
+                                 drafts[accept + 1:], mx.zeros((1,), mx.int32)])[: self.block]
+        boost = (mx.arange(self.vocab_size)[None] == wanted[:, None]).astype(out.logits.dtype) * 1e4
+        return SimpleNamespace(logits=out.logits + boost[None], taps=out.taps, tape=out.tape)
+
+
+def weight_bytes_per_token(adapter) -> int:
+    """Bytes a decode step reads: all weights but the embedding table (unless it is the LM
+    head) and, for MoE, only the experts a token uses."""
+    args = adapter.text_model.args
+    total = 0
+    for path, value in tree_flatten(adapter.model.parameters()):
+        if "embed_tokens" in path and not getattr(args, "tie_word_embeddings", False):
+            continue
+        if "switch_mlp" in path or "experts" in path:
+            total += value.nbytes * args.num_experts_per_tok // args.num_experts
+        else:
+            total += value.nbytes
+    return total
+
+
+def median_of(fn, repeats=3):
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def timed(fn, repeats):
+    """Seconds per call of fn() (which returns arrays to evaluate), synchronised at both ends."""
+    mx.eval(fn())
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn()
+    mx.eval(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def stock_decode_ms(adapter, cache, steps=32) -> float:
+    """mlx-lm's own model and caches, pipelined as mlx-lm's generate_step does."""
+    model = adapter.model
+    token = mx.array([[1]])
+    logits = model(token, cache=cache)
+    y = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(y)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next_y = mx.argmax(model(y[None], cache=cache)[:, -1], axis=-1)
+        mx.async_eval(next_y)
+        y.item()
+        y = next_y
+    y.item()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def run_context(name, adapter, drafter, context, decode_tokens, rng_seed=0):
+    mx.random.seed(rng_seed)
+    prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
+    engine = Engine(adapter, None, drafter, prefill_chunk=4096, prefix_cache=PrefixCache(16 << 30))
+    engine.tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
+    result = {"context": context}
+
+    def gen(eng, n, **kw):
+        chunks = list(eng.generate(prompt, max_tokens=n, stop_token_ids=set(), **kw))
+        return chunks[-1].stats
+
+    stats = gen(engine, 2)  # real prefill (and the snapshot later runs start from)
+    result["prefill_tok_s"] = context / stats.prefill_seconds
+    assert gen(engine, 2).prefill_tokens == 0
+
+    def alone():
+        s = gen(engine, decode_tokens, speculative=False)
+        return s.decode_seconds / (s.generated_tokens - 1) * 1e3
+
+    result["decode_ms"] = median_of(alone)
+    snapshot = engine.prefix_cache.lookup(prompt, need_context=True)
+    if adapter.family != "gemma4":  # the same cache classes mlx-lm uses
+        result["stock_decode_ms"] = median_of(lambda: stock_decode_ms(adapter, snapshot.restore()[0]))
+
+    # Micro: verify 16 + rollback (full acceptance: no replay; one token kept: GatedDeltaNet replay).
+    taps = drafter.config.target_layer_ids
+    block = mx.random.randint(0, adapter.vocab_size, (1, 16))
+
+    def verify(keep):
+        cache, _ = snapshot.restore()
+
+        def step():
+            out = adapter.forward(block, cache, taps, record=True)
+            adapter.rollback(cache, out.tape, keep=keep)
+            return [out.logits, out.taps] + [a for c in cache if c is not None for a in _arrays(c)]
+        return timed(step, 8) * 1e3
+
+    result["verify16_full_accept_ms"] = median_of(lambda: verify(16))
+    result["verify16_replay_ms"] = median_of(lambda: verify(1))
+
+    def draft():
+        _, context_cache = snapshot.restore()
+        taps16 = mx.random.normal((1, 16, len(taps) * adapter.hidden_size)).astype(adapter.dtype)
+        bonus = mx.array([1])
+
+        def step():
+            drafter.add_context(taps16[:, :1], context_cache)
+            return [drafter.propose(bonus, adapter, context_cache)]
+        return timed(step, 8) * 1e3
+
+    result["draft_ms"] = median_of(draft)
+    for label, schedule in FORCED.items():
+        forced = Engine(ForcedAcceptance(adapter, schedule), engine.tokenizer, drafter, prefill_chunk=4096,
+                        prefix_cache=engine.prefix_cache)
+
+        def spec():
+            s = gen(forced, decode_tokens * 4)
+            return s.decode_seconds, s.cycles, s.generated_tokens, s.tokens_per_cycle
+
+        runs = [spec() for _ in range(3)]
+        seconds, cycles, tokens, per_cycle = sorted(runs)[1]
+        result[f"forced_{label}"] = {"tok_s": (tokens - 1) / seconds, "cycle_ms": seconds / cycles * 1e3,
+                                     "tokens_per_cycle": per_cycle}
+    return result
+
+
+def _arrays(cache):
+    if hasattr(cache, "cache"):
+        return [a for a in cache.cache if a is not None]
+    return [a for a in (getattr(cache, "keys", None), getattr(cache, "values", None)) if a is not None]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="qwen3.5-9b,qwen3.5-27b,qwen3.6-35b-a3b,gemma-4-31b,qwen3-8b")
+    parser.add_argument("--quant", default="bf16,4bit")
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--layers", type=int, help="truncate targets to this many layers (quick looks only)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
+    args = parser.parse_args()
+    report = {"device": str(mx.default_device()), "backend": backend(), "gated_delta": active_path(),
+              "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "results": []}
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
+    for name in args.models.split(","):
+        for quant in args.quant.split(","):
+            started = time.perf_counter()
+            adapter = build_target(name, quant, args.layers, args.tiny)
+            drafter = build_drafter(name, adapter, args.tiny)
+            entry = {"model": name, "quant": quant, "layers": adapter.num_layers,
+                     "weight_gb_per_token": weight_bytes_per_token(adapter) / 1e9, "contexts": []}
+            for context in (int(c) for c in args.contexts.split(",")):
+                row = run_context(name, adapter, drafter, context, args.decode_tokens)
+                row["weight_tb_s"] = entry["weight_gb_per_token"] / row["decode_ms"]  # GB/ms == TB/s
+                row["verify_over_decode"] = row["verify16_full_accept_ms"] / row["decode_ms"]
+                entry["contexts"].append(row)
+                print(json.dumps({"model": name, "quant": quant, **row}), flush=True)
+            entry["seconds"] = time.perf_counter() - started
+            report["results"].append(entry)
+            del adapter, drafter
+            mx.clear_cache()
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Micro-benchmarks of the pieces a DFlash cycle is made of, on the accelerator.
+
+- the gated delta recurrence: our kernel against the pure-MLX path, T = 1, 16 and prefill sizes;
+- attention of 1 and 16 queries over long caches, head_dim 256 (Qwen3.5) and 512 (Gemma 4 global);
+- weight streaming of small-M matmuls (M = 1..16) in bf16 and 4-bit, against a plain copy;
+- GatedDeltaNet's depthwise conv for a decode step and a verify block.
+
+    python benchmarks/gpu_kernels.py --out kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.kernels import backend  # noqa: E402
+from dflash_core.kernels import gated_delta as gd  # noqa: E402
+
+
+def bench(fn, warmup=3, iters=20) -> float:
+    """Seconds per call; fn returns the arrays to evaluate."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    start = time.perf_counter()
+    for _ in range(iters):
+        mx.eval(fn())
+    return (time.perf_counter() - start) / iters
+
+
+def gated_delta_rows():
+    rows = []
+    B, Hk, Hv, Dk, Dv = 1, 16, 32, 128, 128  # Qwen3.5-9B's linear attention
+    for T in (1, 16, 2048, 8192):
+        q = (mx.random.normal((B, T, Hk, Dk)) / Dk**0.5).astype(mx.bfloat16)
+        k = (mx.random.normal((B, T, Hk, Dk)) / Dk**0.5).astype(mx.bfloat16)
+        v = mx.random.normal((B, T, Hv, Dv)).astype(mx.bfloat16)
+        g = mx.exp(-mx.random.uniform(0.0, 0.5, (B, T, Hv)))
+        beta = mx.sigmoid(mx.random.normal((B, T, Hv))).astype(mx.bfloat16)
+        state = mx.zeros((B, Hv, Dv, Dk))
+        mx.eval(q, k, v, g, beta, state)
+        row = {"T": T, "path": gd.path_for(q, v, g)}
+        row["kernel_ms"] = bench(lambda: gd.gated_delta(q, k, v, g, beta, state), iters=5 if T > 1000 else 20) * 1e3
+        if T <= 2048:
+            row["reference_ms"] = bench(lambda: gd.reference(q, k, v, g, beta, state), warmup=1,
+                                        iters=2 if T > 1000 else 10) * 1e3
+            y, s = gd.gated_delta(q, k, v, g, beta, state)
+            y_ref, s_ref = gd.reference(q, k, v, g, beta, state)
+            row["max_abs_diff_state"] = mx.abs(s - s_ref).max().item()
+        row["tokens_per_s"] = T / row["kernel_ms"] * 1e3
+        rows.append(row)
+        print(json.dumps({"gated_delta": row}), flush=True)
+    return rows
+
+
+def attention_rows():
+    rows = []
+    for label, heads, kv_heads, dim in (("qwen3.5 hd256", 16, 4, 256), ("gemma4 global hd512", 32, 4, 512)):
+        for keys in (1024, 8192, 32768):
+            k = mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16)
+            v = mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16)
+            mx.eval(k, v)
+            row = {"shape": label, "keys": keys}
+            for L in (1, 16):
+                q = mx.random.normal((1, heads, L, dim)).astype(mx.bfloat16)
+                mask = None if L == 1 else "causal"
+                row[f"q{L}_ms"] = bench(lambda: mx.fast.scaled_dot_product_attention(
+                    q, k, v, scale=dim**-0.5, mask=mask)) * 1e3
+            kv_bytes = 2 * k.nbytes
+            row["q1_tb_s"] = kv_bytes / row["q1_ms"] / 1e9
+            row["q16_tb_s"] = kv_bytes / row["q16_ms"] / 1e9
+            rows.append(row)
+            print(json.dumps({"attention": row}), flush=True)
+    return rows
+
+
+def streaming_rows():
+    rows = []
+    K, N, layers = 4096, 12288, 8  # eight 4096x12288 weights: 800 MB in bf16, far past L2
+    weights = [mx.random.normal((N, K)).astype(mx.bfloat16) for _ in range(layers)]
+    quantized = [mx.quantize(w, group_size=64, bits=4) for w in weights]
+    mx.eval(weights, quantized)
+    bf16_bytes = sum(w.nbytes for w in weights)
+    q4_bytes = sum(sum(a.nbytes for a in q) for q in quantized)
+    src = mx.zeros((bf16_bytes // 2,), mx.bfloat16)
+    copy_s = bench(lambda: [src + 0])  # read + write
+    rows.append({"op": "copy (read+write)", "tb_s": 2 * src.nbytes / copy_s / 1e12})
+    for M in (1, 2, 4, 8, 16):
+        x = mx.random.normal((M, K)).astype(mx.bfloat16)
+        t = bench(lambda: [x @ w.T for w in weights])
+        tq = bench(lambda: [mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4) for q in quantized])
+        row = {"M": M, "bf16_tb_s": bf16_bytes / t / 1e12, "q4_tb_s": q4_bytes / tq / 1e12,
+               "bf16_ms_per_layer": t / layers * 1e3, "q4_ms_per_layer": tq / layers * 1e3}
+        rows.append(row)
+        print(json.dumps({"streaming": row}), flush=True)
+    return rows
+
+
+def conv_rows():
+    rows = []
+    channels, kernel = 2 * 16 * 128 + 32 * 128, 4  # Qwen3.5-9B: conv over q, k and v
+    conv = nn.Conv1d(channels, channels, kernel, groups=channels, bias=False)
+    conv.set_dtype(mx.bfloat16)
+    mx.eval(conv.parameters())
+    for T in (1, 16):
+        x = mx.random.normal((1, T + kernel - 1, channels)).astype(mx.bfloat16)
+        w = conv.weight  # [C, K, 1]
+        t_conv = bench(lambda: [conv(x)])
+        t_shift = bench(lambda: [sum(x[:, j: j + T] * w[:, j, 0] for j in range(kernel))])
+        rows.append({"T": T, "conv1d_ms": t_conv * 1e3, "shifted_sum_ms": t_shift * 1e3})
+        print(json.dumps({"conv": rows[-1]}), flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, conv")
+    args = parser.parse_args()
+    sections = {"gated_delta": gated_delta_rows, "attention": attention_rows, "streaming": streaming_rows,
+                "conv": conv_rows}
+    chosen = args.only.split(",") if args.only else list(sections)
+    report = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
+              "date": time.strftime("%Y-%m-%d")}
+    print(json.dumps(report), flush=True)
+    for name in chosen:
+        report[name] = sections[name]()
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

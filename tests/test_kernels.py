@@ -1,0 +1,95 @@
+"""Every available implementation of each custom kernel against the pure-MLX reference.
+
+On this CPU-only CI the reference is checked against NumPy and the accelerator paths are skipped;
+the GPU benchmark run executes this file on the device too (see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_core.kernels import backend
+from dflash_core.kernels import gated_delta as gd
+
+SHAPES = [  # B, T, Hk, Hv, Dk, Dv
+    (1, 1, 2, 4, 32, 16),
+    (1, 16, 2, 4, 64, 32),
+    (1, 16, 16, 32, 128, 128),
+    (2, 300, 2, 2, 128, 64),
+]
+
+
+def _inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((B, T, Hk, Dk)) / Dk**0.5
+    k = mx.random.normal((B, T, Hk, Dk)) / Dk**0.5
+    v = mx.random.normal((B, T, Hv, Dv))
+    g = mx.exp(-mx.random.uniform(0.0, 0.5, (B, T, Hv)))
+    beta = mx.sigmoid(mx.random.normal((B, T, Hv)))
+    state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype), state
+
+
+def _numpy(q, k, v, g, beta, state):
+    q, k, v, g, beta, s = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v, g, beta, state))
+    B, T, Hk, _ = q.shape
+    Hv = v.shape[2]
+    ys = np.zeros(v.shape)
+    for b in range(B):
+        for h in range(Hv):
+            hk = h // (Hv // Hk)
+            for t in range(T):
+                s[b, h] *= g[b, t, h]
+                delta = (v[b, t, h] - s[b, h] @ k[b, t, hk]) * beta[b, t, h]
+                s[b, h] += np.outer(delta, k[b, t, hk])
+                ys[b, t, h] = s[b, h] @ q[b, t, hk]
+    return ys, s
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[3:])
+def test_reference_matches_numpy(shape):
+    inputs = _inputs(*shape, mx.float32)
+    y, s = gd.reference(*inputs)
+    y_np, s_np = _numpy(*inputs)
+    np.testing.assert_allclose(np.array(y), y_np, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(s), s_np, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend (run on the GPU machine)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cuda_kernel_matches_reference(shape, dtype):
+    from dflash_core.kernels.gated_delta_cuda import gated_delta_cuda
+
+    inputs = _inputs(*shape, dtype)
+    y, s = gated_delta_cuda(*inputs)
+    y_ref, s_ref = gd.reference(*inputs)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32)), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.array(s), np.array(s_ref), rtol=tol, atol=tol)
+    # A prefix of the steps gives the state the engine's rollback needs.
+    n = max(1, shape[1] // 2)
+    _, s_prefix = gated_delta_cuda(*(x[:, :n] for x in inputs[:5]), inputs[5])
+    _, s_prefix_ref = gd.reference(*(x[:, :n] for x in inputs[:5]), inputs[5])
+    np.testing.assert_allclose(np.array(s_prefix), np.array(s_prefix_ref), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(backend() != "metal", reason="needs Metal")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_metal_kernel_matches_reference(shape):
+    inputs = _inputs(*shape, mx.float32)
+    y, s = gd.gated_delta(*inputs)
+    y_ref, s_ref = gd.reference(*inputs)
+    np.testing.assert_allclose(np.array(y), np.array(y_ref), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(s), np.array(s_ref), rtol=1e-4, atol=1e-4)
+
+
+def test_gate_picks_a_path_for_this_backend():
+    q, k, v, g, beta, state = _inputs(*SHAPES[1], mx.float32)
+    expected = {"cpu": "reference", "cuda": "cuda", "metal": "metal"}[backend()]
+    assert gd.path_for(q, v, g) == expected
+    # Shapes a kernel does not handle fall back to the reference everywhere.
+    q_odd = mx.zeros((1, 2, 2, 24))
+    assert gd.path_for(q_odd, v, g) == "reference"
