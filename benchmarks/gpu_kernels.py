@@ -96,7 +96,12 @@ def streaming_rows():
         x = mx.random.normal((M, K)).astype(mx.bfloat16)
         t = bench(lambda: [x @ w.T for w in weights])
         tq = bench(lambda: [mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4) for q in quantized])
+        # The same product written other ways, in case another kernel streams better.
+        t_nn = bench(lambda: [(w @ x.T).T for w in weights])
+        x32 = mx.concatenate([x, mx.zeros((32 - M, K), x.dtype)]) if M < 32 else x
+        t_pad = bench(lambda: [(x32 @ w.T)[:M] for w in weights])
         row = {"M": M, "bf16_tb_s": bf16_bytes / t / 1e12, "q4_tb_s": q4_bytes / tq / 1e12,
+               "bf16_w_x_tb_s": bf16_bytes / t_nn / 1e12, "bf16_pad32_tb_s": bf16_bytes / t_pad / 1e12,
                "bf16_ms_per_layer": t / layers * 1e3, "q4_ms_per_layer": tq / layers * 1e3}
         rows.append(row)
         print(json.dumps({"streaming": row}), flush=True)

@@ -288,25 +288,30 @@ class DFlashDrafter(nn.Module):
             layer_cache.update_and_fetch(k, v)
 
     def _context_and_mask(self, layer: int, cache: KVCache, start: int, block: int):
+        """Keys [context buffer ; block] and the boolean mask of what each block query sees.
+
+        The context is the cache's whole buffer (it grows in steps of 256) with the unused tail
+        masked, so attention shapes change once per 256 positions rather than every cycle: on CUDA,
+        MLX builds a cuDNN graph per shape, which costs far more than the attention itself."""
         cfg = self.config
-        if cache.offset == 0:
+        if cache.keys is None:
             ctx = _empty_context(cache, self.layers[layer].self_attn, self.fc.weight.dtype)
         else:
-            ctx = cache.keys_and_values()
-        causal, sliding = cfg.is_causal(layer), cfg.is_sliding(layer)
-        if not causal and not sliding:
-            return ctx, None
+            ctx = (cache.keys, cache.values)
         first_key = 0
-        if sliding:
-            # Keys older than the first query's window can never be seen: do not even read them.
-            first_key = max(0, start - cfg.sliding_window + 1)
-            ctx = (ctx[0][..., first_key:start, :], ctx[1][..., first_key:start, :])
+        if cfg.is_sliding(layer):
+            # Keys older than the first query's window can never be seen: do not even read them
+            # (cut at a multiple of 256, for the same shape reuse).
+            first_key = max(0, start - cfg.sliding_window + 1) // 256 * 256
+            ctx = (ctx[0][..., first_key:, :], ctx[1][..., first_key:, :])
+        n_ctx = ctx[0].shape[2]
         q_pos = mx.arange(start, start + block)[:, None]
-        k_pos = mx.concatenate([mx.arange(first_key, start), mx.arange(start, start + block)])[None]
-        mask = mx.ones((block, k_pos.shape[1]), dtype=mx.bool_)
-        if causal:
+        ctx_pos = mx.arange(first_key, first_key + n_ctx)
+        k_pos = mx.concatenate([mx.where(ctx_pos < start, ctx_pos, -(1 << 30)), mx.arange(start, start + block)])[None]
+        mask = k_pos > -(1 << 30)
+        if cfg.is_causal(layer):
             mask = mask & (k_pos <= q_pos)
-        if sliding:
+        if cfg.is_sliding(layer):
             mask = mask & (mx.abs(q_pos - k_pos) < cfg.sliding_window)
         return ctx, mask
 
@@ -338,7 +343,7 @@ class DFlashDrafter(nn.Module):
         return mx.argmax(self.logits(h[:, 1:], target.lm_head), axis=-1)[0].astype(mx.int32)
 
 
-def _empty_context(cache: KVCache, attn: DrafterAttention, dtype) -> tuple[mx.array, mx.array]:
+def _empty_context(cache: KVCache, attn: "DrafterAttention", dtype) -> tuple[mx.array, mx.array]:
     empty = mx.zeros((1, attn.n_kv_heads, 0, attn.head_dim), dtype=dtype)
     return empty, empty
 

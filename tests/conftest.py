@@ -1,12 +1,19 @@
 """Shared fixtures: tiny random target/drafter pairs, built once per session."""
 
+import os
+
 import mlx.core as mx
 import pytest
 
 from dflash_core.synthetic import tiny_pair
 
-# Tests compare exact numbers; keep them on the CPU even where a GPU exists.
-mx.set_default_device(mx.cpu)
+# The suite runs on the default device, so on a GPU machine the accelerator paths (our CUDA
+# kernels, mlx-lm's Metal ones) face the same lossless tests. DFLASH_TEST_DEVICE=cpu forces the CPU.
+if os.environ.get("DFLASH_TEST_DEVICE") == "cpu":
+    mx.set_default_device(mx.cpu)
+# The test models are float32: on CUDA, keep their matmuls float32 rather than TF32, whose rounding
+# depends on the number of rows (a 16-row verify and a 1-row decode would then differ).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
 def _pair(tmp_path_factory, family):

@@ -34,6 +34,7 @@ class TargetAdapter:
     def __init__(self, model: nn.Module):
         self.model = model
         self._compiled_fns: dict = {}
+        self.compile_max_tokens = COMPILED_MAX_TOKENS  # 0: every forward eager
         # Vision-language checkpoints wrap the text model; only the language model is served.
         self.text_model = getattr(model, "language_model", model)
         self.inner = self.text_model.model

@@ -7,7 +7,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from .base import COMPILED_MAX_TOKENS, TargetAdapter
+from .base import TargetAdapter
 
 
 def attention_inputs(layer):
@@ -43,18 +43,27 @@ class DenseAdapter(TargetAdapter):
     def run_layers(self, tokens, cache, tap_ids, tape):
         h = self.embed(tokens)
         tapped = {}
-        if tokens.shape[1] > COMPILED_MAX_TOKENS:  # prefill: large ops, graph building is cheap
+        if tokens.shape[1] > self.compile_max_tokens:  # prefill: large ops, graph building is cheap
             mask = create_attention_mask(h, cache[0])
             for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
                 h = layer(h, mask, layer_cache)
                 if i in tap_ids:
                     tapped[i] = h
             return h, tapped
-        offset = mx.array(cache[0].offset)
-        mask = None if tokens.shape[1] == 1 else "causal"
+        start, length = cache[0].offset, tokens.shape[1]
+        offset = mx.array(start)
+        mask = None
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer))(h, offset)
             k, v = layer_cache.update_and_fetch(k, v)
+            if length > 1:
+                # Attend over the cache's whole buffer (it grows in steps of 256) with the tail
+                # masked: shapes then repeat across cycles, and CUDA's cuDNN attention builds one
+                # graph per shape instead of one per cycle.
+                k, v = layer_cache.keys, layer_cache.values
+                if mask is None:
+                    key_pos = mx.arange(k.shape[2])[None]
+                    mask = key_pos <= mx.arange(start, start + length)[:, None]
             attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=mask)
             h = self.compiled(("post", i), lambda: attention_output_and_mlp(layer))(h, attended)
             if i in tap_ids:

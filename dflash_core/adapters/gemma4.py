@@ -14,7 +14,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from ..cache import SlidingWindowCache
-from .base import COMPILED_MAX_TOKENS, TargetAdapter
+from .base import TargetAdapter
 
 
 def attention_inputs(layer):
@@ -105,7 +105,7 @@ class Gemma4Adapter(TargetAdapter):
             per_layer = [projected[:, :, i, :] for i in range(len(self.layers))]
         masks = self._masks(tokens.shape[1], cache)
         cache = cache + [None] * (len(self.layers) - len(cache))
-        if tokens.shape[1] <= COMPILED_MAX_TOKENS:
+        if tokens.shape[1] <= self.compile_max_tokens:
             return self._compiled_layers(h, cache, masks, per_layer, tap_ids)
         shared = [(None, None)] * len(self.layers)
         tapped = {}

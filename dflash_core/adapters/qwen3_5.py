@@ -16,7 +16,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..kernels.gated_delta import gated_delta
-from .base import COMPILED_MAX_TOKENS, TargetAdapter
+from .base import TargetAdapter
 
 
 def gated_delta_layer(layer):
@@ -89,7 +89,7 @@ class Qwen35Adapter(TargetAdapter):
     def run_layers(self, tokens, cache, tap_ids, tape):
         h = self.embed(tokens)
         B, S = tokens.shape
-        small = S <= COMPILED_MAX_TOKENS  # decode and verify: compiled blocks
+        small = S <= self.compile_max_tokens  # decode and verify: compiled blocks
         attention_cache = next(c for c, layer in zip(cache, self.layers) if not layer.is_linear)
         offset = mx.array(attention_cache.offset)
         mask = create_attention_mask(h, attention_cache)

@@ -1,0 +1,148 @@
+"""Where the time of a decode step and of a DFlash cycle goes, phase by phase (diagnostics).
+
+Each phase is timed on its own, synchronised, per iteration (medians): host graph building versus
+device time, compiled per-layer blocks versus eager ops, and effects that depend on shapes that
+change every cycle (attention over a growing cache, GatedDeltaNet replays of varying length).
+
+    python benchmarks/gpu_profile.py --model qwen3.5-9b --contexts 1024,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.kernels import gated_delta as gd  # noqa: E402
+from dflash_core.prefix_cache import PrefixCache  # noqa: E402
+from gpu_cycle import build_drafter, build_target  # noqa: E402
+
+
+def per_iteration(fn, iters=12, warmup=3) -> float:
+    """Median ms of fn() evaluated and synchronised each iteration."""
+    times = []
+    for i in range(warmup + iters):
+        start = time.perf_counter()
+        mx.eval(fn())
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def build_only(fn, iters=8) -> float:
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+        mx.eval(out)
+    return statistics.median(times[2:]) * 1e3
+
+
+def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dict:
+    adapter = build_target(name, quant, layers, tiny)
+    drafter = build_drafter(name, adapter, tiny)
+    tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
+    engine = Engine(adapter, tokenizer, drafter, prefill_chunk=4096, prefix_cache=PrefixCache(16 << 30))
+    prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
+    list(engine.generate(prompt, max_tokens=2, stop_token_ids=set()))
+    snapshot = engine.prefix_cache.lookup(prompt, need_context=True)
+    taps = drafter.config.target_layer_ids
+    one = mx.array([[7]])
+    block = mx.random.randint(0, adapter.vocab_size, (1, 16))
+    out = {"model": name, "quant": quant, "context": context}
+    for mode, limit in (("eager", 0), ("compiled", 16), ("eager", 0), ("compiled", 16)):
+        adapter.compile_max_tokens = limit
+        cache, _ = snapshot.restore()
+        decode = per_iteration(lambda: [adapter.forward(one, cache).logits])
+        decode_build = build_only(lambda: [adapter.forward(one, cache).logits])
+        cache, _ = snapshot.restore()
+
+        def verify_full():
+            v = adapter.forward(block, cache, taps, record=True)
+            adapter.rollback(cache, v.tape, keep=16)
+            return [v.logits, v.taps]
+
+        verify = per_iteration(verify_full)
+        verify_build = build_only(lambda: [adapter.forward(block, cache, taps, record=True).logits])
+        for key, value in (("decode_ms", decode), ("decode_build_ms", decode_build), ("verify_ms", verify),
+                           ("verify_build_ms", verify_build)):
+            out.setdefault(f"{mode}_{key}", []).append(value)
+    out = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}
+
+    # Rollback replays of alternating lengths (a cycle keeps 6, then 7, ...).
+    adapter.compile_max_tokens = 16
+    cache, context_cache = snapshot.restore()
+    keeps = iter([6, 7] * 20)
+
+    def verify_and_replay():
+        v = adapter.forward(block, cache, taps, record=True)
+        adapter.rollback(cache, v.tape, keep=next(keeps))
+        return [v.logits] + [a for c in cache if hasattr(c, "cache") for a in c.cache]
+
+    out["verify_replay_6_7_ms"] = per_iteration(verify_and_replay)
+    keeps = iter([7] * 40)
+    out["verify_replay_7_ms"] = per_iteration(verify_and_replay)
+
+    def draft():
+        drafter.add_context(mx.zeros((1, 1, len(taps) * adapter.hidden_size), adapter.dtype), context_cache)
+        return [drafter.propose(mx.array([3]), adapter, context_cache)]
+
+    out["draft_ms"] = per_iteration(draft)
+    out["draft_build_ms"] = build_only(draft)
+
+    # Attention of 16 queries over a cache that grows each call, against a fixed length.
+    heads, kv_heads, dim = 16, 4, 256
+    q = mx.random.normal((1, heads, 16, dim)).astype(mx.bfloat16)
+    keys = mx.random.normal((1, kv_heads, context + 400, dim)).astype(mx.bfloat16)
+    lengths = iter(range(context, context + 400, 16))
+    out["sdpa16_growing_ms"] = per_iteration(lambda: [mx.fast.scaled_dot_product_attention(
+        q, keys[:, :, : (n := next(lengths))], keys[:, :, :n], scale=dim**-0.5, mask="causal")], iters=10)
+    out["sdpa16_fixed_ms"] = per_iteration(lambda: [mx.fast.scaled_dot_product_attention(
+        q, keys[:, :, :context], keys[:, :, :context], scale=dim**-0.5, mask="causal")], iters=10)
+
+    # The recurrence alone for replays of alternating lengths.
+    B, Hk, Hv, Dk, Dv = 1, 16, 32, 128, 128
+    qq = mx.random.normal((B, 16, Hk, Dk)).astype(mx.bfloat16) * 0.1
+    vv = mx.random.normal((B, 16, Hv, Dv)).astype(mx.bfloat16)
+    g = mx.full((B, 16, Hv), 0.9)
+    beta = mx.full((B, 16, Hv), 0.5).astype(mx.bfloat16)
+    state = mx.zeros((B, Hv, Dv, Dk))
+    t_iter = iter([6, 7] * 20)
+
+    def replay():
+        t = next(t_iter)
+        return list(gd.gated_delta(qq[:, :t], qq[:, :t], vv[:, :t], g[:, :t], beta[:, :t], state))
+
+    out["gdn_replay_6_7_ms"] = per_iteration(replay)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3.5-9b")
+    parser.add_argument("--quant", default="bf16")
+    parser.add_argument("--contexts", default="1024,8192")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        rows.append(profile(args.model, args.quant, context, tiny=args.tiny))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
