@@ -74,6 +74,9 @@ def run_generate(args) -> int:
 
     settings = settings_from_args(args)
     spec = settings.model()
+    # Target-alone decoding keeps MLX's CUDA graphs, speculative decoding does without them.
+    decoding = spec.model_copy(update={"drafter": None}) if args.no_speculative else spec
+    settings.model_copy(update={"models": [decoding]}).apply_backend_settings()
     engine = load_configured(spec, settings.prefill_chunk).engine
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     tokenizer = engine.tokenizer
@@ -137,6 +140,7 @@ def run_serve(args) -> int:
     settings = settings_from_args(args)
     updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key)) if v is not None}
     settings = settings.model_copy(update={"server": settings.server.model_copy(update=updates)})
+    settings.apply_backend_settings()
     uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port, log_level="info")
     return 0
 

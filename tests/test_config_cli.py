@@ -192,3 +192,19 @@ def test_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for command in ("serve", "generate", "models", "doctor"):
         assert command in out
+
+
+@pytest.mark.parametrize(
+    "models, setting, expected",
+    [
+        ([{"name": "a", "target": "x", "drafter": "d"}], None, "0"),
+        ([{"name": "a", "target": "x", "drafter": None}], None, "1"),
+        ([{"name": "a", "target": "x", "drafter": "d"}], True, "1"),
+    ],
+)
+def test_cuda_graphs_follow_speculation(monkeypatch, models, setting, expected):
+    import os
+
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    Settings.model_validate({"models": models, "cuda_graphs": setting}).apply_backend_settings()
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == expected
