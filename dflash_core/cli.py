@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .bench import add_bench
 from .sampling import SamplingParams
 from .settings import ConfigError, ModelSettings, Settings, config_path, load_settings
 
@@ -201,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless DFlash speculative decoding on MLX")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_serve, add_generate, add_models, add_doctor):
+    from .train import add_train
+
+    for add in (add_serve, add_generate, add_models, add_doctor, add_train, add_bench):
         add(sub)
     return parser
 

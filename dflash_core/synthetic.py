@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import _get_classes, save_config, save_model
 
-FAMILIES = ("qwen3", "qwen3_5", "qwen3_5_moe", "gemma4")
+FAMILIES = ("qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3_text")
 TINY_VOCAB = 512  # the tokenizer is trained to exactly this many ids
 
 # ----------------------------------------------------------------- tokenizers
@@ -37,6 +37,7 @@ _QWEN_ADDED = [
 # Gemma's first ids are fixed in the real vocab (pad 0, eos 1, bos 2, unk 3,
 # mask 4: the z-lab gemma drafters use mask id 4), so they lead the vocab.
 _GEMMA_HEAD = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+_GEMMA3_ADDED = ["<start_of_turn>", "<end_of_turn>"]
 _GEMMA_ADDED = [
     "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool_call>",
     "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|tool>",
@@ -104,8 +105,8 @@ def train_tokenizer(out_dir, family: str, *, vocab_size: int = TINY_VOCAB) -> Pa
     _check_family(family)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gemma = family == "gemma4"
-    tail = [(t, True) for t in _GEMMA_ADDED] if gemma else _QWEN_ADDED
+    gemma = family.startswith("gemma")
+    tail = [(t, True) for t in (_GEMMA_ADDED if family == "gemma4" else _GEMMA3_ADDED)] if gemma else _QWEN_ADDED
     head = _GEMMA_HEAD if gemma else []
 
     tok = Tokenizer(models.BPE())
@@ -131,7 +132,7 @@ def train_tokenizer(out_dir, family: str, *, vocab_size: int = TINY_VOCAB) -> Pa
         raise RuntimeError(f"BPE produced {tok.get_vocab_size()} ids, wanted {vocab_size}")
     tok.save(str(out / "tokenizer.json"))
 
-    names = ({"bos_token": "<bos>", "eos_token": "<turn|>", "pad_token": "<pad>",
+    names = ({"bos_token": "<bos>", "eos_token": "<turn|>" if family == "gemma4" else "<end_of_turn>", "pad_token": "<pad>",
               "unk_token": "<unk>", "mask_token": "<mask>"} if gemma else
              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
     decoder = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
@@ -143,7 +144,7 @@ def train_tokenizer(out_dir, family: str, *, vocab_size: int = TINY_VOCAB) -> Pa
         "add_bos_token": gemma,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 262144,
-        "chat_template": GEMMA4_CHAT_TEMPLATE if gemma else QWEN_CHAT_TEMPLATE,
+        "chat_template": {"gemma4": GEMMA4_CHAT_TEMPLATE, "gemma3_text": GEMMA3_CHAT_TEMPLATE}.get(family, QWEN_CHAT_TEMPLATE),
         **names,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
@@ -234,6 +235,18 @@ QWEN_CHAT_TEMPLATE = """\
 # Gemma 4 style. Thinking is off unless enable_thinking (as in the real
 # template); tool calls and their responses share one model turn, so after a
 # tool response the turn stays open and no generation prompt is added.
+# Gemma 3 turns: <start_of_turn>role ... <end_of_turn>; the system prompt joins the first user turn.
+GEMMA3_CHAT_TEMPLATE = """\
+{{- bos_token -}}
+{%- set first = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' else '' -%}
+{%- for m in messages if m['role'] != 'system' -%}
+  {{- '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' -}}
+  {{- (first if loop.first else '') + m['content'] | trim -}}
+  {{- '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+"""
+
 GEMMA4_CHAT_TEMPLATE = """\
 {%- macro gval(v) -%}
   {%- if v is string -%}<|"|>{{ v }}<|"|>
@@ -345,6 +358,7 @@ _REAL_IDS = {
     "gemma4": dict(eos=[1, 106], bos=2, pad=0, mask=4),
 }
 _REAL_IDS["qwen3_5_moe"] = _REAL_IDS["qwen3_5"]
+_REAL_IDS["gemma3_text"] = _REAL_IDS["gemma4"]
 
 
 def _tiny_text(family: str) -> dict[str, Any]:
@@ -363,6 +377,9 @@ def _tiny_text(family: str) -> dict[str, Any]:
             base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                         shared_expert_intermediate_size=16)
         return base
+    if family == "gemma3_text":  # global layers 2 and 5, window 8
+        return {**base, "num_hidden_layers": 6, "sliding_window": 8, "sliding_window_pattern": 3,
+                "query_pre_attn_scalar": 16, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}
     # Gemma 4: a union of the E2B features (per-layer inputs, KV sharing) and
     # the 31B ones (k == v on full layers, wider global heads), window 8.
     return {**base, "num_hidden_layers": 5, "sliding_window": 8,
@@ -425,6 +442,9 @@ def target_config(family: str, shape: str | dict = "tiny", *, ids: dict | None =
             else "Qwen3_5ForConditionalGeneration"
         config = {"architectures": [arch], "model_type": family, "text_config": text,
                   "tie_word_embeddings": False, **tokens}
+    elif family == "gemma3_text":
+        config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                  "hidden_activation": "gelu_pytorch_tanh", **text, **tokens}
     else:
         text.update(
             model_type="gemma4_text", tie_word_embeddings=True, final_logit_softcapping=30.0,
@@ -473,8 +493,9 @@ def build_target(out_dir, family: str, *, shape: str | dict = "tiny", dtype: str
     if tokenizer:
         vocab = json.loads((train_tokenizer(out, family) / "tokenizer.json").read_text())
         table = {t["content"]: t["id"] for t in vocab["added_tokens"]}
-        ids = (dict(eos=[table["<eos>"], table["<turn|>"]], bos=table["<bos>"], pad=table["<pad>"])
-               if family == "gemma4" else
+        ids = (dict(eos=[table["<eos>"], table["<turn|>" if family == "gemma4" else "<end_of_turn>"]],
+                    bos=table["<bos>"], pad=table["<pad>"])
+               if family.startswith("gemma") else
                dict(eos=table["<|im_end|>"], bos=table["<|endoftext|>"], pad=table["<|endoftext|>"]))
     elif shape == "tiny" or (isinstance(shape, dict) and shape.get("base", "tiny") == "tiny"):
         ids = dict(eos=0, bos=0, pad=0)  # no vocabulary to take them from
@@ -518,7 +539,7 @@ def _mask_id(target_dir: Path, family: str) -> int:
     path = target_dir / "tokenizer.json"
     if not path.exists():
         return _REAL_IDS[family]["mask"]
-    name = "<mask>" if family == "gemma4" else "<|mask|>"
+    name = "<mask>" if family.startswith("gemma") else "<|mask|>"
     return next(t["id"] for t in json.loads(path.read_text())["added_tokens"]
                 if t["content"] == name)
 
@@ -552,7 +573,7 @@ def build_drafter(out_dir, target_dir, *, num_layers: int = 2,
         else default_target_layer_ids(n_target, 6 if family == "gemma4" and n_target >= 12 else None)
     mask = _mask_id(target_dir, family) if mask_token_id is None else mask_token_id
     types = list(layer_types or ["full_attention"] * num_layers)
-    theta = rope_theta or (1000000.0 if family in ("qwen3", "gemma4") else 10000000.0)
+    theta = rope_theta or (1000000.0 if family in ("qwen3", "gemma4", "gemma3_text") else 10000000.0)
 
     config: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",

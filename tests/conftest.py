@@ -40,6 +40,11 @@ def gemma4_pair(tmp_path_factory):
     return _pair(tmp_path_factory, "gemma4")
 
 
+@pytest.fixture(scope="session")
+def gemma3_pair(tmp_path_factory):
+    return _pair(tmp_path_factory, "gemma3_text")
+
+
 @pytest.fixture
 def tiny_pair_factory(tmp_path_factory):
     """callable(family, **drafter_kwargs) -> (target_dir, drafter_dir) in a fresh dir."""

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_core.loading import load_target
 
-FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"]
+FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 

@@ -14,7 +14,7 @@ from dflash_core.engine import Engine
 from dflash_core.loading import load_engine
 from forced import ForcedDrafter
 
-FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"]
+FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
 N_TOKENS = 256
 
 

@@ -18,7 +18,7 @@ from dflash_core.prefix_cache import PrefixCache
 from dflash_core.settings import ModelSettings, Settings
 from live_server import LiveServer
 
-FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"]
+FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
 
 
 def _engines(pair, budget=10**8):

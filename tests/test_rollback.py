@@ -16,7 +16,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from dflash_core.cache import SlidingWindowCache
 from dflash_core.loading import load_target
 
-FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"]
+FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
 BLOCK = 16
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -67,5 +67,5 @@ def test_rollback_matches_fresh_forward(request, family):
         # And the caches behave the same from here on.
         _close(adapter.forward(probe, rolled).logits, adapter.forward(probe, fresh).logits)
     expected = {"qwen3": {"KVCache"}, "qwen3_5": {"KVCache", "ArraysCache"}, "qwen3_5_moe": {"KVCache", "ArraysCache"},
-                "gemma4": {"KVCache", "SlidingWindowCache"}}[family]
+                "gemma4": {"KVCache", "SlidingWindowCache"}, "gemma3": {"KVCache", "SlidingWindowCache"}}[family]
     assert kinds == expected

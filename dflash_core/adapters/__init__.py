@@ -6,6 +6,7 @@ import mlx.nn as nn
 
 from .base import Forward, TargetAdapter
 from .dense import DenseAdapter
+from .gemma3 import Gemma3Adapter
 from .gemma4 import Gemma4Adapter
 from .qwen3_5 import Qwen35Adapter
 
@@ -16,6 +17,7 @@ ADAPTERS: dict[str, type[TargetAdapter]] = {
     "qwen3_5_moe": Qwen35Adapter,
     "gemma4": Gemma4Adapter,
     "gemma4_text": Gemma4Adapter,
+    "gemma3_text": Gemma3Adapter,
 }
 
 

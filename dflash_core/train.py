@@ -1,0 +1,394 @@
+"""`dflash train`: distil a DFlash drafter for any target the engine supports, in MLX.
+
+The recipe of the DFlash paper (REFERENCE §1): the target regenerates responses to the training
+prompts greedily, so the drafter learns the target's own choices. Each training sequence gives
+blocks anchored at sampled response positions: the block input is the anchor token followed by
+B-1 mask tokens, the context is the target's tapped hidden states of every position before the
+anchor, and the loss is cross-entropy on block rows 1..B-1 against the tokens the target produced
+there, weighted by exp(-(j-1)/gamma) so that early rows (which gate acceptance) count most. Only
+the drafter trains: the target's embedding and LM head are used frozen. AdamW with linear warm-up
+and cosine decay. The result is saved in the z-lab checkpoint format the normal loader serves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
+from .engine import Engine
+from .hub import TARGET_FILES, resolve
+from .loading import load_target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainOptions:
+    target: str
+    data: Path
+    out: Path
+    layers: int = 1
+    block_size: int = 16
+    taps: Optional[list[int]] = None
+    steps: int = 1000
+    batch: int = 4  # sequences per optimizer step
+    anchors: int = 8  # blocks per sequence
+    lr: float = 6e-4
+    warmup: int = 50
+    weight_decay: float = 0.01
+    gamma: float = 7.0  # loss weight decay over block positions
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 384
+    chat: bool = True
+    held_out: float = 0.1
+    eval_every: int = 100
+    save_every: int = 200
+    seed: int = 0
+    intermediate_size: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    head_dim: int = 128
+    mask_token_id: Optional[int] = None
+    resume: bool = False
+
+
+# --------------------------------------------------------------------------- data
+
+
+def read_prompts(path: Path) -> list:
+    """Prompts from a .txt (one per line), a .jsonl ({"prompt"}, {"text"} or {"messages"}) or a
+    directory of documents (each paragraph's opening is a prompt)."""
+    path = Path(path)
+    if path.is_dir():
+        prompts = []
+        for doc in sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file()):
+            for paragraph in doc.read_text(errors="replace").split("\n\n"):
+                paragraph = paragraph.strip()
+                if len(paragraph) > 40:
+                    prompts.append(paragraph[: max(40, len(paragraph) // 3)])
+        return prompts
+    if path.suffix == ".jsonl":
+        prompts = []
+        for line in path.read_text().splitlines():
+            if line.strip():
+                item = json.loads(line)
+                prompts.append(item.get("messages") or item.get("prompt") or item.get("text"))
+        return [p for p in prompts if p]
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Path) -> list[dict]:
+    """Prompt + the target's own greedy response, token ids; cached so a resumed run skips it."""
+    if cache_file.exists():
+        return [json.loads(line) for line in cache_file.read_text().splitlines()]
+    from tqdm import tqdm
+
+    tokenizer = engine.tokenizer
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    sequences = []
+    for prompt in tqdm(prompts, desc="target responses", unit="prompt"):
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if opts.chat and getattr(hf, "chat_template", None):
+            tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        else:
+            tokens = tokenizer.encode(prompt if isinstance(prompt, str) else messages[-1]["content"])
+        tokens = list(tokens)[-opts.max_prompt_tokens :]
+        response = [t for c in engine.generate(tokens, max_tokens=opts.max_new_tokens, speculative=False)
+                    for t in c.token_ids]
+        if len(response) >= 2:
+            sequences.append({"tokens": tokens + response, "response_start": len(tokens)})
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    cache_file.write_text("".join(json.dumps(s) + "\n" for s in sequences))
+    return sequences
+
+
+# ----------------------------------------------------------------------- the model
+
+
+def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
+    H, n = target.hidden_size, target.num_layers
+    taps = opts.taps or default_target_layer_ids(n, min(n - 1, max(3, opts.layers)))
+    mask = opts.mask_token_id
+    if mask is None:
+        vocab = getattr(tokenizer, "_tokenizer", tokenizer).get_vocab()
+        mask = next((vocab[t] for t in ("<mask>", "<|mask|>") if t in vocab), None)
+        if mask is None:
+            raise ValueError("the tokenizer has no <mask> token: pass --mask-token-id")
+    heads = opts.heads or max(1, H // opts.head_dim)
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": H,
+        "num_hidden_layers": opts.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": opts.kv_heads or max(1, heads // 4),
+        "head_dim": opts.head_dim,
+        "intermediate_size": opts.intermediate_size or 2 * H,
+        "vocab_size": target.vocab_size,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "num_target_layers": n,
+        "layer_types": ["full_attention"] * opts.layers,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "dflash_config": {"block_size": opts.block_size, "target_layer_ids": taps, "mask_token_id": int(mask)},
+    }
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    drafter.config.raw = raw  # written out as config.json
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
+    """Logits [K, B-1, V] of K blocks anchored at `anchors`, each seeing the context before it.
+
+    The same layers as inference, batched over blocks: the context K/V of every position is
+    projected once, and a mask gives block k the positions before its anchor."""
+    cfg = drafter.config
+    B, S, K = cfg.block_size, taps.shape[1], anchors.shape[0]
+    context = drafter.hidden_norm(drafter.fc(taps))
+    block = mx.concatenate([tokens[anchors][:, None], mx.full((K, B - 1), cfg.mask_token_id, mx.int32)], axis=1)
+    h = target.embed(block)
+    if cfg.input_embedding_scale != 1.0:
+        h = h * cfg.input_embedding_scale
+    q_pos = anchors[:, None] + mx.arange(B)[None]  # [K, B]
+    key_pos = mx.concatenate([mx.broadcast_to(mx.arange(S)[None], (K, S)), q_pos], axis=1)  # [K, S+B]
+    before_anchor = mx.concatenate([mx.arange(S)[None] < anchors[:, None], mx.ones((K, B), mx.bool_)], axis=1)
+    for i, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.keys_values(context, 0)
+        k, v = (mx.broadcast_to(x, (K,) + x.shape[1:]) for x in (k, v))
+        mask = before_anchor[:, None, :]
+        if cfg.is_causal(i):
+            mask = mask & (key_pos[:, None, :] <= q_pos[:, :, None])
+        if cfg.is_sliding(i):
+            mask = mask & (mx.abs(q_pos[:, :, None] - key_pos[:, None, :]) < cfg.sliding_window)
+        h = layer(h, (k, v), anchors, mask[:, None])
+    return drafter.logits(drafter.norm(h)[:, 1:], target.lm_head)
+
+
+def block_labels(tokens: mx.array, anchors: mx.array, block: int) -> mx.array:
+    """The target's tokens at anchor + 1 .. anchor + B - 1, -1 past the end."""
+    positions = anchors[:, None] + mx.arange(1, block)[None]
+    valid = positions < tokens.shape[0]
+    return mx.where(valid, tokens[mx.minimum(positions, tokens.shape[0] - 1)], -1)
+
+
+def position_weights(block: int, gamma: float) -> mx.array:
+    return mx.exp(-mx.arange(block - 1, dtype=mx.float32) / gamma)
+
+
+def sample_anchors(rng: random.Random, sequence: dict, count: int) -> Optional[mx.array]:
+    first, last = sequence["response_start"], len(sequence["tokens"]) - 2
+    if last < first:
+        return None
+    return mx.array(sorted(rng.sample(range(first, last + 1), min(count, last - first + 1))), dtype=mx.int32)
+
+
+def target_taps(target, tokens: mx.array, tap_ids) -> mx.array:
+    out = target.forward(tokens[None], target.make_cache(max_rollback=0), tap_ids, last_logits_only=True)
+    return mx.stop_gradient(out.taps)
+
+
+def acceptance_estimate(drafter, target, sequences, rng: random.Random, anchors: int = 8) -> float:
+    """Tokens per cycle the drafter would reach on these sequences (greedy): 1 + the mean number
+    of leading drafts equal to what the target produced."""
+    lengths = []
+    for seq in sequences:
+        picks = sample_anchors(rng, seq, anchors)
+        if picks is None:
+            continue
+        tokens = mx.array(seq["tokens"], dtype=mx.int32)
+        taps = target_taps(target, tokens, drafter.config.target_layer_ids)
+        proposals = mx.argmax(block_logits(drafter, target, taps, tokens, picks), axis=-1)
+        labels = block_labels(tokens, picks, drafter.config.block_size)
+        matches = mx.cumprod((proposals == labels).astype(mx.int32), axis=1).sum(axis=1)
+        lengths.extend(matches.tolist())
+    return 1.0 + sum(lengths) / len(lengths) if lengths else float("nan")
+
+
+# --------------------------------------------------------------------- checkpoints
+
+
+def save_drafter(drafter: DFlashDrafter, out: Path, dtype: Optional[mx.Dtype] = None) -> None:
+    """z-lab format: config.json and model.safetensors with un-prefixed names."""
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(drafter.parameters()))
+    if dtype is not None:
+        weights = {k: v.astype(dtype) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(drafter.config.raw, indent=2, sort_keys=True))
+
+
+def save_checkpoint(drafter, optimizer, step: int, out: Path) -> None:
+    path = out / "checkpoint"
+    save_drafter(drafter, path)
+    mx.save_safetensors(str(path / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    (path / "state.json").write_text(json.dumps({"step": step}))
+
+
+def load_checkpoint(drafter, optimizer, out: Path) -> int:
+    path = out / "checkpoint"
+    drafter.load_weights(str(path / "model.safetensors"))
+    optimizer.state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
+    return json.loads((path / "state.json").read_text())["step"]
+
+
+# --------------------------------------------------------------------------- train
+
+
+@dataclass
+class TrainReport:
+    steps: int
+    seconds: float
+    sequences: int
+    held_out_sequences: int
+    first_loss: float
+    last_loss: float
+    tokens_per_cycle_estimate: float
+    history: list = field(default_factory=list)
+
+
+def train(opts: TrainOptions) -> TrainReport:
+    from tqdm import tqdm
+
+    rng = random.Random(opts.seed)
+    mx.random.seed(opts.seed)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    target, tokenizer, _ = load_target(resolve(opts.target, files=TARGET_FILES))
+    engine = Engine(target, tokenizer)
+    sequences = regenerate(engine, read_prompts(opts.data), opts, opts.out / "data" / "sequences.jsonl")
+    if len(sequences) < 2:
+        raise ValueError(f"{opts.data}: fewer than 2 usable training prompts")
+    rng.shuffle(sequences)
+    n_held = max(1, int(len(sequences) * opts.held_out))
+    held_out, training = sequences[:n_held], sequences[n_held:]
+
+    drafter = new_drafter(target, tokenizer, opts)
+    weights = position_weights(opts.block_size, opts.gamma)
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(opts.lr * 0.01, opts.lr, max(1, opts.warmup)),
+         optim.cosine_decay(opts.lr, max(1, opts.steps - opts.warmup), opts.lr * 0.05)],
+        [max(1, opts.warmup)],
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=opts.weight_decay)
+    step = 0
+    if opts.resume and (opts.out / "checkpoint" / "state.json").exists():
+        step = load_checkpoint(drafter, optimizer, opts.out)
+        log.info("resuming from step %d", step)
+
+    def loss_fn(model, taps, tokens, anchors):
+        logits = block_logits(model, target, taps, tokens, anchors)
+        labels = block_labels(tokens, anchors, opts.block_size)
+        valid = labels >= 0
+        ce = nn.losses.cross_entropy(logits.astype(mx.float32), mx.maximum(labels, 0), reduction="none")
+        w = weights[None] * valid
+        return (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
+
+    grad_fn = nn.value_and_grad(drafter, loss_fn)
+    history, start = [], time.perf_counter()
+    estimate = float("nan")
+    progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
+    while step < opts.steps:
+        total, grads, count = 0.0, None, 0
+        for seq in rng.sample(training, min(opts.batch, len(training))):
+            anchors = sample_anchors(rng, seq, opts.anchors)
+            if anchors is None:
+                continue
+            tokens = mx.array(seq["tokens"], dtype=mx.int32)
+            taps = target_taps(target, tokens, drafter.config.target_layer_ids)
+            loss, g = grad_fn(drafter, taps, tokens, anchors)
+            grads = g if grads is None else tree_map_add(grads, g)
+            total += loss.item()
+            count += 1
+        if count == 0:
+            raise ValueError("no training sequence has a response long enough for a block")
+        optimizer.update(drafter, tree_scale(grads, 1.0 / count))
+        mx.eval(drafter.parameters(), optimizer.state)
+        step += 1
+        history.append({"step": step, "loss": total / count})
+        if step % opts.eval_every == 0 or step == opts.steps:
+            estimate = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
+            history[-1]["tokens_per_cycle"] = estimate
+        if step % opts.save_every == 0 or step == opts.steps:
+            save_checkpoint(drafter, optimizer, step, opts.out)
+        progress.set_postfix(loss=f"{total / count:.3f}", tok_per_cycle=f"{estimate:.2f}")
+        progress.update(1)
+    progress.close()
+    save_drafter(drafter, opts.out, dtype=target.dtype)
+    load_drafter(opts.out)  # the normal loader accepts what was written
+    report = TrainReport(step, time.perf_counter() - start, len(training), len(held_out),
+                         history[0]["loss"] if history else float("nan"),
+                         history[-1]["loss"] if history else float("nan"), estimate, history)
+    (opts.out / "train_report.json").write_text(json.dumps({**asdict(report), "options": _jsonable(opts)}, indent=2))
+    return report
+
+
+def tree_map_add(a, b):
+    from mlx.utils import tree_map
+
+    return tree_map(lambda x, y: x + y, a, b)
+
+
+def tree_scale(a, s: float):
+    from mlx.utils import tree_map
+
+    return tree_map(lambda x: x * s, a)
+
+
+def _jsonable(opts: TrainOptions) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="distil a DFlash drafter for a target (saved in the z-lab format)")
+    p.add_argument("--target", required=True, help="target model: repo id or local directory")
+    p.add_argument("--data", required=True, type=Path, help="prompts: .txt (one per line), .jsonl or a folder of documents")
+    p.add_argument("--out", required=True, type=Path, help="output folder (the drafter, checkpoints, the data)")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--taps", help="comma-separated target layer ids (default: spread over the target)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=4, help="sequences per optimizer step")
+    p.add_argument("--anchors", type=int, default=8, help="blocks per sequence")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the regenerated responses")
+    p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--intermediate-size", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--mask-token-id", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args) -> int:
+    opts = TrainOptions(
+        target=args.target, data=args.data, out=args.out, layers=args.layers, block_size=args.block_size,
+        taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, batch=args.batch,
+        anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+        chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
+        intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume,
+    )
+    report = train(opts)
+    print(f"trained {report.steps} steps in {report.seconds:.0f}s: loss {report.first_loss:.3f} -> "
+          f"{report.last_loss:.3f}, held-out estimate {report.tokens_per_cycle_estimate:.2f} tokens/cycle; "
+          f"drafter in {opts.out}")
+    return 0

@@ -1,0 +1,78 @@
+"""`dflash train`: the batched training forward equals inference, training lowers the loss, and
+the result is a checkpoint the normal loader serves losslessly."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+
+from dflash_core import cli
+from dflash_core.drafter import load_drafter
+from dflash_core.engine import Engine
+from dflash_core.loading import load_target
+from dflash_core.train import TrainOptions, block_logits, new_drafter
+
+PROMPTS = [
+    "Write a short story about a fox.", "Explain how rivers form.", "List three colors.",
+    "What is speculative decoding?", "def add(a, b):", "The weather today is",
+    "Describe a mountain at dawn.", "Count from one to ten.", "Why is the sky blue?",
+    "Translate 'hello' to French.", "Give me a recipe for tea.", "Summarize the plot of a play.",
+]
+
+
+def test_training_forward_matches_inference(qwen3_pair):
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    opts = TrainOptions(target="x", data=None, out=None, layers=2, head_dim=16, heads=4, kv_heads=2,
+                        intermediate_size=96)
+    drafter = new_drafter(target, tokenizer, opts)
+    tokens = mx.array(tokenizer.encode("A sequence long enough to anchor several blocks in it."), dtype=mx.int32)
+    taps = target.forward(tokens[None], target.make_cache(16), drafter.config.target_layer_ids).taps
+    anchors = mx.array([3, 7, 11], dtype=mx.int32)
+    batched = block_logits(drafter, target, taps, tokens, anchors)
+    for k, anchor in enumerate(anchors.tolist()):
+        context = drafter.make_cache()
+        drafter.add_context(taps[:, :anchor], context)
+        block = mx.array([[tokens[anchor].item()] + [drafter.config.mask_token_id] * 15])
+        hidden = drafter.hidden(target.embed(block), context)
+        single = drafter.logits(hidden[:, 1:], target.lm_head)[0]
+        np.testing.assert_allclose(np.array(batched[k]), np.array(single), rtol=1e-4, atol=1e-4)
+
+
+def test_train_lowers_loss_and_writes_a_servable_drafter(qwen3_pair, tmp_path, capsys):
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS))
+    out = tmp_path / "drafter"
+    code = cli.main(["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out),
+                     "--layers", "1", "--head-dim", "16", "--heads", "4", "--kv-heads", "2",
+                     "--intermediate-size", "128", "--steps", "40", "--batch", "2", "--anchors", "4",
+                     "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "32", "--eval-every", "20",
+                     "--save-every", "20"])
+    assert code == 0
+    report = json.loads((out / "train_report.json").read_text())
+    losses = [h["loss"] for h in report["history"]]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert report["tokens_per_cycle_estimate"] >= 1.0
+    drafter = load_drafter(out)  # z-lab format, loads with the normal loader
+    assert (out / "checkpoint" / "optimizer.safetensors").exists()
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    prompt = tokenizer.encode(PROMPTS[0])
+    alone = [t for c in Engine(target, tokenizer).generate(prompt, max_tokens=48, stop_token_ids=set()) for t in c.token_ids]
+    chunks = list(Engine(target, tokenizer, drafter).generate(prompt, max_tokens=48, stop_token_ids=set()))
+    assert [t for c in chunks for t in c.token_ids] == alone
+    assert chunks[-1].stats.speculative
+
+
+def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path):
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS))
+    out = tmp_path / "drafter"
+    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
+              "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "1",
+              "--anchors", "2", "--max-new-tokens", "16", "--save-every", "3", "--eval-every", "3"]
+    assert cli.main(common + ["--steps", "3"]) == 0
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+    assert cli.main(common + ["--steps", "6", "--resume"]) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert [h["step"] for h in report["history"]] == [4, 5, 6]
