@@ -378,7 +378,7 @@ def _tiny_text(family: str) -> dict[str, Any]:
                         shared_expert_intermediate_size=16)
         return base
     if family == "gemma3_text":  # global layers 2 and 5, window 8
-        return {**base, "num_hidden_layers": 6, "sliding_window": 8, "sliding_window_pattern": 3,
+        return {**base, "num_hidden_layers": 6, "intermediate_size": 64, "sliding_window": 8, "sliding_window_pattern": 3,
                 "query_pre_attn_scalar": 16, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}
     # Gemma 4: a union of the E2B features (per-layer inputs, KV sharing) and
     # the 31B ones (k == v on full layers, wider global heads), window 8.

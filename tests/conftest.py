@@ -53,3 +53,9 @@ def tiny_pair_factory(tmp_path_factory):
         return tiny_pair(tmp_path_factory.mktemp(f"{family}_pair"), family, **drafter_kwargs)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def gemma3_text_pair(gemma3_pair):
+    """The same pair under its model_type (tests that iterate over synthetic.FAMILIES)."""
+    return gemma3_pair

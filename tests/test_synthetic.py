@@ -26,6 +26,7 @@ MARKERS = {
     "gemma4": ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
                "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
                "<tool_response|>", '<|"|>', "<|tool>", "<tool|>", "<mask>"],
+    "gemma3_text": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<mask>"],
 }
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -47,7 +48,7 @@ def _config(path):
 
 
 def _markers(family):
-    return MARKERS["gemma4" if family == "gemma4" else "qwen"]
+    return MARKERS[family if family.startswith("gemma") else "qwen"]
 
 
 # --------------------------------------------------------------------- target
@@ -154,7 +155,7 @@ def test_tokenizer_roundtrips_multibyte_text(family_pair):
         assert tok.encode(marker, add_special_tokens=False) == [tok.convert_tokens_to_ids(marker)]
     eos = _config(target)["eos_token_id"]
     assert tok.eos_token_id == (eos[-1] if isinstance(eos, list) else eos)
-    if family == "gemma4":
+    if family.startswith("gemma"):
         assert tok.encode("hi")[0] == tok.bos_token_id == _config(target)["bos_token_id"]
 
 
@@ -265,7 +266,7 @@ def test_drafter_has_zlab_names_shapes_and_config(family_pair):
     dflash = config["dflash_config"]
     assert dflash["block_size"] == 16
     assert len(taps) >= 2 and all(0 <= t < text["num_hidden_layers"] for t in taps)
-    mask = "<mask>" if family == "gemma4" else "<|mask|>"
+    mask = "<mask>" if family.startswith("gemma") else "<|mask|>"
     assert dflash["mask_token_id"] == load_tokenizer(target).convert_tokens_to_ids(mask)
     assert config["rope_parameters"]["rope_type"] == "default"
     assert "block_size" not in config and "rope_theta" not in config
