@@ -61,6 +61,11 @@ class TrainOptions:
     head_dim: int = 128
     mask_token_id: Optional[int] = None
     resume: bool = False
+    # "full": softmax over the whole vocabulary (the recipe). "data": over the tokens the target
+    # produced in the training responses only, a cheaper approximation for machines where the LM
+    # head's full softmax is the cost (a CPU and a 262k vocabulary); acceptance is always
+    # estimated with the full vocabulary.
+    loss_vocab: str = "full"
 
 
 # --------------------------------------------------------------------------- data
@@ -85,7 +90,8 @@ def read_prompts(path: Path) -> list:
                 item = json.loads(line)
                 prompts.append(item.get("messages") or item.get("prompt") or item.get("text"))
         return [p for p in prompts if p]
-    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    # A text file holds one prompt per line; "\\n" inside a line stands for a newline (code prompts).
+    return [line.strip().replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
 
 
 def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Path) -> list[dict]:
@@ -150,7 +156,8 @@ def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
     return drafter
 
 
-def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
+def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.array, anchors: mx.array,
+                 lm_head=None) -> mx.array:
     """Logits [K, B-1, V] of K blocks anchored at `anchors`, each seeing the context before it.
 
     The same layers as inference, batched over blocks: the context K/V of every position is
@@ -174,7 +181,19 @@ def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.arra
         if cfg.is_sliding(i):
             mask = mask & (mx.abs(q_pos[:, :, None] - key_pos[:, None, :]) < cfg.sliding_window)
         h = layer(h, (k, v), anchors, mask[:, None])
-    return drafter.logits(drafter.norm(h)[:, 1:], target.lm_head)
+    return drafter.logits(drafter.norm(h)[:, 1:], lm_head or target.lm_head)
+
+
+def subset_lm_head(target, token_ids: mx.array):
+    """The target's LM head restricted to `token_ids` (rows of the output matrix)."""
+    text_model = target.text_model
+    if getattr(text_model, "lm_head", None) is not None and not getattr(text_model.args, "tie_word_embeddings", False) \
+            and hasattr(text_model.lm_head, "weight") and not hasattr(text_model.lm_head, "scales"):
+        rows = text_model.lm_head.weight[token_ids]
+    else:  # tied: the embedding rows are the output matrix
+        rows = target.inner.embed_tokens(token_ids)
+    rows = mx.stop_gradient(rows)
+    return lambda hidden: hidden @ rows.T
 
 
 def block_labels(tokens: mx.array, anchors: mx.array, block: int) -> mx.array:
@@ -288,12 +307,22 @@ def train(opts: TrainOptions) -> TrainReport:
         log.info("resuming from step %d", step)
 
     def loss_fn(model, taps, tokens, anchors):
-        logits = block_logits(model, target, taps, tokens, anchors)
+        logits = block_logits(model, target, taps, tokens, anchors, lm_head)
         labels = block_labels(tokens, anchors, opts.block_size)
         valid = labels >= 0
-        ce = nn.losses.cross_entropy(logits.astype(mx.float32), mx.maximum(labels, 0), reduction="none")
+        targets = mx.maximum(labels, 0) if remap is None else remap[mx.maximum(labels, 0)]
+        ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
         w = weights[None] * valid
         return (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
+
+    lm_head, remap = None, None
+    if opts.loss_vocab == "data":
+        ids = sorted({t for seq in training for t in seq["tokens"][seq["response_start"]:]})
+        lm_head = subset_lm_head(target, mx.array(ids, dtype=mx.int32))
+        remap = mx.zeros((target.vocab_size,), mx.int32).at[mx.array(ids)].add(mx.arange(len(ids), dtype=mx.int32))
+        log.info("loss over the %d tokens the target produced (--loss-vocab data)", len(ids))
+    elif opts.loss_vocab != "full":
+        raise ValueError(f"loss_vocab: {opts.loss_vocab!r} is not 'full' or 'data'")
 
     grad_fn = nn.value_and_grad(drafter, loss_fn)
     history, start = [], time.perf_counter()
@@ -375,6 +404,8 @@ def add_train(sub) -> None:
     p.add_argument("--mask-token-id", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    p.add_argument("--loss-vocab", choices=("full", "data"), default="full",
+                   help="softmax over the whole vocabulary (default) or only the tokens in the training responses")
     p.set_defaults(func=run_train)
 
 
@@ -385,7 +416,7 @@ def run_train(args) -> int:
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume,
+        mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
     )
     report = train(opts)
     print(f"trained {report.steps} steps in {report.seconds:.0f}s: loss {report.first_loss:.3f} -> "

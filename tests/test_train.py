@@ -76,3 +76,24 @@ def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path):
     assert cli.main(common + ["--steps", "6", "--resume"]) == 0
     report = json.loads((out / "train_report.json").read_text())
     assert [h["step"] for h in report["history"]] == [4, 5, 6]
+
+
+def test_data_vocabulary_loss(qwen3_pair, tmp_path):
+    """--loss-vocab data: the restricted head is the full head's columns, and training still learns."""
+    from dflash_core.train import subset_lm_head
+
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    ids = mx.array([5, 17, 300], dtype=mx.int32)
+    hidden = mx.random.normal((2, 3, target.hidden_size))
+    np.testing.assert_allclose(np.array(subset_lm_head(target, ids)(hidden)),
+                               np.array(target.lm_head(hidden)[..., ids]), rtol=1e-5, atol=1e-5)
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS))
+    out = tmp_path / "drafter"
+    assert cli.main(["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out),
+                     "--layers", "1", "--head-dim", "16", "--heads", "4", "--kv-heads", "2",
+                     "--intermediate-size", "128", "--steps", "30", "--batch", "2", "--anchors", "4",
+                     "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "32", "--loss-vocab", "data"]) == 0
+    losses = [h["loss"] for h in json.loads((out / "train_report.json").read_text())["history"]]
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    load_drafter(out)
