@@ -92,8 +92,8 @@ def test_data_vocabulary_loss(qwen3_pair, tmp_path):
     out = tmp_path / "drafter"
     assert cli.main(["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out),
                      "--layers", "1", "--head-dim", "16", "--heads", "4", "--kv-heads", "2",
-                     "--intermediate-size", "128", "--steps", "30", "--batch", "2", "--anchors", "4",
+                     "--intermediate-size", "128", "--steps", "60", "--batch", "2", "--anchors", "4",
                      "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "32", "--loss-vocab", "data"]) == 0
     losses = [h["loss"] for h in json.loads((out / "train_report.json").read_text())["history"]]
-    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:5]) / 5
     load_drafter(out)
