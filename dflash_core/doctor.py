@@ -94,6 +94,12 @@ def models_report(settings: Settings) -> list[dict]:
         rows.append({"source": "config", "name": m.name, "target": m.target, "drafter": m.drafter,
                      "target_bytes": _local_size(m.target, cache),
                      "drafter_bytes": _local_size(m.drafter, cache) if m.drafter and m.drafter != "auto" else None})
+    from .demo import DEMO_DRAFTER, DEMO_NAME, DEMO_TARGET, cache_root
+
+    demo_dir = cache_root() / f"{DEMO_NAME}-mlx"
+    rows.append({"source": "demo", "name": DEMO_NAME, "target": DEMO_TARGET, "drafter": str(DEMO_DRAFTER),
+                 "target_bytes": _local_size(str(demo_dir), cache) if demo_dir.exists() else None,
+                 "drafter_bytes": _local_size(str(DEMO_DRAFTER), cache) if DEMO_DRAFTER.exists() else None})
     for pair in KNOWN_PAIRS:
         rows.append({"source": "registry", "name": pair.target, "target": pair.target, "drafter": pair.drafter,
                      "target_bytes": cache.get(pair.target), "drafter_bytes": cache.get(pair.drafter)})

@@ -23,6 +23,12 @@ DRAFTER_FILES = ["*.json", "*.safetensors"]
 def resolve(
     name: str, revision: Optional[str] = None, *, files: Optional[list[str]] = None, allow_download: bool = True
 ) -> Path:
+    if name.startswith("demo:"):
+        from .demo import DEMO_TARGET, demo_target_dir
+
+        if name != DEMO_TARGET:
+            raise ModelNotFoundError(f"{name}: unknown demo model (known: {DEMO_TARGET})")
+        return demo_target_dir()
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").exists():

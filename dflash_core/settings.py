@@ -98,6 +98,10 @@ class Settings(Strict):
         for m in self.models:
             if m.name == name:
                 return m
+        from .demo import DEMO_NAME, demo_model_settings
+
+        if name == DEMO_NAME:
+            return demo_model_settings()
         return ModelSettings(name=name, target=name)
 
 

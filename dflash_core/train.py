@@ -66,6 +66,7 @@ class TrainOptions:
     # head's full softmax is the cost (a CPU and a 262k vocabulary); acceptance is always
     # estimated with the full vocabulary.
     loss_vocab: str = "full"
+    tap_cache_gb: float = 4.0  # target taps kept across steps
 
 
 # --------------------------------------------------------------------------- data
@@ -325,17 +326,32 @@ def train(opts: TrainOptions) -> TrainReport:
         raise ValueError(f"loss_vocab: {opts.loss_vocab!r} is not 'full' or 'data'")
 
     grad_fn = nn.value_and_grad(drafter, loss_fn)
+
+    # The target is frozen, so each sequence's taps never change: keep them (within a budget)
+    # instead of running the target again every time the sequence is drawn.
+    tap_cache: dict[int, mx.array] = {}
+    tap_budget = int(opts.tap_cache_gb * 1e9)
+
+    def taps_of(index: int, tokens: mx.array) -> mx.array:
+        if index in tap_cache:
+            return tap_cache[index]
+        taps = target_taps(target, tokens, drafter.config.target_layer_ids)
+        if sum(t.nbytes for t in tap_cache.values()) + taps.nbytes <= tap_budget:
+            mx.eval(taps)
+            tap_cache[index] = taps
+        return taps
     history, start = [], time.perf_counter()
     estimate = float("nan")
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
     while step < opts.steps:
         total, grads, count = 0.0, None, 0
-        for seq in rng.sample(training, min(opts.batch, len(training))):
+        for index in rng.sample(range(len(training)), min(opts.batch, len(training))):
+            seq = training[index]
             anchors = sample_anchors(rng, seq, opts.anchors)
             if anchors is None:
                 continue
             tokens = mx.array(seq["tokens"], dtype=mx.int32)
-            taps = target_taps(target, tokens, drafter.config.target_layer_ids)
+            taps = taps_of(index, tokens)
             loss, g = grad_fn(drafter, taps, tokens, anchors)
             grads = g if grads is None else tree_map_add(grads, g)
             total += loss.item()

