@@ -21,92 +21,21 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.adapters import adapter_for  # noqa: E402
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids  # noqa: E402
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.kernels import backend  # noqa: E402
 from dflash_core.kernels.gated_delta import active_path  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
-from dflash_core.synthetic import REAL_SHAPES, random_model, target_config  # noqa: E402
+# One copy of the real-shape builders, shared with `dflash bench --random-weights` (and, through
+# these names, with gpu_profile.py).
+from dflash_core.random_models import ForcedAcceptance  # noqa: E402
+from dflash_core.random_models import random_drafter as build_drafter  # noqa: E402
+from dflash_core.random_models import random_target as build_target  # noqa: E402
 
-# Released drafters' shapes (REFERENCE.md §2): layers, heads, kv heads, intermediate, taps, mask,
-# layer types (sliding window) of the z-lab checkpoint for each target.
-DRAFTERS = {
-    "qwen3-8b": dict(layers=5, heads=32, kv=8, inter=12288, taps=[1, 9, 17, 25, 33], mask=151669),
-    "qwen3.5-9b": dict(layers=5, heads=32, kv=8, inter=12288, taps=[1, 8, 15, 22, 29], mask=248070),
-    "qwen3.5-27b": dict(layers=5, heads=32, kv=8, inter=17408, taps=[1, 16, 31, 46, 61], mask=248070),
-    "qwen3.6-35b-a3b": dict(layers=6, heads=32, kv=8, inter=6144, taps=[1, 6, 11, 16, 22, 27, 32, 37], mask=248077,
-                            sliding=(5, 4096)),
-    "gemma-4-31b": dict(layers=5, heads=64, kv=8, inter=10752, taps=[1, 12, 23, 35, 46, 57], mask=4,
-                        sliding=(4, 2048), softcap=30.0),
-}
 FORCED = {"3": [2], "5": [4], "6.5": [5, 6]}  # accepted drafts per cycle -> tokens per cycle
-
-
-def build_target(name: str, quant: str, layers: int | None, tiny: bool = False):
-    family = REAL_SHAPES[name]["family"]
-    shape = {"base": "tiny" if tiny else name}
-    if layers:  # fewer layers for a quick look; the full model is the default
-        shape["num_hidden_layers"] = layers
-        if "layer_types" in REAL_SHAPES[name] and not tiny:
-            shape["layer_types"] = REAL_SHAPES[name]["layer_types"][:layers]
-    model = random_model(target_config(family, shape), dtype="float32" if tiny else "bfloat16")
-    if quant == "4bit":
-        predicate = getattr(model, "quant_predicate", None)
-        nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: (
-            hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0 and (predicate(p, m) if predicate else True)))
-    mx.eval(model.parameters())
-    return adapter_for(model)
-
-
-def build_drafter(name: str, target, tiny: bool = False) -> DFlashDrafter:
-    d = DRAFTERS[name]
-    if tiny:  # script smoke test on a CPU
-        d = {**d, "layers": 2, "heads": 4, "kv": 2, "inter": 128, "taps": [1, 2], "mask": 3,
-             "sliding": (1, 8) if "sliding" in d else (0, None)}
-    n_sliding, window = d.get("sliding", (0, None))
-    taps = [t for t in d["taps"] if t < target.num_layers] or default_target_layer_ids(target.num_layers, 3)
-    raw = {
-        "architectures": ["DFlashDraftModel"], "hidden_size": target.hidden_size, "num_hidden_layers": d["layers"],
-        "num_attention_heads": d["heads"], "num_key_value_heads": d["kv"], "head_dim": 16 if tiny else 128,
-        "intermediate_size": d["inter"], "vocab_size": target.vocab_size, "rope_theta": 10000000.0,
-        "layer_types": ["sliding_attention"] * n_sliding + ["full_attention"] * (d["layers"] - n_sliding),
-        "sliding_window": window,
-        "dflash_config": {"block_size": 16, "target_layer_ids": taps, "mask_token_id": d["mask"],
-                          "final_logit_softcapping": d.get("softcap")},
-    }
-    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
-    drafter.set_dtype(target.dtype)
-    mx.eval(drafter.parameters())
-    return drafter
-
-
-class ForcedAcceptance:
-    """A target whose choice at each verify row is overridden so that exactly `schedule[cycle]`
-    drafts are accepted. Everything else (forward, taps, rollback) is the real adapter."""
-
-    def __init__(self, target, schedule, block=16):
-        self.target, self.schedule, self.block, self.cycle = target, schedule, block, 0
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-    def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
-        out = self.target.forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
-        if tokens.shape[1] != self.block:
-            return out
-        accept = self.schedule[self.cycle % len(self.schedule)]
-        self.cycle += 1
-        drafts = tokens[0, 1:]
-        wanted = mx.concatenate([drafts[:accept], (drafts[accept: accept + 1] + 1) % self.vocab_size,
-                                 drafts[accept + 1:], mx.zeros((1,), mx.int32)])[: self.block]
-        boost = (mx.arange(self.vocab_size)[None] == wanted[:, None]).astype(out.logits.dtype) * 1e4
-        return SimpleNamespace(logits=out.logits + boost[None], taps=out.taps, tape=out.tape)
 
 
 def weight_bytes_per_token(adapter) -> int:

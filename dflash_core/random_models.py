@@ -1,0 +1,134 @@
+"""Random-weight targets and drafters built in memory at the released shapes (speed only).
+
+`synthetic.py` writes random checkpoints to disk for the loading code; this module builds them
+straight into adapters for speed measurements (`dflash bench --random-weights`,
+`benchmarks/gpu_cycle.py`, `benchmarks/gpu_profile.py`), so nothing is downloaded or written.
+Random drafters accept almost nothing, so these pairs measure speed, never acceptance;
+`ForcedAcceptance` makes the target agree with a fixed number of drafts per cycle instead.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .adapters import TargetAdapter, adapter_for
+from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from .synthetic import FAMILIES, REAL_SHAPES, random_model, target_config
+
+# Released drafters' shapes (REFERENCE.md §2): layers, heads, kv heads, intermediate, taps, mask,
+# layer types (sliding window) of the z-lab checkpoint for each target.
+RELEASED_DRAFTERS: dict[str, dict] = {
+    "qwen3-8b": dict(layers=5, heads=32, kv=8, inter=12288, taps=[1, 9, 17, 25, 33], mask=151669),
+    "qwen3.5-9b": dict(layers=5, heads=32, kv=8, inter=12288, taps=[1, 8, 15, 22, 29], mask=248070),
+    "qwen3.5-27b": dict(layers=5, heads=32, kv=8, inter=17408, taps=[1, 16, 31, 46, 61], mask=248070),
+    "qwen3.6-35b-a3b": dict(layers=6, heads=32, kv=8, inter=6144, taps=[1, 6, 11, 16, 22, 27, 32, 37], mask=248077,
+                            sliding=(5, 4096)),
+    "gemma-4-31b": dict(layers=5, heads=64, kv=8, inter=10752, taps=[1, 12, 23, 35, 46, 57], mask=4,
+                        sliding=(4, 2048), softcap=30.0),
+}
+
+# `tiny-<family>` builds the tiny shapes of the family, with the drafter layout of this model.
+FAMILY_EXAMPLES = {"qwen3": "qwen3-8b", "qwen3_5": "qwen3.5-9b", "qwen3_5_moe": "qwen3.6-35b-a3b",
+                   "gemma4": "gemma-4-31b"}
+QUANTS = ("bf16", "4bit")
+
+
+def parse_shape(spec: str) -> tuple[str, bool]:
+    """`--random-weights` value -> (REAL_SHAPES name, tiny). `tiny-<family>` is the tiny shape."""
+    if spec in REAL_SHAPES:
+        return spec, False
+    if spec.startswith("tiny-") and spec[5:] in FAMILY_EXAMPLES:
+        return FAMILY_EXAMPLES[spec[5:]], True
+    known = ", ".join(list(REAL_SHAPES) + [f"tiny-{f}" for f in FAMILIES])
+    raise ValueError(f"unknown random-weights shape {spec!r}; known: {known}")
+
+
+def random_target(name: str, quant: str = "bf16", layers: Optional[int] = None, tiny: bool = False) -> TargetAdapter:
+    """A random target at REAL_SHAPES[name] (bf16, or 4-bit quantized), or its family's tiny shape
+    in float32 (tiny=True: checks scripts on a CPU, measures nothing)."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, not {quant!r}")
+    family = REAL_SHAPES[name]["family"]
+    shape = {"base": "tiny" if tiny else name}
+    if layers:  # fewer layers for a quick look; the full model is the default
+        shape["num_hidden_layers"] = layers
+        if "layer_types" in REAL_SHAPES[name] and not tiny:
+            shape["layer_types"] = REAL_SHAPES[name]["layer_types"][:layers]
+    model = random_model(target_config(family, shape), dtype="float32" if tiny else "bfloat16")
+    if quant == "4bit":
+        predicate = getattr(model, "quant_predicate", None)
+        nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: (
+            hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0 and (predicate(p, m) if predicate else True)))
+    mx.eval(model.parameters())
+    return adapter_for(model)
+
+
+def random_drafter(name: str, target: TargetAdapter, tiny: bool = False) -> DFlashDrafter:
+    """A random drafter with the released z-lab drafter's shape for target `name`."""
+    d = RELEASED_DRAFTERS[name]
+    if tiny:
+        d = {**d, "layers": 2, "heads": 4, "kv": 2, "inter": 128, "taps": [1, 2], "mask": 3,
+             "sliding": (1, 8) if "sliding" in d else (0, None)}
+    n_sliding, window = d.get("sliding", (0, None))
+    taps = [t for t in d["taps"] if t < target.num_layers] or default_target_layer_ids(target.num_layers, 3)
+    raw = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": target.hidden_size, "num_hidden_layers": d["layers"],
+        "num_attention_heads": d["heads"], "num_key_value_heads": d["kv"], "head_dim": 16 if tiny else 128,
+        "intermediate_size": d["inter"], "vocab_size": target.vocab_size, "rope_theta": 10000000.0,
+        "layer_types": ["sliding_attention"] * n_sliding + ["full_attention"] * (d["layers"] - n_sliding),
+        "sliding_window": window,
+        "dflash_config": {"block_size": 16, "target_layer_ids": taps, "mask_token_id": d["mask"],
+                          "final_logit_softcapping": d.get("softcap")},
+    }
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    drafter.set_dtype(target.dtype)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+class ForcedAcceptance:
+    """A target whose choice at each verify row is overridden so that exactly `schedule[cycle]`
+    drafts are accepted. Everything else (forward, taps, rollback) is the real adapter.
+
+    Only verify forwards (the ones that record a rollback tape) are touched: prefill chunks and
+    target-alone decode steps pass through unchanged, whatever their length."""
+
+    def __init__(self, target: TargetAdapter, schedule: Sequence[int], block: int = 16):
+        self.target, self.schedule, self.block, self.cycle = target, list(schedule), block, 0
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
+        out = self.target.forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
+        if not record or tokens.shape[1] != self.block:
+            return out
+        accept = self.schedule[self.cycle % len(self.schedule)]
+        self.cycle += 1
+        drafts = tokens[0, 1:]
+        wanted = mx.concatenate([drafts[:accept], (drafts[accept: accept + 1] + 1) % self.vocab_size,
+                                 drafts[accept + 1:], mx.zeros((1,), mx.int32)])[: self.block]
+        boost = (mx.arange(self.vocab_size)[None] == wanted[:, None]).astype(out.logits.dtype) * 1e4
+        return SimpleNamespace(logits=out.logits + boost[None], taps=out.taps, tape=out.tape)
+
+
+class ByteTokenizer:
+    """Stands in for the tokenizer a random target does not have: UTF-8 bytes mapped into the
+    vocabulary, no end-of-sequence token (a random model runs to max_tokens), no text out."""
+
+    bos_token_id = None
+    chat_template = None
+
+    def __init__(self, vocab_size: int, offset: int = 16):
+        self.vocab_size, self.offset = vocab_size, offset
+        self.eos_token_ids: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [(b + self.offset) % self.vocab_size for b in text.encode("utf-8")]
+
+    def decode(self, tokens, **kwargs) -> str:
+        return ""

@@ -1,0 +1,193 @@
+"""`dflash bench` on the tiny CPU fixtures: schema, plots, divergence detection, server mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pydantic
+import pytest
+
+from dflash_core import bench, cli
+from dflash_core.bench_prompts import PROMPTS, filler_tokens, select_prompts
+from dflash_core.settings import ModelSettings, ServerSettings, Settings
+from dflash_core.synthetic import TINY_VOCAB
+from live_server import LiveServer
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(*args, out) -> int:
+    return cli.main(["bench", *args, "--cooldown", "0", "--no-progress", "--out", str(out)])
+
+
+def _assert_png(path):
+    assert path.exists() and path.stat().st_size > 10_000, path
+    assert path.read_bytes()[:8] == PNG
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def test_first_divergence():
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == (1, 2, 5)
+    assert bench.first_divergence([1, 2, 3], [1, 2]) == (2, 3, None)  # DFlash stopped early
+    assert bench.first_divergence([1, 2], [1, 2, 9]) == (2, None, 9)
+
+
+def test_padding_is_exact_and_keeps_bos_first():
+    filler = list(range(100, 200))
+    tokens, added = bench.pad_to_context([7, 8, 9], filler, 10, bos=None, separator=[0])
+    assert tokens == [100, 101, 102, 103, 104, 105, 0, 7, 8, 9] and added == 7
+    tokens, added = bench.pad_to_context([2, 8, 9], filler, 6, bos=2, separator=[0])
+    assert tokens == [2, 100, 101, 0, 8, 9] and added == 3
+    assert bench.pad_to_context([1, 2, 3], filler, 2, bos=None) == ([1, 2, 3], 0)  # longer: as it is
+
+
+def test_prompts_and_filler_are_deterministic():
+    assert {p.set for p in PROMPTS} == {"math", "code", "chat", "agent"}
+    assert all(sum(p.set == s for p in PROMPTS) >= 3 for s in ("math", "code", "chat", "agent"))
+    assert [p.name for p in select_prompts(["code", "math"], 1)] == ["lru-cache", "train-meeting"]
+    with pytest.raises(ValueError, match="unknown prompt set"):
+        select_prompts(["poetry"])
+    encode = lambda text: list(text.encode())  # noqa: E731
+    assert filler_tokens(encode, 5000) == filler_tokens(encode, 5000) and len(filler_tokens(encode, 5000)) == 5000
+    assert filler_tokens(encode, 5000)[:300] == filler_tokens(encode, 300)
+
+
+# ------------------------------------------------------------------------- engine mode (CLI)
+
+
+def test_short_sweep_end_to_end(qwen3_pair, tmp_path, capsys):
+    target, drafter = qwen3_pair
+    out = tmp_path / "results.json"
+    code = _bench("--target", str(target), "--drafter", str(drafter), "--contexts", "160,320",
+                  "--sets", "math,agent", "--prompts-per-set", "1", "--max-tokens", "16", "--repeats", "2", out=out)
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "decode tok/s" in printed and "speedup" in printed and "MISMATCH" not in printed
+
+    report = bench.load_report(out)  # the documented schema, validated
+    assert isinstance(report, bench.EngineReport)
+    assert report.acceptance_measured and report.all_matched is True and report.model.block_size == 16
+    assert [(r.context, r.set) for r in report.summary] == [
+        (160, "math"), (160, "agent"), (160, "all"), (320, "math"), (320, "agent"), (320, "all")]
+    for r in report.results:
+        assert r.match is True and r.divergence is None and r.target_repeats_agree
+        assert r.target.runs == r.dflash.runs == 2
+        assert r.target.prompt_tokens == r.dflash.prompt_tokens == r.prompt_tokens
+        assert r.target.prefill_tokens_per_second > 0 and r.dflash.decode_tokens_per_second > 0
+        assert r.speedup == pytest.approx(r.dflash.decode_tokens_per_second / r.target.decode_tokens_per_second)
+        assert r.dflash.tokens_per_cycle >= 1 and len(r.dflash.acceptance_by_position) == 15
+        assert r.dflash.peak_memory_bytes > 0 and not r.target.speculative
+        if r.set == "math":  # padded with the filler document to exactly the context
+            assert r.prompt_tokens == r.context and r.filler_tokens > 0
+        else:  # the agent prompt with its tools is longer than both contexts: left as it is
+            assert r.prompt_tokens > r.context and r.filler_tokens == 0
+    _assert_png(tmp_path / "results-speed.png")
+    _assert_png(tmp_path / "results-acceptance.png")
+
+    # The schema is strict: an unknown key or a missing one is refused.
+    raw = json.loads(out.read_text())
+    with pytest.raises(pydantic.ValidationError):
+        bench.BenchReport.validate_python({**raw, "surprise": 1})
+    with pytest.raises(pydantic.ValidationError):
+        bench.BenchReport.validate_python({k: v for k, v in raw.items() if k != "summary"})
+
+
+class PlantedDivergence:
+    """The real engine, except that speculative runs hand out one altered token."""
+
+    def __init__(self, engine, index: int):
+        self.engine, self.index = engine, index
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompt, *, speculative=True, **kwargs):
+        seen = 0
+        for chunk in self.engine.generate(prompt, speculative=speculative, **kwargs):
+            ids = list(chunk.token_ids)
+            if speculative and seen <= self.index < seen + len(ids):
+                ids[self.index - seen] = (ids[self.index - seen] + 1) % self.engine.target.vocab_size
+                chunk = dataclasses.replace(chunk, token_ids=ids)
+            seen += len(ids)
+            yield chunk
+
+
+def test_planted_divergence_is_reported(qwen3_pair, tmp_path, capsys, monkeypatch):
+    real = bench.checkpoint_bench_model
+
+    def planted(settings):
+        model = real(settings)
+        return dataclasses.replace(model, engine=PlantedDivergence(model.engine, index=5))
+
+    monkeypatch.setattr(bench, "checkpoint_bench_model", planted)
+    target, drafter = qwen3_pair
+    out = tmp_path / "r.json"
+    code = _bench("--target", str(target), "--drafter", str(drafter), "--contexts", "160", "--sets", "chat",
+                  "--prompts-per-set", "1", "--max-tokens", "12", "--ignore-eos", "--repeats", "1", "--no-plots",
+                  out=out)
+    assert code == 1  # a mismatch fails the command
+    report = bench.load_report(out)
+    assert report.all_matched is False
+    (result,) = report.results
+    assert result.match is False and result.divergence is not None
+    d = result.divergence
+    assert (d.repeat, d.index) == (0, 5) and d.target_token is not None
+    assert d.dflash_token == (d.target_token + 1) % TINY_VOCAB
+    assert result.compared_tokens == 12  # both outputs ran to max_tokens
+    assert report.summary[0].mismatched == 1
+    printed = capsys.readouterr().out
+    assert "MISMATCH chat/trip-plan at context 160: first divergence at generated token 5" in printed
+    assert f"target {d.target_token}, dflash {d.dflash_token}" in printed
+
+
+def test_random_weights_are_labelled(tmp_path, capsys):
+    out = tmp_path / "random.json"
+    code = _bench("--random-weights", "tiny-qwen3", "--forced-accepted", "3", "--contexts", "200", "--sets", "chat",
+                  "--prompts-per-set", "1", "--max-tokens", "24", "--repeats", "1", out=out)
+    assert code == 0
+    report = bench.load_report(out)
+    assert report.model.weights == "random" and report.model.drafter == "random"
+    assert report.acceptance_measured is False and "Forced acceptance" in report.note
+    assert report.settings.forced_accepted == 3
+    (result,) = report.results
+    assert result.dflash.tokens_per_cycle == pytest.approx(4.0)  # 3 forced drafts + the target's token
+    assert result.match is None and report.all_matched is None  # forced outputs are not the target's
+    assert result.prompt_tokens == 200
+    assert "RANDOM WEIGHTS" in capsys.readouterr().out
+    _assert_png(tmp_path / "random-speed.png")
+    assert not (tmp_path / "random-acceptance.png").exists()  # no acceptance plot for random weights
+    with pytest.raises(ValueError, match="unknown random-weights shape"):
+        bench.random_bench_model("llama-7b")
+
+
+# ------------------------------------------------------------------------------- server mode
+
+
+def test_server_mode_reports_latencies(qwen3_pair, tmp_path, capsys):
+    target, drafter = qwen3_pair
+    settings = Settings(server=ServerSettings(max_active=2),
+                        models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter))])
+    out = tmp_path / "server.json"
+    with LiveServer(settings) as server:
+        code = _bench("--server", server.url, "--concurrency", "2", "--requests", "4", "--max-tokens", "12",
+                      "--sets", "chat,agent", "--prompts-per-set", "1", out=out)
+    assert code == 0
+    report = bench.load_report(out)
+    assert isinstance(report, bench.ServerReport)
+    assert report.model == "tiny" and report.concurrency == 2
+    assert report.errors == 0 and report.completed == 4 and report.error_messages == []
+    assert report.ttft_seconds.count == 4 and report.ttft_seconds.p50 > 0
+    assert report.ttft_seconds.p50 <= report.ttft_seconds.p90 <= report.ttft_seconds.p99
+    assert report.inter_token_seconds.count >= 1 and report.inter_chunk_seconds.count >= 1
+    assert 0 < report.completion_tokens <= 48 and report.throughput_tokens_per_second > 0
+    assert report.speculative_requests == 4 and report.tokens_per_cycle >= 1
+    for r in report.requests_detail:
+        assert r.ok and r.dflash["speculative"] is True and r.completion_tokens == r.dflash["generated_tokens"]
+        assert r.prompt_tokens > 0 and r.chunks >= 1
+    assert {r.prompt for r in report.requests_detail} == {"chat/trip-plan", "agent/weather-call"}
+    printed = capsys.readouterr().out
+    assert "time to first token" in printed and "errors 0" in printed
