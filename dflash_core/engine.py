@@ -277,8 +277,8 @@ class Engine:
         bonus = sampler.choose(logits, None, 0)
         sampler.commit(bonus)
         index = 0  # generated-token index of the bonus token
+        last = bonus.tolist()  # the first token goes out before the first cycle is queued
         proposals, verify, choices = launch(bonus, index)
-        last = bonus.tolist()
         yield last
         while True:
             host = mx.concatenate([proposals, choices]).tolist()  # the one blocking read per cycle

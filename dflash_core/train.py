@@ -67,6 +67,7 @@ class TrainOptions:
     # estimated with the full vocabulary.
     loss_vocab: str = "full"
     tap_cache_gb: float = 4.0  # target taps kept across steps
+    save_dtype: Optional[str] = None  # the drafter's weights on disk (default: the target's dtype)
 
 
 # --------------------------------------------------------------------------- data
@@ -370,7 +371,7 @@ def train(opts: TrainOptions) -> TrainReport:
         progress.set_postfix(loss=f"{total / count:.3f}", tok_per_cycle=f"{estimate:.2f}")
         progress.update(1)
     progress.close()
-    save_drafter(drafter, opts.out, dtype=target.dtype)
+    save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else target.dtype)
     load_drafter(opts.out)  # the normal loader accepts what was written
     report = TrainReport(step, time.perf_counter() - start, len(training), len(held_out),
                          history[0]["loss"] if history else float("nan"),
@@ -420,6 +421,7 @@ def add_train(sub) -> None:
     p.add_argument("--mask-token-id", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), help="dtype of the saved weights")
     p.add_argument("--loss-vocab", choices=("full", "data"), default="full",
                    help="softmax over the whole vocabulary (default) or only the tokens in the training responses")
     p.set_defaults(func=run_train)
@@ -433,6 +435,7 @@ def run_train(args) -> int:
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
+        save_dtype=args.save_dtype,
     )
     report = train(opts)
     print(f"trained {report.steps} steps in {report.seconds:.0f}s: loss {report.first_loss:.3f} -> "
