@@ -25,17 +25,7 @@ from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.kernels import gated_delta as gd  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 from gpu_cycle import build_drafter, build_target  # noqa: E402
-
-
-def per_iteration(fn, iters=12, warmup=3) -> float:
-    """Median ms of fn() evaluated and synchronised each iteration."""
-    times = []
-    for i in range(warmup + iters):
-        start = time.perf_counter()
-        mx.eval(fn())
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+from gpu_cycle import per_iteration_ms as per_iteration  # noqa: E402
 
 
 def build_only(fn, iters=8) -> float:

@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
@@ -32,6 +31,7 @@ import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .bench_prompts import PROMPT_SETS, BenchPrompt, filler_tokens, select_prompts
+from .doctor import package_version
 from .kernels import backend
 from .sampling import SamplingParams
 
@@ -228,16 +228,9 @@ def load_report(path: Path) -> Union[EngineReport, ServerReport]:
     return BenchReport.validate_json(Path(path).read_text())
 
 
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def environment() -> Environment:
     return Environment(
-        dflash=_version("dflash"), mlx=mx.__version__, mlx_lm=_version("mlx-lm"),
+        dflash=package_version("dflash"), mlx=mx.__version__, mlx_lm=package_version("mlx-lm"),
         python=platform.python_version(), platform=f"{platform.system()} {platform.machine()}",
         device=f"{mx.default_device()} ({mx.device_info().get('device_name', 'unknown')})",
         backend=backend(), cuda_graphs=os.environ.get("MLX_USE_CUDA_GRAPHS"),

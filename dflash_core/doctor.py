@@ -16,7 +16,7 @@ from .registry import KNOWN_PAIRS
 from .settings import Settings
 
 
-def _version(package: str) -> str:
+def package_version(package: str) -> str:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -56,9 +56,9 @@ def doctor_report(check_hub: bool = True) -> dict:
     return {
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
-        "mlx": _version("mlx"),
-        "mlx-lm": _version("mlx-lm"),
-        "dflash": _version("dflash"),
+        "mlx": package_version("mlx"),
+        "mlx-lm": package_version("mlx-lm"),
+        "dflash": package_version("dflash"),
         "backend": backend(),
         "default_device": str(mx.default_device()),
         "device": info.get("device_name", "unknown"),
