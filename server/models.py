@@ -103,9 +103,8 @@ class ModelPool:
                 if spec.load_at_start:
                     await self.get(spec.name)
             self.ready = True
-        except Exception as e:  # the server stays up and reports the problem on /health
-            log.exception("loading models failed")
-            self.loading_error = f"{type(e).__name__}: {e}"
+        except APIError as e:  # the server stays up and reports the problem on /health
+            self.loading_error = e.message
 
     async def get(self, name: str) -> ServedModel:
         served = self._served.get(name)
@@ -119,7 +118,16 @@ class ModelPool:
             async with self._load_lock:  # one load at a time: the budget check must see the others
                 served = self._served.get(name)
                 if served is None:
-                    served = await self.scheduler.call(lambda: self._load(spec))
+                    try:
+                        served = await self.scheduler.call(lambda: self._load(spec))
+                    except (FileNotFoundError, ValueError) as e:  # missing files, bad checkpoints
+                        log.error("model %s could not be loaded: %s", name, e)
+                        raise APIError(503, f"model {name!r} could not be loaded: {e}", type="server_error",
+                                       code="model_unavailable", headers={"Retry-After": "30"}) from e
+                    except Exception as e:
+                        log.exception("model %s could not be loaded", name)
+                        raise APIError(503, f"model {name!r} could not be loaded: {type(e).__name__}: {e}",
+                                       type="server_error", code="model_unavailable") from e
         served.last_used = time.monotonic()
         return served
 

@@ -403,3 +403,16 @@ def test_several_models_lazy_loading_and_memory_budget(qwen3_pair, gemma4_pair):
         assert [m.name for m in pool.served()] == ["b"]  # "a" was unloaded to make room
         client.completions.create(model="a", prompt="hello", max_tokens=4, temperature=0)
         assert [m.name for m in pool.served()] == ["a"]
+
+
+def test_a_model_that_cannot_load_answers_503_and_the_server_stays_up(qwen3_pair, tmp_path):
+    settings = Settings(models=[
+        ModelSettings(name="ok", target=str(qwen3_pair[0]), drafter=str(qwen3_pair[1])),
+        ModelSettings(name="missing", target=str(tmp_path / "nowhere"), drafter=None, load_at_start=False),
+    ])
+    with LiveServer(settings) as server:
+        response = httpx.post(server.url + "/v1/completions", json={"model": "missing", "prompt": "x"}, timeout=30)
+        error = _error(response, 503, code="model_unavailable")
+        assert "nowhere" in error["message"]
+        ok = httpx.post(server.url + "/v1/completions", json={"model": "ok", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
