@@ -35,6 +35,8 @@ class ScriptedTarget:
         self.vocab_size, self.eos = vocab_size, eos
         self.script: list[int] = []
         self.dtype = mx.float32
+        self.fail_after: Optional[int] = None  # forwards before an exception (failure tests)
+        self.forwards = 0
 
     def make_cache(self, max_rollback: int):
         return [_Position()]
@@ -43,6 +45,9 @@ class ScriptedTarget:
         return self.script[index] if 0 <= index < len(self.script) else self.eos
 
     def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
+        self.forwards += 1
+        if self.fail_after is not None and self.forwards > self.fail_after:
+            raise RuntimeError("planted failure in the target")
         position = cache[0]
         n = tokens.shape[1]
         if position.prompt_length is None:

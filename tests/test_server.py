@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+from dataclasses import replace
 
 import httpx
 import openai
@@ -13,8 +14,7 @@ import pytest
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
 from live_server import LiveServer
 from scripted import scripted_engine
-from server.models import ServedModel, load_served
-from server.tool_calls import markers_for_tokenizer
+from server.models import load_served
 
 KEY = "sk-test-key"
 WEATHER_TOOL = {
@@ -229,10 +229,9 @@ def scripted(qwen3_5_pair, gemma4_pair):
     def prepare(state):
         for name, pair in (("scripted-qwen", qwen3_5_pair), ("scripted-gemma", gemma4_pair)):
             real = load_served(ModelSettings(name=name, target=str(pair[0]), drafter=None), 2048)
-            engine = scripted_engine(real.engine.tokenizer)
-            hf = real.engine.tokenizer._tokenizer
-            state.pool.add(ServedModel(ModelSettings(name=name, target=str(pair[0]), drafter=None), real.loaded.__class__(
-                engine, real.loaded.target_path, None, real.loaded.config, {}), markers_for_tokenizer(hf.chat_template, hf.get_vocab())))
+            # The real tokenizer and chat template, a scripted engine in place of the model.
+            loaded = replace(real.loaded, engine=scripted_engine(real.engine.tokenizer), generation_defaults={})
+            state.pool.add(replace(real, loaded=loaded))
 
     settings = Settings(models=[])
     with LiveServer(settings, prepare=prepare) as server:
@@ -416,3 +415,22 @@ def test_a_model_that_cannot_load_answers_503_and_the_server_stays_up(qwen3_pair
         assert "nowhere" in error["message"]
         ok = httpx.post(server.url + "/v1/completions", json={"model": "ok", "prompt": "x", "max_tokens": 2}, timeout=30)
         assert ok.status_code == 200
+
+
+def test_an_exception_fails_only_its_request(scripted):
+    target = scripted.state.pool._served["scripted-qwen"].engine.target
+    _script(scripted, "scripted-qwen", "</think>\n\nA long enough answer to need several cycles of decoding here.")
+    target.forwards, target.fail_after = 0, 2
+    try:
+        body = {"model": "scripted-qwen", "messages": [{"role": "user", "content": "hi"}]}
+        error = _error(httpx.post(scripted.url + "/v1/chat/completions", json=body, timeout=30), 500)
+        assert "planted failure" in error["message"]
+        target.forwards = 0
+        with httpx.stream("POST", scripted.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert any("planted failure" in e for e in events) and events[-1] == "data: [DONE]"
+    finally:
+        target.fail_after = None
+    _, content, _, finish = _stream_chat(scripted.client, "scripted-qwen")
+    assert content.startswith("A long enough answer") and finish == ["stop"]
+    assert scripted.state.scheduler.active == 0
