@@ -9,7 +9,7 @@ generations fairly, and closing the iterator cancels the generation and frees it
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -61,6 +61,10 @@ class GenerationStats:
         for i in range(accepted):
             self.accepted_by_position[i] += 1
 
+    def copy(self) -> "GenerationStats":
+        """A snapshot: the live object keeps changing while the generation runs."""
+        return replace(self, accepted_by_position=list(self.accepted_by_position))
+
     def as_dict(self) -> dict:
         out = asdict(self)
         out["tokens_per_cycle"] = self.tokens_per_cycle
@@ -74,7 +78,11 @@ class GenerationChunk:
     token_ids: list[int]
     text: str
     finish_reason: Optional[str] = None  # "stop" (an end-of-sequence token) or "length"
-    stats: Optional[GenerationStats] = None  # the generation's live statistics, final on the last chunk
+    stats: Optional[GenerationStats] = None  # the statistics as of this chunk, final on the last one
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (reported to clients as a 400)."""
 
 
 def accepted_length(drafts: Sequence[int], choices: Sequence[int]) -> int:
@@ -133,13 +141,13 @@ class Engine:
         stop_token_ids: Optional[set[int]] = None,
     ) -> Iterator[GenerationChunk]:
         if not prompt_tokens:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty")
         sampling.validate(self.target.vocab_size)
         budget = max_tokens if max_tokens is not None else 1 << 62
         if self.max_context is not None:
             budget = min(budget, self.max_context - len(prompt_tokens))
         if budget < 1:
-            raise ValueError(f"no room to generate: prompt has {len(prompt_tokens)} tokens, limit {self.max_context}")
+            raise RequestError(f"no room to generate: prompt has {len(prompt_tokens)} tokens, limit {self.max_context}")
         stats = GenerationStats(prompt_tokens=len(prompt_tokens), prefill_tokens=len(prompt_tokens))
         if self.drafter is None:
             stats.speculative_off_reason = self.drafter_off_reason
@@ -173,7 +181,7 @@ class Engine:
         try:
             for ids in steps:
                 if not ids:  # a prefill chunk: give the caller a chance to interleave
-                    yield GenerationChunk([], "", stats=stats)
+                    yield GenerationChunk([], "", stats=stats.copy())
                     continue
                 produced += ids
                 now = time.perf_counter()
@@ -191,9 +199,9 @@ class Engine:
                 stats.decode_seconds = time.perf_counter() - decode_start
                 if finish:
                     self._remember_generation(state, prompt, produced, stats.generated_tokens + (finish == "stop"))
-                    yield GenerationChunk(ids, text + detokenizer.flush(), finish, stats)
+                    yield GenerationChunk(ids, text + detokenizer.flush(), finish, stats.copy())
                     return
-                yield GenerationChunk(ids, text, stats=stats)
+                yield GenerationChunk(ids, text, stats=stats.copy())
         finally:
             steps.close()
 

@@ -76,10 +76,6 @@ class PrefixCache:
             best.last_used = time.monotonic()
         return best
 
-    def has(self, tokens: Sequence[int], need_context: bool) -> bool:
-        tokens = tuple(tokens)
-        return any(s.tokens == tokens and (s.context is not None or not need_context) for s in self.snapshots)
-
     def insert(self, tokens: Sequence[int], target: list, context: Optional[list], *, logits=None,
                shared: bool = False, extends: Optional[Snapshot] = None) -> None:
         """Store the state after `tokens`. `extends`: the snapshot this request started from."""
@@ -99,12 +95,14 @@ class PrefixCache:
             arrays = frozen_arrays(frozen_target) + (frozen_arrays(frozen_context) if frozen_context else [])
             if logits is not None:
                 arrays.append(logits)
-            mx.eval(arrays)
+            # Sizes are known before anything is copied: decide first, copy only what is kept.
             nbytes = sum(a.nbytes for a in arrays)
             if nbytes > self.budget_bytes:
                 return
             if existing is not None:  # a snapshot without drafter context is superseded
                 self.snapshots.remove(existing)
+            self._evict(room_for=nbytes)
+            mx.eval(arrays)
             self.snapshots.append(Snapshot(tokens, frozen_target, frozen_context, logits, shared, nbytes))
         if (
             extends is not None
@@ -116,8 +114,8 @@ class PrefixCache:
             self.snapshots.remove(extends)
         self._evict()
 
-    def _evict(self) -> None:
-        while self.snapshots and self.nbytes > self.budget_bytes:
+    def _evict(self, room_for: int = 0) -> None:
+        while self.snapshots and self.nbytes + room_for > self.budget_bytes:
             self.snapshots.remove(min(self.snapshots, key=lambda s: s.last_used))
 
     def clear(self) -> None:

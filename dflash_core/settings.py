@@ -38,6 +38,19 @@ class DefaultSettings(Strict):
     enable_thinking: Optional[bool] = None
 
 
+class SamplingDefaults(Strict):
+    """A model's default sampling (requests override each field)."""
+
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+
+
 class ModelSettings(Strict):
     name: str = Field(description="what clients send as `model`")
     target: str = Field(description="Hugging Face repo id or local path")
@@ -49,7 +62,7 @@ class ModelSettings(Strict):
     quantize_bits: Optional[Literal[4, 8]] = Field(None, description="quantize an unquantized target when loading")
     max_context: Optional[int] = Field(None, ge=16)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    sampling: dict[str, float] = Field(default_factory=dict, description="default sampling parameters")
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="default sampling parameters")
     load_at_start: bool = True
 
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
@@ -68,8 +69,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.pool.loading_error:
-            return JSONResponse({"status": "error", "error": state.pool.loading_error}, status_code=503)
+        if state.scheduler.failure:
+            return JSONResponse({"status": "error", "error": state.scheduler.failure}, status_code=503)
+        if state.pool.loading_errors:
+            return JSONResponse({"status": "error", "errors": state.pool.loading_errors,
+                                 "models": [m.name for m in state.pool.served()]}, status_code=503)
         if not state.pool.ready:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
         return {"status": "ok", "models": [m.name for m in state.pool.served()]}
@@ -78,35 +82,47 @@ def create_app(settings: Settings) -> FastAPI:
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_entry(name: str) -> dict:
+        loaded = {m.name: m for m in state.pool.served()}
+        return {"id": name, "object": "model", "owned_by": "dflash",
+                "created": loaded[name].created if name in loaded else 0}
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def list_models():
-        loaded = {m.name: m for m in state.pool.served()}
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "owned_by": "dflash",
-                 "created": loaded[name].created if name in loaded else 0}
-                for name in state.pool.names()
-            ],
-        }
+        return {"object": "list", "data": [model_entry(name) for name in state.pool.names()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    async def retrieve_model(model: str):
+        if model not in state.pool.names():
+            raise APIError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+        return model_entry(model)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
         chat.refuse_unsupported(body)
         served = await state.pool.get(body.model)
-        prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, served.template_defaults(settings))
-        parser = ChatOutputParser(served.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
-                                  body.stop, prompt.starts_in_reasoning)
-        run = _start(state, served, body, prompt, _stop_tokens(served, body))
-        responder = ChatResponder(run, body.model, parser)
-        return await _respond(state, "chat", request, run, responder, body)
+        try:
+            prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, served.template_defaults(settings))
+            parser = ChatOutputParser(served.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
+                                      body.stop, prompt.starts_in_reasoning)
+            run = _start(state, served, body, prompt, _stop_tokens(served, body), arrival)
+        except BaseException:
+            state.pool.release(served)
+            raise
+        return await _respond(state, "chat", request, run, ChatResponder(run, body.model, parser), body)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
         chat.refuse_unsupported(body)
         served = await state.pool.get(body.model)
-        prompt = chat.completion_prompt(body, served.engine.tokenizer)
-        run = _start(state, served, body, prompt, None)
+        try:
+            prompt = chat.completion_prompt(body, served.engine.tokenizer, served.engine.target.vocab_size)
+            run = _start(state, served, body, prompt, None, arrival)
+        except BaseException:
+            state.pool.release(served)
+            raise
         return await _respond(state, "completions", request, run, CompletionResponder(run, body.model, body.stop), body)
 
     return app
@@ -114,25 +130,22 @@ def create_app(settings: Settings) -> FastAPI:
 
 def _stop_tokens(served: ServedModel, body: ChatCompletionRequest) -> Optional[set[int]]:
     """Gemma 4 follows a tool call with <|tool_response>, which is the caller's turn, not ours."""
-    if not body.tools or served.markers.tool_format != "gemma4":
+    if not body.tools or served.tool_response_token is None:
         return None
-    hf = getattr(served.engine.tokenizer, "_tokenizer", served.engine.tokenizer)
-    extra = hf.get_vocab().get("<|tool_response>")
-    return served.engine.eos_token_ids | ({extra} if extra is not None else set())
+    return served.engine.eos_token_ids | {served.tool_response_token}
 
 
-def _start(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, stop_tokens) -> Run:
+def _start(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, stop_tokens, arrival: float) -> Run:
+    """Queue the generation (the model stays acquired until _respond finishes)."""
     defaults = served.sampling_defaults(state.settings)
     max_tokens = chat.max_new_tokens(body, defaults)
     chat.check_context(len(prompt.tokens), max_tokens, served.engine.max_context)
     sampling = chat.sampling_params(body, defaults, served.engine.target.vocab_size)
-    run = Run(state.scheduler, served, prompt, max_tokens, sampling, stop_tokens, state.settings.server.request_timeout)
-    state.pool.acquire(served)  # not unloaded while in use; released in _respond
-    try:
-        run.submit()
-    except Exception:
-        state.pool.release(served)
-        raise
+    run = Run(state.scheduler, served, prompt, max_tokens, sampling, stop_tokens,
+              state.settings.server.request_timeout, started=arrival)
+    run.submit()
+    if body.user:
+        log.info("request for %s from user %r", served.name, body.user)
     return run
 
 
@@ -172,6 +185,9 @@ async def _respond(state: ServerState, endpoint: str, request: Request, run: Run
         finish()
 
 
+API_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
 class CountRequests:
     """ASGI middleware counting API responses by path and status (streams count when they start)."""
 
@@ -183,9 +199,12 @@ class CountRequests:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
 
+        # Known routes only: arbitrary paths would each add a time series for ever.
+        endpoint = path if path in API_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+
         async def counting_send(message):
             if message["type"] == "http.response.start":
-                self.counter.labels(endpoint=path, status=str(message["status"])).inc()
+                self.counter.labels(endpoint=endpoint, status=str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)

@@ -27,7 +27,8 @@ class Prompt:
 def refuse_unsupported(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
     for name, (neutral, message) in NEUTRAL_ONLY.items():
         value = getattr(request, name, None)
-        if value not in neutral:
+        # Compare types too: 0 == False, but logprobs=0 asks for something.
+        if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
             raise bad_request(f"{message} (got {name}={value!r})", param=name)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
@@ -119,10 +120,11 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
                   forced_output=opening)
 
 
-def completion_prompt(request: CompletionRequest, tokenizer) -> Prompt:
+def completion_prompt(request: CompletionRequest, tokenizer, vocab_size: int) -> Prompt:
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        vocab = len(getattr(tokenizer, "_tokenizer", tokenizer))
+        # The model's embedding, not the tokenizer, bounds the ids (an out-of-range gather is not checked).
+        vocab = min(len(getattr(tokenizer, "_tokenizer", tokenizer)), vocab_size)
         if any(not 0 <= p < vocab for p in prompt):
             raise bad_request("prompt token ids must be within the vocabulary", param="prompt")
         return Prompt(None, list(prompt))

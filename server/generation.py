@@ -9,14 +9,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from dflash_core.engine import GenerationChunk, GenerationStats
-from dflash_core.sampling import SamplingParams
+from dflash_core.engine import GenerationChunk, GenerationStats, RequestError
+from dflash_core.sampling import SamplingError, SamplingParams
 
 from .chat import Prompt
 from .errors import APIError
 from .metrics import Metrics
 from .models import ServedModel
-from .output_text import ChatOutputParser, Delta, StopMatcher, delta_to_openai
+from .output_text import ChatOutputParser, Delta, StopMatcher, collect_deltas, delta_to_openai
 from .scheduler import Job, QueueFullError, Scheduler, SchedulerStopped
 
 
@@ -35,7 +35,7 @@ class Run:
     sampling: SamplingParams
     stop_token_ids: Optional[set[int]] = None
     timeout: Optional[float] = None
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # the request's arrival
     first_token_at: Optional[float] = None
     stats: Optional[GenerationStats] = None
     job: Optional[Job] = None
@@ -76,7 +76,7 @@ class Run:
                 if item is None:
                     return
                 if isinstance(item, BaseException):
-                    if isinstance(item, ValueError):
+                    if isinstance(item, (RequestError, SamplingError)):  # the engine's own input checks
                         raise APIError(400, str(item)) from item
                     raise APIError(500, f"generation failed: {type(item).__name__}: {item}", type="server_error") from item
                 self.stats = item.stats
@@ -159,7 +159,8 @@ class ChatResponder:
             for delta in self.parser.feed(chunk.text):
                 yield delta
             if self.parser.stop_matched is not None:
-                break  # leaving chunks() cancels the generation within one cycle
+                self.run.cancel()  # the worker drops it at its next turn, within one cycle
+                break
             if chunk.finish_reason:
                 self.engine_finish = chunk.finish_reason
         for delta in self.parser.finish():
@@ -182,15 +183,10 @@ class ChatResponder:
         yield sse("[DONE]")
 
     async def complete(self) -> dict:
-        content, reasoning, calls = [], [], []
-        async for delta in self._deltas():
-            if delta.content is not None:
-                content.append(delta.content)
-            elif delta.reasoning is not None:
-                reasoning.append(delta.reasoning)
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+        content, reasoning, _ = collect_deltas([delta async for delta in self._deltas()])
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
         if reasoning:
-            message["reasoning_content"] = message["reasoning"] = "".join(reasoning)
+            message["reasoning_content"] = message["reasoning"] = reasoning
         calls = [call.to_openai() for call in self.parser.tool_calls]
         if calls:
             message["tool_calls"] = calls
@@ -232,6 +228,7 @@ class CompletionResponder:
             if text:
                 yield text
             if self.matcher.matched is not None:
+                self.run.cancel()
                 return
             if chunk.finish_reason:
                 self.engine_finish = chunk.finish_reason

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     last_used: float = field(default_factory=time.monotonic)
     in_use: int = 0
+    tool_response_token: Optional[int] = None  # Gemma 4: the caller's turn after a tool call
 
     @property
     def engine(self):
@@ -44,13 +46,10 @@ class ServedModel:
         return self.settings.name
 
     def sampling_defaults(self, settings: Settings) -> dict:
-        """Config defaults override the model's own generation_config.json."""
+        """The model's generation_config.json, then config.yaml's defaults, then this model's own."""
         out = dict(self.loaded.generation_defaults)
-        if settings.defaults.temperature is not None:
-            out["temperature"] = settings.defaults.temperature
-        out.update(self.settings.sampling)
-        if settings.defaults.max_tokens is not None:
-            out["max_tokens"] = settings.defaults.max_tokens
+        out.update(settings.defaults.model_dump(include={"temperature", "max_tokens"}, exclude_none=True))
+        out.update(self.settings.sampling.model_dump(exclude_none=True))
         return out
 
     def template_defaults(self, settings: Settings) -> dict:
@@ -64,7 +63,10 @@ class ServedModel:
 def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache_gb: float = 0.0) -> ServedModel:
     loaded = load_configured(spec, prefill_chunk, int(prefix_cache_gb * 1e9))
     hf = getattr(loaded.engine.tokenizer, "_tokenizer", loaded.engine.tokenizer)
-    return ServedModel(spec, loaded, markers_for_tokenizer(getattr(hf, "chat_template", None), hf.get_vocab()))
+    vocab = hf.get_vocab()
+    markers = markers_for_tokenizer(getattr(hf, "chat_template", None), vocab)
+    tool_response = vocab.get("<|tool_response>") if markers.tool_format == "gemma4" else None
+    return ServedModel(spec, loaded, markers, tool_response_token=tool_response)
 
 
 def estimated_bytes(spec: ModelSettings) -> int:
@@ -82,7 +84,8 @@ class ModelPool:
         self.scheduler = scheduler
         self._served: dict[str, ServedModel] = {}
         self._load_lock = asyncio.Lock()
-        self.loading_error: Optional[str] = None
+        self._use_lock = threading.Lock()  # in_use counts and unloading, across the two threads
+        self.loading_errors: dict[str, str] = {}
         self.ready = False
 
     def names(self) -> list[str]:
@@ -98,63 +101,77 @@ class ModelPool:
         self._served[served.name] = served
 
     async def load_startup(self) -> None:
-        try:
-            for spec in self.settings.models:
-                if spec.load_at_start:
-                    await self.get(spec.name)
-            self.ready = True
-        except APIError as e:  # the server stays up and reports the problem on /health
-            self.loading_error = e.message
+        """Load every load_at_start model; one that fails does not keep the others from loading."""
+        for spec in self.settings.models:
+            if spec.load_at_start:
+                try:
+                    self.release(await self.get(spec.name))
+                except APIError as e:  # the server stays up and reports the problem on /health
+                    self.loading_errors[spec.name] = e.message
+        self.ready = True
 
     async def get(self, name: str) -> ServedModel:
-        served = self._served.get(name)
-        if served is None:
-            spec = next((m for m in self.settings.models if m.name == name), None)
-            if spec is None:
-                raise APIError(
-                    404, f"The model {name!r} does not exist. Available: {', '.join(self.names())}",
-                    param="model", code="model_not_found",
-                )
-            async with self._load_lock:  # one load at a time: the budget check must see the others
+        """The model, loading it if needed, acquired for one request: release() it when done."""
+        with self._use_lock:
+            served = self._served.get(name)
+            if served is not None:
+                self._acquire(served)
+                return served
+        spec = next((m for m in self.settings.models if m.name == name), None)
+        if spec is None:
+            raise APIError(
+                404, f"The model {name!r} does not exist. Available: {', '.join(self.names())}",
+                param="model", code="model_not_found",
+            )
+        async with self._load_lock:  # one load at a time: the budget check must see the others
+            with self._use_lock:
                 served = self._served.get(name)
-                if served is None:
-                    try:
-                        served = await self.scheduler.call(lambda: self._load(spec))
-                    except (FileNotFoundError, ValueError) as e:  # missing files, bad checkpoints
-                        log.error("model %s could not be loaded: %s", name, e)
-                        raise APIError(503, f"model {name!r} could not be loaded: {e}", type="server_error",
-                                       code="model_unavailable", headers={"Retry-After": "30"}) from e
-                    except Exception as e:
-                        log.exception("model %s could not be loaded", name)
-                        raise APIError(503, f"model {name!r} could not be loaded: {type(e).__name__}: {e}",
-                                       type="server_error", code="model_unavailable") from e
-        served.last_used = time.monotonic()
-        return served
+                if served is not None:
+                    self._acquire(served)
+                    return served
+            try:
+                # Downloads happen here, off the worker thread: generations keep running meanwhile.
+                size = await asyncio.to_thread(estimated_bytes, spec)
+                served = await self.scheduler.call(lambda: self._load(spec, size))
+            except (FileNotFoundError, ValueError) as e:  # missing files, bad checkpoints
+                log.error("model %s could not be loaded: %s", name, e)
+                raise APIError(503, f"model {name!r} could not be loaded: {e}", type="server_error",
+                               code="model_unavailable", headers={"Retry-After": "30"}) from e
+            except Exception as e:
+                log.exception("model %s could not be loaded", name)
+                raise APIError(503, f"model {name!r} could not be loaded: {type(e).__name__}: {e}",
+                               type="server_error", code="model_unavailable") from e
+            self.loading_errors.pop(name, None)
+            return served
 
-    def _load(self, spec: ModelSettings) -> ServedModel:
-        """On the worker thread: make room under the budget, then load."""
+    def _load(self, spec: ModelSettings, size: int) -> ServedModel:
+        """On the worker thread: make room under the budget, then load (acquired for the caller)."""
         budget = self.settings.memory_budget_gb
         if budget is not None:
-            self._make_room(int(budget * 1e9) - estimated_bytes(spec))
+            self._make_room(int(budget * 1e9) - size)
         log.info("loading model %s (target %s, drafter %s)", spec.name, spec.target, spec.drafter)
         served = load_served(spec, self.settings.prefill_chunk, self.settings.prefix_cache_gb)
-        self._served[spec.name] = served
+        with self._use_lock:
+            self._served[spec.name] = served
+            self._acquire(served)
         return served
 
     def _make_room(self, allowed: int) -> None:
-        while sum(m.loaded.nbytes for m in self._served.values()) > allowed:
-            idle = [m for m in self._served.values() if m.in_use == 0]
-            if not idle:
-                log.warning("memory budget exceeded, but every loaded model is in use")
-                return
-            victim = min(idle, key=lambda m: m.last_used)
-            log.info("unloading %s (least recently used) to stay within the memory budget", victim.name)
-            del self._served[victim.name]
-            mx.clear_cache()
+        with self._use_lock:  # a model handed to a request in the meantime is never unloaded
+            while sum(m.loaded.nbytes for m in self._served.values()) > allowed:
+                idle = [m for m in self._served.values() if m.in_use == 0]
+                if not idle:
+                    log.warning("memory budget exceeded, but every loaded model is in use")
+                    return
+                victim = min(idle, key=lambda m: m.last_used)
+                log.info("unloading %s (least recently used) to stay within the memory budget", victim.name)
+                del self._served[victim.name]
+        mx.clear_cache()
 
-    def acquire(self, served: ServedModel) -> None:
+    def _acquire(self, served: ServedModel) -> None:
         served.in_use += 1
         served.last_used = time.monotonic()
 
     def release(self, served: ServedModel) -> None:
-        served.in_use -= 1
+        with self._use_lock:
+            served.in_use -= 1

@@ -56,6 +56,7 @@ class Scheduler:
         self._tasks: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
+        self.failure: Optional[str] = None  # set if the worker thread itself died
         self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
 
     # ---------------------------------------------------------------- called from the server
@@ -70,8 +71,9 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._wake:
-            if self._stopping:
-                raise SchedulerStopped("the server is shutting down")
+            if self._stopping or self.failure:
+                raise SchedulerStopped(self.failure or "the server is shutting down")
+            self._drop_cancelled_waiting()  # clients that gave up do not hold a queue slot
             if len(self._waiting) >= self.queue_size:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
             self._waiting.append(job)
@@ -95,12 +97,6 @@ class Scheduler:
             self._wake.notify()
         return future
 
-    def run_on_worker(self, fn: Callable[[], None]) -> None:
-        """Queue `fn` on the worker thread without waiting for it."""
-        with self._wake:
-            self._tasks.append(fn)
-            self._wake.notify()
-
     @property
     def waiting(self) -> int:
         return len(self._waiting)
@@ -109,8 +105,25 @@ class Scheduler:
     def active(self) -> int:
         return len(self._active)
 
+    def _drop_cancelled_waiting(self) -> None:
+        for job in [j for j in self._waiting if j.cancelled.is_set()]:
+            self._waiting.remove(job)
+            job._deliver(None)
+
     # ---------------------------------------------------------------- the worker thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug in the worker itself: fail everything, loudly
+            log.exception("the worker thread died")
+            self.failure = f"the worker thread died: {type(e).__name__}: {e}"
+            for job in self._active + list(self._waiting):
+                try:
+                    job._deliver(SchedulerStopped(self.failure))
+                except Exception:  # noqa: BLE001 - the event loop may be gone
+                    pass
+
+    def _loop(self) -> None:
         while True:
             with self._wake:
                 while not (self._stopping or self._waiting or self._active or self._tasks):
@@ -119,6 +132,7 @@ class Scheduler:
                     break
                 tasks = list(self._tasks)
                 self._tasks.clear()
+                self._drop_cancelled_waiting()
                 while self._waiting and len(self._active) < self.max_active:
                     self._active.append(self._waiting.popleft())
             for task in tasks:

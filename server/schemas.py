@@ -53,6 +53,13 @@ class FunctionDefinition(StrictModel):
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
 
+    @field_validator("strict")
+    @classmethod
+    def _no_strict_schemas(cls, value):
+        if value:
+            raise ValueError("strict function schemas are not enforced by this server; omit strict or set it to false")
+        return value
+
 
 class Tool(StrictModel):
     type: Literal["function"]
@@ -116,6 +123,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     response_format: Optional[ResponseFormat] = None
+    store: Optional[bool] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -128,10 +136,11 @@ class CompletionRequest(SamplingFields):
 # field -> (neutral values, what to say when another value is sent)
 NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
     "n": ((None, 1), "only n=1 is supported"),
-    "logprobs": ((None, False, 0), "logprobs are not supported yet"),
+    "logprobs": ((None, False), "logprobs are not supported yet"),
     "top_logprobs": ((None, 0), "logprobs are not supported yet"),
     "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
     "parallel_tool_calls": ((None, True), "parallel_tool_calls=false is not supported"),
+    "store": ((None, False), "stored completions are not supported"),
 }

@@ -208,3 +208,13 @@ def test_cuda_graphs_follow_speculation(monkeypatch, models, setting, expected):
     monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
     Settings.model_validate({"models": models, "cuda_graphs": setting}).apply_backend_settings()
     assert os.environ["MLX_USE_CUDA_GRAPHS"] == expected
+
+
+def test_model_sampling_defaults_are_typed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "a", "target": "x", "sampling": {"top_k": 20, "temperature": 0.6}}]}))
+    sampling = load_settings(path).model("a").sampling
+    assert sampling.top_k == 20 and isinstance(sampling.top_k, int) and sampling.temperature == 0.6
+    path.write_text(yaml.safe_dump({"models": [{"name": "a", "target": "x", "sampling": {"top_kk": 20}}]}))
+    with pytest.raises(ConfigError, match="models.0.sampling.top_kk"):
+        load_settings(path)

@@ -177,13 +177,39 @@ def _error(response, status, param=None, code=None):
         ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages",
          "context_length_exceeded"),
         ({"model": "tiny", "messages": MESSAGES, "max_tokens": 600}, 400, "messages", "context_length_exceeded"),
+        ({"model": "tiny", "messages": MESSAGES, "tools": [{**WEATHER_TOOL, "function": {
+            **WEATHER_TOOL["function"], "strict": True}}]}, 400, "tools[0].function.strict", None),
+        ({"model": "tiny", "messages": MESSAGES, "store": True}, 400, "store", None),
     ],
     ids=["malformed-json", "wrong-type", "messages-not-list", "n2", "logprobs", "response-format", "unknown-field",
-         "top-p-zero", "logit-bias-range", "unknown-model", "prompt-too-long", "max-tokens-too-long"],
+         "top-p-zero", "logit-bias-range", "unknown-model", "prompt-too-long", "max-tokens-too-long", "strict-tools",
+         "store"],
 )
 def test_bad_requests(live, client, body, status, param, code):
     _error(_post(live, "/v1/chat/completions", body), status, param, code)
     _still_serving(live, client)
+
+
+def test_completions_logprobs_zero_is_refused_and_store_false_accepted(live, client):
+    _error(_post(live, "/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 0}), 400, "logprobs")
+    ok = _post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "store": False})
+    assert ok.status_code == 200
+
+
+def test_retrieve_model(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_stop_string_usage_counts_only_what_was_generated_before_the_stop(scripted):
+    _script(scripted, "scripted-qwen", "</think>\n\nOne two three STOP four five six seven eight nine ten eleven.")
+    first = scripted.client.chat.completions.create(model="scripted-qwen", messages=[{"role": "user", "content": "hi"}],
+                                                    stop="STOP", temperature=0)
+    again = scripted.client.chat.completions.create(model="scripted-qwen", messages=[{"role": "user", "content": "hi"}],
+                                                    stop="STOP", temperature=0)
+    assert first.choices[0].message.content == "One two three "
+    assert first.usage.completion_tokens == again.usage.completion_tokens  # not racing the worker
 
 
 def test_context_error_reports_token_counts(live):
