@@ -459,4 +459,8 @@ def test_an_exception_fails_only_its_request(scripted):
         target.fail_after = None
     _, content, _, finish = _stream_chat(scripted.client, "scripted-qwen")
     assert content.startswith("A long enough answer") and finish == ["stop"]
+    # The worker drops finished jobs at its next turn.
+    deadline = time.monotonic() + 10
+    while scripted.state.scheduler.active and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert scripted.state.scheduler.active == 0
