@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .bench_prompts import PROMPT_SETS, BenchPrompt, filler_tokens, select_prompts
 from .doctor import package_version
+from .prompts import encode_rendered, hf_tokenizer, render_chat
 from .kernels import backend
 from .sampling import SamplingParams
 
@@ -246,20 +247,6 @@ def _now() -> str:
 # =====================================================================================
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI messages -> what chat templates expect: tool-call arguments as objects, not JSON text."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                for c in m["tool_calls"]
-            ]
-        out.append(m)
-    return out
-
-
 def _plain_text(prompt: BenchPrompt) -> str:
     """Without a chat template (the stand-in tokenizer of random weights): plain text turns."""
     lines = [f"tools: {json.dumps(prompt.tools)}"] if prompt.tools else []
@@ -272,13 +259,11 @@ def _plain_text(prompt: BenchPrompt) -> str:
 def render_prompt(tokenizer, prompt: BenchPrompt, template_kwargs: Optional[dict] = None) -> list[int]:
     # Rendered to text and then encoded without special tokens, as the server does, so the engine
     # sees the very tokens a client's request would produce.
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    if getattr(hf, "chat_template", None):
-        text = hf.apply_chat_template(template_messages(prompt.messages), tools=prompt.tools,
-                                      add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
+    if getattr(hf_tokenizer(tokenizer), "chat_template", None):
+        text = render_chat(tokenizer, prompt.messages, prompt.tools, **(template_kwargs or {}))
     else:
         text = _plain_text(prompt)
-    return list(hf.encode(text, add_special_tokens=False))
+    return encode_rendered(tokenizer, text)
 
 
 def pad_to_context(tokens: list[int], filler: list[int], context: int, bos: Optional[int],
@@ -465,7 +450,7 @@ def run_engine_bench(model: BenchModel, settings: EngineSettings, progress: bool
     prompts = select_prompts(settings.sets, settings.prompts_per_set)
     sampling = SamplingParams(temperature=settings.temperature,
                               seed=settings.seed if settings.temperature > 0 else None)
-    hf = getattr(engine.tokenizer, "_tokenizer", engine.tokenizer)
+    hf = hf_tokenizer(engine.tokenizer)
     bos = getattr(hf, "bos_token_id", None)
 
     def encode(text: str) -> list[int]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .bench import add_bench
+from .prompts import encode_rendered, render_chat
 from .sampling import SamplingParams
 from .settings import ConfigError, ModelSettings, Settings, config_path, load_settings
 
@@ -81,10 +82,10 @@ def run_generate(args) -> int:
     engine = load_configured(spec, settings.prefill_chunk).engine
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     tokenizer = engine.tokenizer
-    if args.chat:
-        tokens = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, **spec.chat_template_kwargs
-        )
+    if args.chat:  # rendered as the server renders a chat request
+        kwargs = settings.defaults.model_dump(include={"enable_thinking"}, exclude_none=True)
+        tokens = encode_rendered(tokenizer, render_chat(
+            tokenizer, [{"role": "user", "content": text}], **{**kwargs, **spec.chat_template_kwargs}))
     else:
         tokens = tokenizer.encode(text)
     sampling = SamplingParams(

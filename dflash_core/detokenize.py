@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .prompts import hf_tokenizer
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer):
         # The wrapped Hugging Face tokenizer: special tokens such as <think> or <tool_call> must
         # stay visible to the output parsers, so nothing is skipped.
-        self._tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+        self._tokenizer = hf_tokenizer(tokenizer)
         self.tokens: list[int] = []
         self._prefix_offset = 0  # window start
         self._read_offset = 0  # tokens whose text has been emitted

@@ -79,6 +79,7 @@ class GenerationChunk:
     text: str
     finish_reason: Optional[str] = None  # "stop" (an end-of-sequence token) or "length"
     stats: Optional[GenerationStats] = None  # the statistics as of this chunk, final on the last one
+    stop_token_id: Optional[int] = None  # the end-of-sequence token that ended it (not in token_ids)
 
 
 class RequestError(ValueError):
@@ -190,16 +191,17 @@ class Engine:
                     stats.prefill_seconds = now - start
                 ids = ids[: budget - stats.generated_tokens]
                 finish = "length" if stats.generated_tokens + len(ids) >= budget else None
+                stop_token = None
                 for i, token in enumerate(ids):
                     if token in eos:
-                        ids, finish = ids[:i], "stop"
+                        ids, finish, stop_token = ids[:i], "stop", token
                         break
                 stats.generated_tokens += len(ids)
                 text = detokenizer.add(ids)
                 stats.decode_seconds = time.perf_counter() - decode_start
                 if finish:
                     self._remember_generation(state, prompt, produced, stats.generated_tokens + (finish == "stop"))
-                    yield GenerationChunk(ids, text + detokenizer.flush(), finish, stats.copy())
+                    yield GenerationChunk(ids, text + detokenizer.flush(), finish, stats.copy(), stop_token)
                     return
                 yield GenerationChunk(ids, text, stats=stats.copy())
         finally:

@@ -29,6 +29,7 @@ from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids, loa
 from .engine import Engine
 from .hub import TARGET_FILES, resolve
 from .loading import load_target
+from .prompts import hf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class TrainOptions:
     weight_decay: float = 0.01
     gamma: float = 7.0  # loss weight decay over block positions
     max_new_tokens: int = 128
-    max_prompt_tokens: int = 384
+    max_prompt_tokens: int = 384  # longer prompts keep their first quarter and their end
     chat: bool = True
     held_out: float = 0.1
     eval_every: int = 100
@@ -103,7 +104,7 @@ def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Pa
     from tqdm import tqdm
 
     tokenizer = engine.tokenizer
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     sequences = []
     for prompt in tqdm(prompts, desc="target responses", unit="prompt"):
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -111,9 +112,14 @@ def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Pa
             tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         else:
             tokens = tokenizer.encode(prompt if isinstance(prompt, str) else messages[-1]["content"])
-        tokens = list(tokens)[-opts.max_prompt_tokens :]
-        response = [t for c in engine.generate(tokens, max_tokens=opts.max_new_tokens, speculative=False)
-                    for t in c.token_ids]
+        tokens = list(tokens)
+        if len(tokens) > opts.max_prompt_tokens:  # keep the head (BOS, system turn) and the end
+            head = opts.max_prompt_tokens // 4
+            tokens = tokens[:head] + tokens[len(tokens) - (opts.max_prompt_tokens - head) :]
+        chunks = list(engine.generate(tokens, max_tokens=opts.max_new_tokens, speculative=False))
+        response = [t for c in chunks for t in c.token_ids]
+        if chunks[-1].stop_token_id is not None:  # the end of turn is part of what drafts should predict
+            response.append(chunks[-1].stop_token_id)
         if len(response) >= 2:
             sequences.append({"tokens": tokens + response, "response_start": len(tokens)})
     cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +135,7 @@ def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
     taps = opts.taps or default_target_layer_ids(n, min(n - 1, max(3, opts.layers)))
     mask = opts.mask_token_id
     if mask is None:
-        vocab = getattr(tokenizer, "_tokenizer", tokenizer).get_vocab()
+        vocab = hf_tokenizer(tokenizer).get_vocab()
         mask = next((vocab[t] for t in ("<mask>", "<|mask|>") if t in vocab), None)
         if mask is None:
             raise ValueError("the tokenizer has no <mask> token: pass --mask-token-id")
@@ -251,18 +257,23 @@ def save_drafter(drafter: DFlashDrafter, out: Path, dtype: Optional[mx.Dtype] = 
     (out / "config.json").write_text(json.dumps(drafter.config.raw, indent=2, sort_keys=True))
 
 
-def save_checkpoint(drafter, optimizer, step: int, out: Path) -> None:
+def save_checkpoint(drafter, optimizer, step: int, history: list, rng: random.Random, out: Path) -> None:
     path = out / "checkpoint"
     save_drafter(drafter, path)
     mx.save_safetensors(str(path / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
-    (path / "state.json").write_text(json.dumps({"step": step}))
+    version, internal, gauss = rng.getstate()
+    (path / "state.json").write_text(json.dumps(
+        {"step": step, "history": history, "rng": [version, list(internal), gauss]}))
 
 
-def load_checkpoint(drafter, optimizer, out: Path) -> int:
+def load_checkpoint(drafter, optimizer, rng: random.Random, out: Path) -> tuple[int, list]:
     path = out / "checkpoint"
     drafter.load_weights(str(path / "model.safetensors"))
     optimizer.state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
-    return json.loads((path / "state.json").read_text())["step"]
+    state = json.loads((path / "state.json").read_text())
+    version, internal, gauss = state["rng"]
+    rng.setstate((version, tuple(internal), gauss))  # the same anchors and batches as an unbroken run
+    return state["step"], state["history"]
 
 
 # --------------------------------------------------------------------------- train
@@ -303,9 +314,9 @@ def train(opts: TrainOptions) -> TrainReport:
         [max(1, opts.warmup)],
     )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=opts.weight_decay)
-    step = 0
+    step, history = 0, []
     if opts.resume and (opts.out / "checkpoint" / "state.json").exists():
-        step = load_checkpoint(drafter, optimizer, opts.out)
+        step, history = load_checkpoint(drafter, optimizer, rng, opts.out)
         log.info("resuming from step %d", step)
 
     def loss_fn(model, taps, tokens, anchors):
@@ -341,7 +352,7 @@ def train(opts: TrainOptions) -> TrainReport:
             mx.eval(taps)
             tap_cache[index] = taps
         return taps
-    history, start = [], time.perf_counter()
+    start = time.perf_counter()
     estimate = float("nan")
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
     while step < opts.steps:
@@ -367,7 +378,7 @@ def train(opts: TrainOptions) -> TrainReport:
             estimate = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
             history[-1]["tokens_per_cycle"] = estimate
         if step % opts.save_every == 0 or step == opts.steps:
-            save_checkpoint(drafter, optimizer, step, opts.out)
+            save_checkpoint(drafter, optimizer, step, history, rng, opts.out)
         progress.set_postfix(loss=f"{total / count:.3f}", tok_per_cycle=f"{estimate:.2f}")
         progress.update(1)
     progress.close()
@@ -411,6 +422,7 @@ def add_train(sub) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length of the regenerated responses")
+    p.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their head and end")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--save-every", type=int, default=200)
@@ -432,6 +444,7 @@ def run_train(args) -> int:
         target=args.target, data=args.data, out=args.out, layers=args.layers, block_size=args.block_size,
         taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,

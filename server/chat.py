@@ -5,10 +5,10 @@ Pure request processing on the event loop (tokenization and Jinja only, no MLX).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
+from dflash_core.prompts import MessageError, encode_rendered, hf_tokenizer, render_chat
 from dflash_core.sampling import SamplingError, SamplingParams
 
 from .errors import APIError, bad_request
@@ -39,43 +39,6 @@ def refuse_unsupported(request: Union[ChatCompletionRequest, CompletionRequest])
         )
 
 
-def _arguments_object(text: str, param: str) -> Any:
-    # Chat templates iterate over arguments, so they need the object, not its JSON text.
-    try:
-        return json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as e:
-        raise bad_request(f"{param} is not valid JSON: {e}", param=param) from e
-
-
-def template_messages(request: ChatCompletionRequest) -> list[dict]:
-    out = []
-    for i, m in enumerate(request.messages):
-        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
-        if m.name:
-            message["name"] = m.name
-        if m.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": _arguments_object(
-                            call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
-                        ),
-                    },
-                }
-                for j, call in enumerate(m.tool_calls)
-            ]
-        if m.tool_call_id:
-            message["tool_call_id"] = m.tool_call_id
-        reasoning = m.reasoning_content or m.reasoning
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        out.append(message)
-    return out
-
-
 def forced_tool_opening(markers: Markers, tool_choice) -> str:
     """Text that starts a tool call, so that `required` or a named function is honoured."""
     name = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
@@ -101,21 +64,15 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
     if forced:
         kwargs["enable_thinking"] = False  # the answer starts with the call itself
-    hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+    messages = [m.model_dump(exclude_none=True) for m in request.messages]
     try:
-        text = hf_tokenizer.apply_chat_template(
-            template_messages(request),
-            tools=tools if choice != "none" else None,
-            add_generation_prompt=True,
-            tokenize=False,
-            **kwargs,
-        )
-    except APIError:
-        raise
+        text = render_chat(tokenizer, messages, tools if choice != "none" else None, **kwargs)
+    except MessageError as e:
+        raise bad_request(str(e), param=e.param) from e
     except Exception as e:  # the template rejects this conversation (roles, order, ...)
         raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
     opening = forced_tool_opening(markers, choice) if forced else ""
-    tokens = hf_tokenizer.encode(text + opening, add_special_tokens=False)
+    tokens = encode_rendered(tokenizer, text + opening)
     return Prompt(text + opening, tokens, starts_in_reasoning=prompt_starts_in_reasoning(text + opening, markers),
                   forced_output=opening)
 
@@ -124,7 +81,7 @@ def completion_prompt(request: CompletionRequest, tokenizer, vocab_size: int) ->
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
         # The model's embedding, not the tokenizer, bounds the ids (an out-of-range gather is not checked).
-        vocab = min(len(getattr(tokenizer, "_tokenizer", tokenizer)), vocab_size)
+        vocab = min(len(hf_tokenizer(tokenizer)), vocab_size)
         if any(not 0 <= p < vocab for p in prompt):
             raise bad_request("prompt token ids must be within the vocabulary", param="prompt")
         return Prompt(None, list(prompt))

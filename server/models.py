@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from dflash_core.hub import DRAFTER_FILES, TARGET_FILES, resolve
 from dflash_core.loading import LoadedModel, choose_drafter, load_configured
+from dflash_core.prompts import hf_tokenizer
 from dflash_core.settings import ModelSettings, Settings
 
 from .errors import APIError
@@ -62,7 +63,7 @@ class ServedModel:
 
 def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache_gb: float = 0.0) -> ServedModel:
     loaded = load_configured(spec, prefill_chunk, int(prefix_cache_gb * 1e9))
-    hf = getattr(loaded.engine.tokenizer, "_tokenizer", loaded.engine.tokenizer)
+    hf = hf_tokenizer(loaded.engine.tokenizer)
     vocab = hf.get_vocab()
     markers = markers_for_tokenizer(getattr(hf, "chat_template", None), vocab)
     tool_response = vocab.get("<|tool_response>") if markers.tool_format == "gemma4" else None

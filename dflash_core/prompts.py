@@ -1,0 +1,61 @@
+"""Chat messages to prompt tokens, one way for the server, `dflash generate --chat` and the bench.
+
+The conversation is rendered to text with the model's chat template and encoded without adding
+special tokens (the template writes them), as Hugging Face's `apply_chat_template` does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+
+class MessageError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages -> what chat templates expect: `developer` as `system`, tool-call arguments
+    as objects (templates iterate over them), earlier reasoning as `reasoning_content`."""
+    out = []
+    for i, m in enumerate(messages):
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("role") == "developer":
+            m["role"] = "system"
+        if isinstance(m.get("content"), list):  # text parts
+            m["content"] = "".join(part.get("text", "") for part in m["content"])
+        m.setdefault("content", "")
+        if m.get("reasoning") and not m.get("reasoning_content"):
+            m["reasoning_content"] = m.pop("reasoning")
+        calls = []
+        for j, call in enumerate(m.get("tool_calls") or []):
+            arguments = call["function"].get("arguments", "")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise MessageError(f"messages[{i}].tool_calls[{j}].function.arguments", f"not valid JSON: {e}") from e
+            calls.append({**call, "type": "function", "function": {**call["function"], "arguments": arguments}})
+        if calls:
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def render_chat(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None, **template_kwargs: Any) -> str:
+    """The prompt text, ending with the template's generation prompt."""
+    return hf_tokenizer(tokenizer).apply_chat_template(
+        template_messages(messages), tools=tools or None, add_generation_prompt=True, tokenize=False,
+        **template_kwargs,
+    )
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    return list(hf_tokenizer(tokenizer).encode(text, add_special_tokens=False))
