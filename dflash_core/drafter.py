@@ -295,7 +295,7 @@ class DFlashDrafter(nn.Module):
         MLX builds a cuDNN graph per shape, which costs far more than the attention itself."""
         cfg = self.config
         if cache.keys is None:
-            ctx = _empty_context(cache, self.layers[layer].self_attn, self.fc.weight.dtype)
+            ctx = _empty_context(self.layers[layer].self_attn, self.fc.weight.dtype)
         else:
             ctx = (cache.keys, cache.values)
         first_key = 0
@@ -343,7 +343,7 @@ class DFlashDrafter(nn.Module):
         return mx.argmax(self.logits(h[:, 1:], target.lm_head), axis=-1)[0].astype(mx.int32)
 
 
-def _empty_context(cache: KVCache, attn: "DrafterAttention", dtype) -> tuple[mx.array, mx.array]:
+def _empty_context(attn: "DrafterAttention", dtype) -> tuple[mx.array, mx.array]:
     empty = mx.zeros((1, attn.n_kv_heads, 0, attn.head_dim), dtype=dtype)
     return empty, empty
 

@@ -56,11 +56,3 @@ def find_pair(target: str) -> Optional[KnownPair]:
         if base_model_key(pair.target) == key:
             return pair
     return None
-
-
-def find_by_model_name(name: str) -> Optional[KnownPair]:
-    """A registry entry named by its target (`Qwen/Qwen3.5-9B`) or its drafter."""
-    for pair in KNOWN_PAIRS:
-        if name in (pair.target, pair.drafter):
-            return pair
-    return find_pair(name)
