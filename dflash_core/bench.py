@@ -846,7 +846,9 @@ def random_bench_model(shape: str, quant: str = "bf16", layers: Optional[int] = 
         adapter = ForcedAcceptance(target, [forced_accepted], drafter.block_size)
     engine = Engine(adapter, ByteTokenizer(target.vocab_size), drafter, prefill_chunk=prefill_chunk)
     note = ("Random drafters accept (almost) nothing, so DFlash here runs at about one token per cycle: "
-            "the cost of a cycle, not the speed you would get.")
+            "the cost of a cycle, not the speed you would get. Random logits are close to tied everywhere, "
+            "so in bf16 on a GPU, where a 16-token verify rounds differently from a 1-token step, the two "
+            "outputs can part at the first near-tie (docs/bench.md).")
     if forced_accepted is not None:
         note = (f"Forced acceptance: the target is made to accept exactly {forced_accepted} drafts per cycle "
                 f"({forced_accepted + 1} tokens per cycle), so DFlash speed is measured at that assumed "

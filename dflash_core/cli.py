@@ -18,7 +18,8 @@ def _add_model_flags(p, *, what: str) -> None:
     p.add_argument("--config", help="config file (default: $DFLASH_CONFIG, else ./config.yaml)")
     p.add_argument("--model", help=f"a configured model name, or a target repo/path whose drafter comes from the registry ({what})")
     p.add_argument("--target", help="target model: Hugging Face repo id or local directory")
-    p.add_argument("--drafter", help="DFlash drafter: repo id or local directory ('none' for the target alone)")
+    p.add_argument("--drafter", help="DFlash drafter: repo id or local directory ('none' for the target alone); "
+                        "with --model, replaces that model's drafter")
     p.add_argument("--target-revision")
     p.add_argument("--drafter-revision")
 
@@ -36,10 +37,13 @@ def settings_from_args(args) -> Settings:
             drafter_revision=args.drafter_revision,
         )
         return settings.model_copy(update={"models": [spec], "default_model": spec.name})
-    if args.drafter:
-        raise ConfigError("--drafter needs --target")
+    if args.drafter and not args.model:
+        raise ConfigError("--drafter needs --target or --model")
     if args.model:
         spec = settings.model(args.model)
+        if args.drafter:  # e.g. --model gemma-3-270m --drafter none: the same model, target alone
+            drafter = None if args.drafter.lower() == "none" else args.drafter
+            spec = spec.model_copy(update={"drafter": drafter, "drafter_revision": args.drafter_revision})
         others = [m for m in settings.models if m.name != spec.name]
         return settings.model_copy(update={"models": [spec] + others, "default_model": spec.name})
     return settings

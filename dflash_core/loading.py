@@ -21,6 +21,15 @@ from .registry import find_pair
 
 log = logging.getLogger(__name__)
 
+# Measured on this project's x86-64 CPU (docs/train.md): MLX's CPU backend multiplies a 16-row
+# matrix in about 16 times the time of one row, where a GPU or Metal reads the weights once.
+CPU_SPECULATION_WARNING = (
+    "running on MLX's CPU backend: its matrix multiply costs about as much per row as a one-row "
+    "decode step, so verifying a 16-token block costs about 16 decode steps and DFlash is usually "
+    "SLOWER than the target alone here (output is identical either way). For speed on a CPU, add "
+    "--drafter none (e.g. dflash serve --model NAME --drafter none); DFlash pays off on a GPU or Apple silicon."
+)
+
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -145,6 +154,8 @@ def load_model(
     if drafter:
         drafter_path = resolve(drafter, drafter_revision, files=DRAFTER_FILES)
         draft_model = load_checked_drafter(drafter_path, adapter, block_size)
+        if mx.default_device() == mx.cpu:
+            log.warning(CPU_SPECULATION_WARNING)
     engine = Engine(
         adapter,
         tokenizer,

@@ -84,6 +84,12 @@ def test_model_flag_picks_a_configured_model_or_a_target(tmp_path, monkeypatch):
     assert settings.model().target == "org/b" and [m.name for m in settings.models] == ["b", "a"]
     spec = cli.settings_from_args(_args(["serve", "--model", "mlx-community/Qwen3.5-9B-4bit"])).model()
     assert spec.target == "mlx-community/Qwen3.5-9B-4bit" and spec.drafter == "auto"
+    spec = cli.settings_from_args(_args(["serve", "--model", "a", "--drafter", "none"])).model()
+    assert spec.target == "org/a" and spec.drafter is None  # the configured model, target alone
+    spec = cli.settings_from_args(_args(["serve", "--model", "a", "--drafter", "/d", "--drafter-revision", "r"])).model()
+    assert (spec.drafter, spec.drafter_revision) == ("/d", "r")
+    with pytest.raises(ConfigError, match="--drafter needs --target or --model"):
+        cli.settings_from_args(_args(["serve", "--drafter", "/d"]))
 
 
 @pytest.mark.parametrize(
@@ -151,9 +157,11 @@ def test_generate_json_on_local_fixtures(qwen3_5_pair, capsys):
     assert plain["stats"]["speculative_off_reason"] == "disabled by request"
 
 
-def test_dtype_quantization_and_block_size(qwen3_pair):
+def test_dtype_quantization_and_block_size(qwen3_pair, caplog):
     target, drafter = qwen3_pair
-    loaded = load_model(str(target), str(drafter), quantize_bits=8, block_size=6)
+    with caplog.at_level("WARNING", logger="dflash_core.loading"):
+        loaded = load_model(str(target), str(drafter), quantize_bits=8, block_size=6)
+    assert "SLOWER than the target alone" in caplog.text  # these tests run on MLX's CPU backend
     engine = loaded.engine
     assert engine.drafter.block_size == 6
     prompt = engine.tokenizer.encode("Quantized")

@@ -139,7 +139,7 @@ def test_demo_pair_is_lossless_offline():
         pytest.skip("the demo drafter has not been trained into the package yet")
     engine = load_configured(Settings().model(DEMO_NAME)).engine
     prompt = engine.tokenizer.encode("The history of rivers begins")
-    alone = [t for c in engine.generate(prompt, max_tokens=12, speculative=False) for t in c.token_ids]
-    chunks = list(engine.generate(prompt, max_tokens=12))
+    alone = [t for c in engine.generate(prompt, max_tokens=8, speculative=False) for t in c.token_ids]
+    chunks = list(engine.generate(prompt, max_tokens=8))  # a DFlash cycle costs seconds on a CPU
     assert [t for c in chunks for t in c.token_ids] == alone
     assert chunks[-1].stats.speculative
