@@ -10,8 +10,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .kernels import backend
-from .kernels import gated_delta
+from .kernels import backend, gated_delta
+from .loading import CPU_SPECULATION_WARNING
 from .registry import KNOWN_PAIRS
 from .settings import Settings
 
@@ -67,6 +67,7 @@ def doctor_report(check_hub: bool = True) -> dict:
         "kernels": {"gated_delta": gated_delta.active_path()},
         "model_cache": str(hub_cache_dir()),
         "hub": hub_reachable() if check_hub else "not checked",
+        "speculation": CPU_SPECULATION_WARNING if mx.default_device() == mx.cpu else "a 16-token verify streams the weights once, as DFlash needs",
     }
 
 

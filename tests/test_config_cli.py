@@ -189,6 +189,7 @@ def test_models_and_doctor_commands(qwen3_pair, tmp_path, capsys):
     assert cli.main(["doctor", "--json", "--no-hub"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["backend"] == "cpu" and report["mlx"].startswith("0.") and report["kernels"]["gated_delta"]
+    assert "SLOWER than the target alone" in report["speculation"]
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "backend" in out and "hub" in out
