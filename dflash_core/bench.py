@@ -88,6 +88,9 @@ class Divergence(_Strict):
     index: int = Field(description="position among the generated tokens (0: the first generated token)")
     target_token: Optional[int] = Field(description="target-alone token there; null: its output had ended")
     dflash_token: Optional[int] = Field(description="DFlash token there; null: its output had ended")
+    logit_gap: Optional[float] = Field(
+        description="the target's logit of target_token minus that of dflash_token after the prompt and the agreed "
+                    "tokens (a fresh target forward); near zero: a near-tie. Null when a token is null")
 
 
 class ModeResult(_Strict):
@@ -373,8 +376,24 @@ def mode_result(runs: list[Run]) -> ModeResult:
     )
 
 
+def logit_gap(engine, tokens: Sequence[int], agreed: Sequence[int], want: Optional[int],
+              got: Optional[int]) -> Optional[float]:
+    """How close the target was to DFlash's token at a divergence: logit(want) - logit(got) after
+    `tokens + agreed`, from a fresh chunked forward of the target. A gap of the size of the
+    rounding differences between kernels (bf16 on a GPU) is a near-tie; a large one is a bug."""
+    if want is None or got is None:
+        return None
+    adapter, sequence = engine.target, list(tokens) + list(agreed)
+    cache = adapter.make_cache(max_rollback=engine.max_rollback)
+    for start in range(0, len(sequence), engine.prefill_chunk):
+        out = adapter.forward(mx.array([sequence[start:start + engine.prefill_chunk]]), cache, last_logits_only=True)
+        mx.eval(out.logits)
+    logits = out.logits[0, -1].astype(mx.float32)
+    return (logits[want] - logits[got]).item()
+
+
 def compare(prompt: BenchPrompt, context: int, tokens: list[int], filler: int, target: list[Run],
-            dflash: list[Run], check: bool) -> PromptResult:
+            dflash: list[Run], check: bool, engine=None) -> PromptResult:
     reference = target[0].tokens
     divergence, match = None, None
     if dflash and check:
@@ -383,7 +402,9 @@ def compare(prompt: BenchPrompt, context: int, tokens: list[int], filler: int, t
             found = first_divergence(reference, run.tokens)
             if found is not None:
                 index, want, got = found
-                divergence, match = Divergence(repeat=repeat, index=index, target_token=want, dflash_token=got), False
+                gap = logit_gap(engine, tokens, reference[:index], want, got) if engine is not None else None
+                divergence = Divergence(repeat=repeat, index=index, target_token=want, dflash_token=got, logit_gap=gap)
+                match = False
                 break
     t, d = mode_result(target), (mode_result(dflash) if dflash else None)
     speedup = d.decode_tokens_per_second / t.decode_tokens_per_second if d and t.decode_tokens_per_second else None
@@ -496,7 +517,7 @@ def run_engine_bench(model: BenchModel, settings: EngineSettings, progress: bool
                                             f"{'dflash' if speculative else 'target'}")
                         runs[speculative].append(run_once(engine, tokens, speculative=speculative, **common))
                         bar.update()
-                results.append(compare(prompt, context, tokens, n_filler, runs[False], runs[True], check))
+                results.append(compare(prompt, context, tokens, n_filler, runs[False], runs[True], check, engine))
     finally:
         bar.close()
 
@@ -547,7 +568,8 @@ def engine_table(report: EngineReport) -> str:
         if r.divergence is not None:
             d = r.divergence
             lines.append(f"MISMATCH {r.set}/{r.prompt} at context {r.context}: first divergence at generated token "
-                         f"{d.index} (repeat {d.repeat}): target {d.target_token}, dflash {d.dflash_token}")
+                         f"{d.index} (repeat {d.repeat}): target {d.target_token}, dflash {d.dflash_token}"
+                         + (f", target logit gap {d.logit_gap:.4g}" if d.logit_gap is not None else ""))
         if not r.target_repeats_agree:
             lines.append(f"note: {r.set}/{r.prompt} at context {r.context}: target-alone repeats differ "
                          "(non-deterministic numerics)")

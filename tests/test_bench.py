@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import mlx.core as mx
 import pydantic
 import pytest
 
@@ -137,11 +138,28 @@ def test_planted_divergence_is_reported(qwen3_pair, tmp_path, capsys, monkeypatc
     d = result.divergence
     assert (d.repeat, d.index) == (0, 5) and d.target_token is not None
     assert d.dflash_token == (d.target_token + 1) % TINY_VOCAB
+    assert d.logit_gap > 0  # greedy: the target's own token is its argmax, the planted one trails it
     assert result.compared_tokens == 12  # both outputs ran to max_tokens
     assert report.summary[0].mismatched == 1
     printed = capsys.readouterr().out
     assert "MISMATCH chat/trip-plan at context 160: first divergence at generated token 5" in printed
-    assert f"target {d.target_token}, dflash {d.dflash_token}" in printed
+    assert f"target {d.target_token}, dflash {d.dflash_token}, target logit gap" in printed
+
+
+def test_logit_gap_matches_one_full_forward(qwen3_pair):
+    from mlx_lm import utils as mlx_lm_utils
+
+    from dflash_core.loading import load_model
+
+    target, drafter = qwen3_pair
+    engine = load_model(str(target), str(drafter), prefill_chunk=7).engine  # several prefill chunks
+    prompt, agreed = [3, 17, 42, 8, 99, 23, 5, 61, 12, 7, 30], [44, 2, 90]
+    model, _ = mlx_lm_utils.load_model(target)
+    logits = model(mx.array([prompt + agreed]))[0, -1]
+    want, got = int(mx.argmax(logits).item()), 11
+    expected = (logits[want] - logits[got]).item()
+    assert bench.logit_gap(engine, prompt, agreed, want, got) == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    assert bench.logit_gap(engine, prompt, agreed, want, None) is None  # DFlash's output had ended
 
 
 def test_random_weights_are_labelled(tmp_path, capsys):
