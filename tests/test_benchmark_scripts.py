@@ -1,0 +1,40 @@
+"""The scripts in benchmarks/ run end to end on tiny shapes, so the numbers in docs/ can be re-measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_cycle_runs_on_tiny_shapes(tmp_path):
+    out = tmp_path / "cycle.json"
+    done = _run("benchmarks/gpu_cycle.py", "--tiny", "--models", "qwen3.5-9b,gemma-4-31b", "--quant", "bf16",
+                "--contexts", "64", "--decode-tokens", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [e["model"] for e in report["results"]] == ["qwen3.5-9b", "gemma-4-31b"]
+    for entry in report["results"]:
+        (row,) = entry["contexts"]
+        assert row["context"] == 64 and row["decode_ms"] > 0 and row["verify16_full_accept_ms"] > 0
+        assert row["forced_3"]["tokens_per_cycle"] == 3.0  # the forced schedule really ran
+
+
+def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
+    target, drafter = qwen3_pair
+    out = tmp_path / "demo.json"
+    done = _run("benchmarks/demo_pair.py", "--target", str(target), "--drafter", str(drafter),
+                "--prompts-per-set", "1", "--max-tokens", "12", "--repeats", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["sets"]) == {"text", "code"}
+    for result in report["sets"].values():
+        assert result["outputs_identical"] and result["tokens_per_cycle"] >= 1.0
+        assert len(result["acceptance_by_position"]) == 15
