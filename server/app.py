@@ -63,7 +63,8 @@ def create_app(settings: Settings) -> FastAPI:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+        # Bytes: compare_digest refuses non-ASCII str, and a wrong key must be a 401, not a 500.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            type="authentication_error", code="invalid_api_key")
 
@@ -139,7 +140,8 @@ def _start(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, s
     """Queue the generation (the model stays acquired until _respond finishes)."""
     defaults = served.sampling_defaults(state.settings)
     max_tokens = chat.max_new_tokens(body, defaults)
-    chat.check_context(len(prompt.tokens), max_tokens, served.engine.max_context)
+    chat.check_context(len(prompt.tokens), max_tokens, served.engine.max_context,
+                       "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
     sampling = chat.sampling_params(body, defaults, served.engine.target.vocab_size)
     run = Run(state.scheduler, served, prompt, max_tokens, sampling, stop_tokens,
               state.settings.server.request_timeout, started=arrival)

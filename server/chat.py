@@ -101,7 +101,8 @@ def max_new_tokens(request, defaults: dict) -> Optional[int]:
     return None  # until end of sequence or the context limit
 
 
-def check_context(prompt_tokens: int, max_tokens: Optional[int], max_context: Optional[int]) -> None:
+def check_context(prompt_tokens: int, max_tokens: Optional[int], max_context: Optional[int],
+                  param: str = "messages") -> None:
     if max_context is None:
         return
     wanted = prompt_tokens + (max_tokens or 1)
@@ -111,7 +112,7 @@ def check_context(prompt_tokens: int, max_tokens: Optional[int], max_context: Op
             f"This model's maximum context length is {max_context} tokens. However, you requested {wanted} "
             f"tokens ({prompt_tokens} in the prompt, {max_tokens or 1} for the completion). Please reduce the "
             "length of the prompt or of the completion.",
-            param="messages",
+            param=param,
             code="context_length_exceeded",
         )
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from dflash_core.engine import GenerationChunk, GenerationStats, RequestError
+from dflash_core.prompts import hf_tokenizer
 from dflash_core.sampling import SamplingError, SamplingParams
 
 from .chat import Prompt
@@ -39,6 +40,7 @@ class Run:
     first_token_at: Optional[float] = None
     stats: Optional[GenerationStats] = None
     job: Optional[Job] = None
+    generated: list[int] = field(default_factory=list)  # every token the engine handed out
 
     def submit(self) -> None:
         engine = self.served.engine
@@ -80,6 +82,7 @@ class Run:
                         raise APIError(400, str(item)) from item
                     raise APIError(500, f"generation failed: {type(item).__name__}: {item}", type="server_error") from item
                 self.stats = item.stats
+                self.generated += item.token_ids
                 if item.token_ids and self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
                 yield item
@@ -88,12 +91,33 @@ class Run:
         finally:
             self.cancel()  # a no-op after a normal end; frees the worker on any early exit
 
-    def usage(self) -> dict:
+    def tokens_through(self, chars: int) -> int:
+        """The fewest generated tokens whose text reaches `chars` characters (decoded as the
+        engine's detokenizer does, an unfinished character held back)."""
+        tokenizer = hf_tokenizer(self.served.engine.tokenizer)
+
+        def length(k: int) -> int:
+            return len(tokenizer.decode(self.generated[:k], skip_special_tokens=False).rstrip("\ufffd"))
+
+        low, high = 0, len(self.generated)
+        while low < high:
+            middle = (low + high) // 2
+            if length(middle) >= chars:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def usage(self, stop_end: Optional[int] = None) -> dict:
+        """`stop_end`: where a stop string ended the output (characters of model text). The last
+        cycle may have committed tokens past it; they are not part of the completion, so usage
+        is the same with and without speculation. (The `dflash` object keeps the engine's count.)"""
         stats = self.stats or GenerationStats(prompt_tokens=len(self.prompt.tokens))
+        completion = stats.generated_tokens if stop_end is None else self.tokens_through(stop_end)
         return {
             "prompt_tokens": stats.prompt_tokens,
-            "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "completion_tokens": completion,
+            "total_tokens": stats.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": stats.prompt_tokens - stats.prefill_tokens},
         }
 
@@ -153,7 +177,7 @@ class ChatResponder:
         }
 
     async def _deltas(self) -> AsyncIterator[Delta]:
-        for delta in self.parser.feed(self.run.prompt.forced_output):
+        for delta in self.parser.feed_forced(self.run.prompt.forced_output):
             yield delta
         async for chunk in self.run.chunks():
             for delta in self.parser.feed(chunk.text):
@@ -179,7 +203,7 @@ class ChatResponder:
         yield sse(self._chunk({}, finish, dflash=self.run.report()))
         if include_usage:
             yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                       "choices": [], "usage": self.run.usage(), "dflash": self.run.report()})
+                       "choices": [], "usage": self.run.usage(self.parser.stop_end), "dflash": self.run.report()})
         yield sse("[DONE]")
 
     async def complete(self) -> dict:
@@ -196,7 +220,7 @@ class ChatResponder:
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": [{"index": 0, "message": message, "finish_reason": self.parser.finish_reason(self.engine_finish),
                          "logprobs": None}],
-            "usage": self.run.usage(), "dflash": self.run.report(),
+            "usage": self.run.usage(self.parser.stop_end), "dflash": self.run.report(),
         }
 
 
@@ -250,9 +274,10 @@ class CompletionResponder:
         yield sse(self._body("", self._finish_reason(), dflash=self.run.report()))
         if include_usage:
             yield sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                       "choices": [], "usage": self.run.usage(), "dflash": self.run.report()})
+                       "choices": [], "usage": self.run.usage(self.matcher.matched_end), "dflash": self.run.report()})
         yield sse("[DONE]")
 
     async def complete(self) -> dict:
         text = "".join([t async for t in self._texts()])
-        return self._body(text, self._finish_reason(), usage=self.run.usage(), dflash=self.run.report())
+        return self._body(text, self._finish_reason(), usage=self.run.usage(self.matcher.matched_end),
+                          dflash=self.run.report())

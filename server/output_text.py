@@ -75,6 +75,8 @@ class StopMatcher:
         # Empty strings would match everywhere; duplicates only cost time.
         self.stops: tuple[str, ...] = tuple(s for s in dict.fromkeys(stop or ()) if s)
         self.matched: Optional[str] = None
+        self.matched_end: Optional[int] = None  # characters fed, through the end of the match
+        self._released = 0  # characters returned by feed/finish so far
         self._buf = ""
 
     def feed(self, text: str) -> str:
@@ -102,11 +104,12 @@ class StopMatcher:
         if hit is not None and hit_at <= open_at:
             # No longer stop string can still complete at an earlier position, so this is
             # the earliest occurrence whatever text follows: the cut is chunking-independent.
-            self.matched = hit
+            self.matched, self.matched_end = hit, self._released + hit_at + len(hit)
             self._buf = ""
             return buf[:hit_at]
         cut = min(open_at, hit_at)
         self._buf = buf[cut:]
+        self._released += cut
         return buf[:cut]
 
 
@@ -217,6 +220,11 @@ class ChatOutputParser:
         """The stop string that ended the output, if any."""
         return self._stop.matched
 
+    @property
+    def stop_end(self) -> Optional[int]:
+        """Characters of model text through the end of the matched stop string."""
+        return self._stop.matched_end
+
     def finish_reason(self, engine_reason: str) -> str:
         """OpenAI finish_reason: "tool_calls" if a call was parsed, "stop" after a stop string."""
         if self.tool_calls:
@@ -224,6 +232,16 @@ class ChatOutputParser:
         if self.stop_matched is not None:
             return "stop"
         return engine_reason
+
+    def feed_forced(self, text: str) -> list[Delta]:
+        """Text the server wrote for the model (a forced tool-call opening): parsed as output,
+        but not model text, so stop strings do not apply to it."""
+        if self._done or not text:
+            return []
+        out = _Out()
+        self._buf += text
+        self._process(out, final=False)
+        return out.deltas
 
     def feed(self, text: str) -> list[Delta]:
         if self._done:

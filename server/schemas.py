@@ -40,6 +40,20 @@ class Message(StrictModel):
     # Earlier assistant reasoning, as returned by this server (both spellings).
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
+    # What the OpenAI SDK's `message.model_dump()` carries back into the next turn: null is
+    # accepted (agent loops append the whole message); a value is refused, since the template
+    # cannot show it.
+    refusal: Optional[str] = None
+    audio: Optional[Any] = None
+    function_call: Optional[Any] = None
+    annotations: Optional[list[Any]] = None
+
+    @field_validator("refusal", "audio", "function_call", "annotations")
+    @classmethod
+    def _null_only(cls, value, info):
+        if value:  # null (or an empty annotation list) is what a plain answer carries
+            raise ValueError(f"{info.field_name} in messages is not supported; send null or leave it out")
+        return value
 
     def text(self) -> Optional[str]:
         if isinstance(self.content, list):
@@ -99,7 +113,7 @@ class SamplingFields(StrictModel):
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    stream: bool = False
+    stream: Optional[bool] = False  # null means false, as in OpenAI's API
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # Accepted only with their neutral value (see NEUTRAL_ONLY).

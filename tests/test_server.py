@@ -203,26 +203,60 @@ def test_retrieve_model(client):
 
 
 def test_stop_string_usage_counts_only_what_was_generated_before_the_stop(scripted):
-    _script(scripted, "scripted-qwen", "</think>\n\nOne two three STOP four five six seven eight nine ten eleven.")
+    _script(scripted, "scripted-qwen", "</think>\n\nOne STOP two three four five six seven eight nine ten eleven.")
     first = scripted.client.chat.completions.create(model="scripted-qwen", messages=[{"role": "user", "content": "hi"}],
                                                     stop="STOP", temperature=0)
     again = scripted.client.chat.completions.create(model="scripted-qwen", messages=[{"role": "user", "content": "hi"}],
                                                     stop="STOP", temperature=0)
-    assert first.choices[0].message.content == "One two three "
+    assert first.choices[0].message.content == "One "
     assert first.usage.completion_tokens == again.usage.completion_tokens  # not racing the worker
+    # The scripted model commits 16 tokens a cycle; usage counts only those through the token
+    # that completes "STOP", as a target-alone run (one token a step) would.
+    script = scripted.state.pool._served["scripted-qwen"].engine.target.script
+    decode = scripted.state.pool._served["scripted-qwen"].engine.tokenizer._tokenizer.decode
+    through_stop = next(k for k in range(1, len(script) + 1) if "STOP" in decode(script[:k]))
+    assert first.usage.completion_tokens == through_stop < 16
+    assert first.usage.total_tokens == first.usage.prompt_tokens + through_stop
+    text = scripted.client.completions.create(model="scripted-qwen", prompt="hi", stop=["STOP"], temperature=0)
+    assert text.choices[0].text == "</think>\n\nOne " and text.usage.completion_tokens == through_stop
 
 
 def test_context_error_reports_token_counts(live):
     error = _error(_post(live, "/v1/completions", {"model": "tiny", "prompt": "word " * 600}), 400,
-                   code="context_length_exceeded")
+                   param="prompt", code="context_length_exceeded")
+    _error(_post(live, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}),
+           400, param="messages", code="context_length_exceeded")
     assert "512" in error["message"] and "prompt" in error["message"]
 
 
-@pytest.mark.parametrize("key", [None, "wrong"])
+@pytest.mark.parametrize("key", [None, "wrong", "sk-\u00e9"])
 def test_api_key_is_required(live, client, key):
-    error = _error(_post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES}, key=key), 401)
+    headers = {"Authorization": f"Bearer {key}".encode("latin-1")} if key else {}  # bytes: any header octets
+    response = httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES},
+                          headers=headers, timeout=60)
+    error = _error(response, 401)
     assert error["type"] == "authentication_error"
     _still_serving(live, client)
+
+
+def test_an_sdk_message_goes_back_unchanged_and_stream_may_be_null(live, client):
+    """Agent loops append `message.model_dump()`: its null refusal/audio/function_call are fine."""
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    history = MESSAGES + [reply.choices[0].message.model_dump(), {"role": "user", "content": "More."}]
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(history[-2])
+    again = client.chat.completions.create(model="tiny", messages=history, max_tokens=3, temperature=0)
+    assert again.usage.completion_tokens == 3
+    refused = dict(history[-2], refusal="I can't.")
+    _error(_post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES + [refused]}), 400,
+           param="messages[2].refusal")
+    plain = _post(live, "/v1/completions", {"model": "tiny", "prompt": "ok", "max_tokens": 2, "stream": None})
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 2
+
+
+def test_wrong_method_answers_405_with_allow(live):
+    response = httpx.get(live.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"})
+    _error(response, 405)
+    assert "POST" in response.headers["allow"]
 
 
 def test_full_queue_answers_429(live, client):
@@ -342,11 +376,12 @@ def test_tool_call_round_trip_renders(scripted):
 
 
 def test_named_tool_choice_forces_the_call(scripted):
-    # The server writes the opening; the model only continues with the parameters.
+    # The server writes the opening; the model only continues with the parameters. Stop strings
+    # apply to what the model writes, not to that opening.
     _script(scripted, "scripted-qwen", "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")
     out = scripted.client.chat.completions.create(
         model="scripted-qwen", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL], temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stop=["<tool_call>"])
     assert out.choices[0].finish_reason == "tool_calls"
     assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
 
