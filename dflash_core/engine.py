@@ -52,7 +52,9 @@ class GenerationStats:
     @property
     def decode_tokens_per_second(self) -> float:
         # The first token comes from prefill; decode time covers the rest.
-        return (self.generated_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        if self.generated_tokens <= 1 or self.decode_seconds <= 0:
+            return 0.0
+        return (self.generated_tokens - 1) / self.decode_seconds
 
     def record_cycle(self, accepted: int) -> None:
         self.cycles += 1
@@ -143,6 +145,11 @@ class Engine:
     ) -> Iterator[GenerationChunk]:
         if not prompt_tokens:
             raise RequestError("the prompt is empty")
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
+        vocab = self.target.vocab_size
+        if not all(0 <= t < vocab for t in prompt_tokens):  # the model would read garbage embeddings
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
         sampling.validate(self.target.vocab_size)
         budget = max_tokens if max_tokens is not None else 1 << 62
         if self.max_context is not None:
@@ -179,12 +186,15 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         produced: list[int] = []  # every token the loop committed, before any cut
         decode_start = None
+        first_commit = True  # the prefill's token; each later speculative commit is one cycle
         try:
             for ids in steps:
                 if not ids:  # a prefill chunk: give the caller a chance to interleave
                     yield GenerationChunk([], "", stats=stats.copy())
                     continue
                 produced += ids
+                drafts_in_cycle = len(ids) - 1 if stats.speculative and not first_commit else None
+                first_commit = False
                 now = time.perf_counter()
                 if decode_start is None:
                     decode_start = now
@@ -196,6 +206,10 @@ class Engine:
                     if token in eos:
                         ids, finish, stop_token = ids[:i], "stop", token
                         break
+                if drafts_in_cycle is not None:
+                    # Count the drafts handed out (or ending the output as its stop token), not
+                    # those a max_tokens or stop-token cut threw away.
+                    stats.record_cycle(min(drafts_in_cycle, len(ids) + (stop_token is not None)))
                 stats.generated_tokens += len(ids)
                 text = detokenizer.add(ids)
                 stats.decode_seconds = time.perf_counter() - decode_start
@@ -303,6 +317,5 @@ class Engine:
             index += accepted + 1
             # The next cycle is on the device before the host hands these tokens out.
             proposals, verify, choices = launch(choices[accepted : accepted + 1], index)
-            stats.record_cycle(accepted)
             last = committed[-1:]
             yield committed

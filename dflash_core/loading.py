@@ -10,6 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 from mlx_lm import utils as mlx_lm_utils
 
 from .adapters import TargetAdapter, adapter_for
@@ -37,9 +38,7 @@ def load_target(path: Path, *, dtype: Optional[str] = None, quantize_bits: Optio
                 quantize_group_size: int = 64) -> tuple[TargetAdapter, object, dict]:
     model, config = mlx_lm_utils.load_model(Path(path))
     if dtype is not None:
-        # Keep what the model wants in float32 (GatedDeltaNet's A_log) and quantized weights as they are.
-        predicate = getattr(model, "cast_predicate", None) or (lambda _: True)
-        model.set_dtype(DTYPES[dtype], predicate)
+        cast_floating(model, DTYPES[dtype])
     if quantize_bits is not None:
         if "quantization" in config:
             raise ValueError(f"{path}: already quantized ({config['quantization']}); remove quantize_bits")
@@ -52,6 +51,15 @@ def load_target(path: Path, *, dtype: Optional[str] = None, quantize_bits: Optio
         eos = [eos]
     tokenizer = mlx_lm_utils.load_tokenizer(Path(path), eos_token_ids=eos)
     return adapter_for(model), tokenizer, config
+
+
+def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast the floating-point weights to `dtype`, except those mlx-lm's `cast_predicate` names
+    (GatedDeltaNet's A_log stays float32); packed quantized weights and other integers stay."""
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    model.update(tree_map_with_path(
+        lambda path, v: v.astype(dtype) if keep(path) and mx.issubdtype(v.dtype, mx.floating) else v,
+        model.parameters()))
 
 
 def _quantizable(model: nn.Module, group_size: int):

@@ -18,8 +18,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, save_config, save_model
+
+from .loading import cast_floating
 
 FAMILIES = ("qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3_text")
 TINY_VOCAB = 512  # the tokenizer is trained to exactly this many ids
@@ -472,11 +474,7 @@ def random_model(config: dict, *, seed: int = 0, dtype: str = "float32") -> nn.M
     mx.random.seed(seed)
     # from_dict / __post_init__ mutate nested dicts (rope_parameters, text_config).
     model = model_cls(args_cls.from_dict(copy.deepcopy(config)))
-    keep = getattr(model, "cast_predicate", lambda _: True)  # qwen3.5 keeps A_log fp32
-    target = getattr(mx, dtype)
-    model.update(tree_map_with_path(
-        lambda p, v: v.astype(target) if keep(p) and mx.issubdtype(v.dtype, mx.floating) else v,
-        model.parameters()))
+    cast_floating(model, getattr(mx, dtype))  # qwen3.5 keeps A_log fp32
     model.eval()
     return model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 import yaml
 
@@ -173,6 +174,18 @@ def test_dtype_quantization_and_block_size(qwen3_pair, caplog):
     assert half.target.dtype.__str__().endswith("float16")
     with pytest.raises(ValueError, match="block_size"):
         load_model(str(target), str(drafter), block_size=40)
+
+
+def test_dtype_keeps_what_the_model_keeps_in_float32(qwen3_5_pair):
+    from mlx.utils import tree_flatten
+
+    engine = load_model(str(qwen3_5_pair[0]), None, dtype="bfloat16").engine
+    weights = dict(tree_flatten(engine.target.model.parameters()))
+    a_logs = [k for k in weights if k.endswith("A_log")]
+    assert a_logs and all(weights[k].dtype == mx.float32 for k in a_logs)  # mlx-lm's cast_predicate
+    assert all(v.dtype == mx.bfloat16 for k, v in weights.items() if not k.endswith("A_log"))
+    chunks = list(engine.generate(engine.tokenizer.encode("Cast"), max_tokens=3))
+    assert sum(len(c.token_ids) for c in chunks) == 3
 
 
 def test_models_and_doctor_commands(qwen3_pair, tmp_path, capsys):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_core.engine import Engine
+from dflash_core.engine import Engine, RequestError
 from dflash_core.loading import load_engine
 from forced import ForcedDrafter
 
@@ -79,8 +79,11 @@ def test_every_acceptance_length_is_lossless(engines, references, family):
     # The schedule really happened: full schedule sweeps, every length seen, positions counted.
     assert stats.cycles >= len(SCHEDULE)
     per_cycle = [SCHEDULE[i % len(SCHEDULE)] for i in range(stats.cycles)]
-    assert stats.draft_tokens_accepted == sum(per_cycle)
     assert set(per_cycle) == set(range(16))
+    # The token budget can cut the last cycle: statistics count only the drafts handed out.
+    before_last = 1 + sum(a + 1 for a in per_cycle[:-1])
+    per_cycle[-1] = min(per_cycle[-1], N_TOKENS - before_last)
+    assert stats.draft_tokens_accepted == sum(per_cycle) <= stats.generated_tokens - 1
     assert stats.accepted_by_position[0] == sum(1 for a in per_cycle if a >= 1)
     assert stats.accepted_by_position[14] == sum(1 for a in per_cycle if a == 15)
 
@@ -97,6 +100,9 @@ def test_eos_and_budget_mid_block(engines, references, family):
     chunks = list(forced_engine.generate(prompt, max_tokens=21, stop_token_ids=set()))
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == reference[:21] and chunks[-1].finish_reason == "length"
+    # Statistics count what was handed out: 15 drafts, then 4 of the second cycle's 15.
+    stats = chunks[-1].stats
+    assert (stats.cycles, stats.draft_tokens_accepted, stats.accepted_by_position[3:5]) == (2, 19, [2, 1])
     # A stop token first produced at index 9 (inside the first cycle's 16 tokens).
     stop = reference[9]
     first = reference.index(stop)
@@ -104,3 +110,21 @@ def test_eos_and_budget_mid_block(engines, references, family):
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == reference[:first] and chunks[-1].finish_reason == "stop"
     assert chunks[-1].stats.generated_tokens == first
+    assert chunks[-1].stats.draft_tokens_accepted == first  # the drafts before the stop token, and it
+
+
+def test_bad_requests_are_refused_and_a_stop_at_once_gives_sane_stats(engines):
+    engine = engines["qwen3"]
+    with pytest.raises(RequestError, match="empty"):
+        engine.generate([], max_tokens=4)
+    with pytest.raises(RequestError, match="token ids"):
+        engine.generate([1, engine.target.vocab_size], max_tokens=4)
+    with pytest.raises(RequestError, match="max_tokens"):
+        engine.generate([1, 2], max_tokens=0)
+    # The first token is a stop token: nothing is generated, and speeds are zero, not negative.
+    prompt = _prompt(engine)
+    first = next(t for c in engine.generate(prompt, max_tokens=1, stop_token_ids=set()) for t in c.token_ids)
+    for speculative in (False, True):
+        chunks = list(engine.generate(prompt, max_tokens=5, stop_token_ids={first}, speculative=speculative))
+        stats = chunks[-1].stats
+        assert (stats.generated_tokens, chunks[-1].finish_reason, stats.decode_tokens_per_second) == (0, "stop", 0.0)
