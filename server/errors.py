@@ -65,6 +65,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip()).response()
         param = _param_path(first.get("loc", ()))
+        if param is None:  # `[]`, `"x"`, an empty body: nothing to name
+            return bad_request("the request body must be a JSON object of the request's fields").response()
         if first.get("type") == "extra_forbidden":
             message = f"unsupported parameter: {param}"
         elif first.get("type") == "missing":

@@ -53,7 +53,8 @@ class Scheduler:
         self.max_active = max_active
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
-        self._tasks: collections.deque[Callable[[], None]] = collections.deque()
+        # (run, fail) pairs: fail(error) answers the caller when the worker will never run it.
+        self._tasks: collections.deque[tuple[Callable[[], None], Callable[[BaseException], None]]] = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
         self.failure: Optional[str] = None  # set if the worker thread itself died
@@ -84,16 +85,22 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
+        def fail(error: BaseException) -> None:
+            loop.call_soon_threadsafe(_set_exception, future, error)
+
         def task():
             try:
                 result = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_set_exception, future, e)
+                fail(e)
             else:
                 loop.call_soon_threadsafe(_set_result, future, result)
 
         with self._wake:
-            self._tasks.append(task)
+            if self._stopping or self.failure:  # nobody would ever run it
+                future.set_exception(SchedulerStopped(self.failure or "the server is shutting down"))
+                return future
+            self._tasks.append((task, fail))
             self._wake.notify()
         return future
 
@@ -122,6 +129,14 @@ class Scheduler:
                     job._deliver(SchedulerStopped(self.failure))
                 except Exception:  # noqa: BLE001 - the event loop may be gone
                     pass
+        finally:
+            with self._wake:
+                pending, self._tasks = list(self._tasks), collections.deque()
+            for _, fail in pending:
+                try:
+                    fail(SchedulerStopped(self.failure or "the server is shutting down"))
+                except Exception:  # noqa: BLE001 - the event loop may be gone
+                    pass
 
     def _loop(self) -> None:
         while True:
@@ -135,7 +150,7 @@ class Scheduler:
                 self._drop_cancelled_waiting()
                 while self._waiting and len(self._active) < self.max_active:
                     self._active.append(self._waiting.popleft())
-            for task in tasks:
+            for task, _ in tasks:
                 task()
             for job in list(self._active):
                 self._step(job)

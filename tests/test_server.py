@@ -190,6 +190,13 @@ def test_bad_requests(live, client, body, status, param, code):
     _still_serving(live, client)
 
 
+@pytest.mark.parametrize("body", [b"[]", b'"x"', b""], ids=["list", "string", "empty"])
+def test_a_body_that_is_not_an_object_is_named_as_such(live, client, body):
+    error = _error(_post(live, "/v1/chat/completions", body), 400)
+    assert "JSON object" in error["message"] and error["param"] is None
+    _still_serving(live, client)
+
+
 def test_completions_logprobs_zero_is_refused_and_store_false_accepted(live, client):
     _error(_post(live, "/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 0}), 400, "logprobs")
     ok = _post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "store": False})

@@ -1,0 +1,50 @@
+"""The worker thread's contract when it dies: every waiter is answered, nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from server.scheduler import Job, Scheduler, SchedulerStopped
+
+
+class Fatal(BaseException):
+    """Not an Exception: it escapes the per-request handler and takes the worker down."""
+
+
+def test_a_dead_worker_answers_every_caller():
+    async def scenario():
+        scheduler = Scheduler(queue_size=4, max_active=2)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+
+        def doomed():
+            yield "first"
+            raise Fatal("planted")
+
+        job = Job(start=doomed, loop=loop)
+        scheduler.submit(job)
+        assert await asyncio.wait_for(job.outputs.get(), 10) == "first"
+        ended = await asyncio.wait_for(job.outputs.get(), 10)
+        assert isinstance(ended, SchedulerStopped) and "Fatal" in str(ended)
+        scheduler._thread.join(timeout=10)
+        assert "worker thread died" in scheduler.failure
+        # A model load queued afterwards fails at once instead of waiting for a worker that is gone.
+        with pytest.raises(SchedulerStopped, match="worker thread died"):
+            await asyncio.wait_for(scheduler.call(lambda: "loaded"), 10)
+        with pytest.raises(SchedulerStopped):
+            scheduler.submit(Job(start=doomed, loop=loop))
+
+    asyncio.run(scenario())
+
+
+def test_stop_answers_queued_calls():
+    async def scenario():
+        scheduler = Scheduler()
+        scheduler.start()
+        scheduler.stop()
+        with pytest.raises(SchedulerStopped, match="shutting down"):
+            await asyncio.wait_for(scheduler.call(lambda: "loaded"), 10)
+
+    asyncio.run(scenario())
