@@ -51,6 +51,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="dflash", lifespan=lifespan)
     app.state.dflash = state
+    app.add_middleware(InternalErrors)  # first added, so inside the counter and CORS
     app.add_middleware(CountRequests, counter=state.metrics.requests)
     install_error_handlers(app)
     if settings.server.cors_origins:
@@ -188,6 +189,33 @@ async def _respond(state: ServerState, endpoint: str, request: Request, run: Run
 
 
 API_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+class InternalErrors:
+    """An unexpected exception becomes the OpenAI-shaped 500 here, inside the request counter and
+    CORS: Starlette's own last-resort handler sits outside every middleware."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            if started:  # a response is under way: nothing can replace it
+                raise
+            log.exception("unexpected error")
+            response = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+            await response(scope, receive, send)
 
 
 class CountRequests:

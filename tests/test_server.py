@@ -197,6 +197,19 @@ def test_a_body_that_is_not_an_object_is_named_as_such(live, client, body):
     _still_serving(live, client)
 
 
+def test_an_unexpected_error_is_a_counted_json_500(live, client, monkeypatch):
+    async def broken(name):
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(live.state.pool, "get", broken)
+    error = _error(_post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES}), 500)
+    assert error["type"] == "server_error" and "planted bug" in error["message"]
+    monkeypatch.undo()
+    metrics = httpx.get(live.url + "/metrics").text
+    assert 'dflash_requests_total{endpoint="/v1/chat/completions",status="500"}' in metrics
+    _still_serving(live, client)
+
+
 def test_completions_logprobs_zero_is_refused_and_store_false_accepted(live, client):
     _error(_post(live, "/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 0}), 400, "logprobs")
     ok = _post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "store": False})
