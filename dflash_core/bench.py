@@ -733,9 +733,14 @@ def _cached(s: _Stream) -> Optional[int]:
 
 
 def server_model(client, base: str, headers: dict) -> str:
-    response = client.get(base + "/v1/models", headers=headers, timeout=30)
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    import httpx
+
+    try:
+        response = client.get(base + "/v1/models", headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"{base}: no OpenAI-compatible server with a model answers there ({e})") from None
 
 
 def run_server_bench(url: str, *, concurrency: int, requests: int, model: Optional[str] = None,
@@ -910,6 +915,11 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    (value,) = _ints(text)
+    return value
+
+
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
@@ -932,14 +942,14 @@ def add_bench(sub) -> None:
     p.add_argument("--forced-accepted", type=int, metavar="K",
                    help="random weights: force K accepted drafts per cycle (speed at K+1 tokens per cycle)")
     p.add_argument("--sets", type=_names, default=list(PROMPT_SETS), help="prompt sets (default: math,code,chat,agent)")
-    p.add_argument("--prompts-per-set", type=int, help="use only the first N prompts of each set")
+    p.add_argument("--prompts-per-set", type=_positive, help="use only the first N prompts of each set")
     p.add_argument("--contexts", type=_ints, default=[512, 2048, 8192],
                    help="prompt lengths in tokens, filler document + prompt (default: 512,2048,8192)")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=_positive, default=256)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens in every run")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per prompt, context and mode; medians reported")
+    p.add_argument("--repeats", type=_positive, default=3, help="runs per prompt, context and mode; medians reported")
     p.add_argument("--cooldown", type=float, default=1.0, help="seconds of rest before each run")
     p.add_argument("--out", type=Path, default=Path("dflash-bench.json"), help="JSON results")
     p.add_argument("--plots", type=Path, help="folder for the PNG plots (default: the folder of --out)")

@@ -8,10 +8,12 @@ import logging
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from .bench import add_bench
 from .prompts import encode_rendered, render_chat
 from .sampling import SamplingParams
-from .settings import ConfigError, ModelSettings, Settings, config_path, load_settings
+from .settings import ConfigError, ModelSettings, ServerSettings, Settings, config_path, load_settings
 
 
 def _add_model_flags(p, *, what: str) -> None:
@@ -41,17 +43,25 @@ def settings_from_args(args) -> Settings:
         raise ConfigError("--drafter needs --target or --model")
     if args.model:
         spec = settings.model(args.model)
+        updates = {}
         if args.drafter:  # e.g. --model gemma-3-270m --drafter none: the same model, target alone
-            drafter = None if args.drafter.lower() == "none" else args.drafter
-            spec = spec.model_copy(update={"drafter": drafter, "drafter_revision": args.drafter_revision})
-        others = [m for m in settings.models if m.name != spec.name]
+            updates["drafter"] = None if args.drafter.lower() == "none" else args.drafter
+            updates["drafter_revision"] = args.drafter_revision
+        elif args.drafter_revision:
+            updates["drafter_revision"] = args.drafter_revision
+        if args.target_revision:
+            updates["target_revision"] = args.target_revision
+        spec = spec.model_copy(update=updates)
+        # The others stay available on request, but are not loaded (or downloaded) at start:
+        # `--model gemma-3-270m` must work offline whatever else config.yaml lists.
+        others = [m.model_copy(update={"load_at_start": False}) for m in settings.models if m.name != spec.name]
         return settings.model_copy(update={"models": [spec] + others, "default_model": spec.name})
     return settings
 
 
 def model_name(target: str) -> str:
     path = Path(target).expanduser()
-    return path.name if path.exists() else target
+    return path.resolve().name if path.exists() else target  # resolved: `.` has no name of its own
 
 
 # ---------------------------------------------------------------------------------- generate
@@ -64,11 +74,12 @@ def add_generate(sub) -> None:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # Unset flags fall back to config.yaml (the model's `sampling`, then `defaults`), then these.
+    p.add_argument("--max-tokens", type=int, help="default: config, else 512")
+    p.add_argument("--temperature", type=float, help="default: config, else 0 (greedy)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--no-speculative", action="store_true", help="decode with the target alone")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -80,11 +91,28 @@ def run_generate(args) -> int:
 
     settings = settings_from_args(args)
     spec = settings.model()
-    # Target-alone decoding keeps MLX's CUDA graphs, speculative decoding does without them.
+    text = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
+    configured = {**settings.defaults.model_dump(include={"temperature", "max_tokens"}, exclude_none=True),
+                  **spec.sampling.model_dump(exclude_none=True)}
+
+    def option(name, fallback):
+        value = getattr(args, name)
+        return value if value is not None else configured.get(name, fallback)
+
+    sampling = SamplingParams(
+        temperature=option("temperature", 0.0), top_p=option("top_p", 1.0), top_k=option("top_k", 0),
+        min_p=option("min_p", 0.0), seed=args.seed,
+        repetition_penalty=configured.get("repetition_penalty", 1.0),
+        presence_penalty=configured.get("presence_penalty", 0.0),
+        frequency_penalty=configured.get("frequency_penalty", 0.0),
+    )
+    max_tokens = option("max_tokens", 512)
+    # Target-alone decoding keeps MLX's CUDA graphs and needs no drafter at all.
     decoding = spec.model_copy(update={"drafter": None}) if args.no_speculative else spec
     settings.model_copy(update={"models": [decoding]}).apply_backend_settings()
-    engine = load_configured(spec, settings.prefill_chunk).engine
-    text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    engine = load_configured(decoding, settings.prefill_chunk).engine
+    if args.no_speculative:
+        engine.drafter_off_reason = "disabled by request"  # not "no drafter configured": one is
     tokenizer = engine.tokenizer
     if args.chat:  # rendered as the server renders a chat request
         kwargs = settings.defaults.model_dump(include={"enable_thinking"}, exclude_none=True)
@@ -92,13 +120,8 @@ def run_generate(args) -> int:
             tokenizer, [{"role": "user", "content": text}], **{**kwargs, **spec.chat_template_kwargs}))
     else:
         tokens = tokenizer.encode(text)
-    sampling = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed
-    )
     pieces, token_ids, last = [], [], None
-    for chunk in engine.generate(
-        tokens, max_tokens=args.max_tokens, sampling=sampling, speculative=not args.no_speculative
-    ):
+    for chunk in engine.generate(tokens, max_tokens=max_tokens, sampling=sampling, speculative=not args.no_speculative):
         token_ids += chunk.token_ids
         pieces.append(chunk.text)
         if not args.json:
@@ -113,6 +136,13 @@ def run_generate(args) -> int:
         print(file=sys.stderr)
         print(_summary(stats), file=sys.stderr)
     return 0
+
+
+def _read_prompt(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the prompt file: {e}") from None
 
 
 def _summary(stats: dict) -> str:
@@ -145,7 +175,12 @@ def run_serve(args) -> int:
 
     settings = settings_from_args(args)
     updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key)) if v is not None}
-    settings = settings.model_copy(update={"server": settings.server.model_copy(update=updates)})
+    try:  # validated as config.yaml's values are (a port out of range is an error, not a traceback)
+        server = ServerSettings.model_validate({**settings.server.model_dump(), **updates})
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ConfigError(f"--{'-'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    settings = settings.model_copy(update={"server": server})
     settings.apply_backend_settings()
     uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port, log_level="info")
     return 0

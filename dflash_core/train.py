@@ -12,6 +12,8 @@ and cosine decay. The result is saved in the z-lab checkpoint format the normal 
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import logging
 import random
@@ -98,9 +100,16 @@ def read_prompts(path: Path) -> list:
 
 
 def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Path) -> list[dict]:
-    """Prompt + the target's own greedy response, token ids; cached so a resumed run skips it."""
-    if cache_file.exists():
+    """Prompt + the target's own greedy response, token ids; cached so a resumed run skips it.
+    The cache is used only for the same target, prompts and response settings."""
+    key = {"target": str(opts.target), "max_new_tokens": opts.max_new_tokens,
+           "max_prompt_tokens": opts.max_prompt_tokens, "chat": opts.chat,
+           "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()}
+    key_file = cache_file.with_name("sequences.key.json")
+    if cache_file.exists() and key_file.exists() and json.loads(key_file.read_text()) == key:
         return [json.loads(line) for line in cache_file.read_text().splitlines()]
+    if cache_file.exists():
+        log.info("%s was made for another target, prompts or settings: regenerating", cache_file)
     from tqdm import tqdm
 
     tokenizer = engine.tokenizer
@@ -124,6 +133,7 @@ def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Pa
             sequences.append({"tokens": tokens + response, "response_start": len(tokens)})
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     cache_file.write_text("".join(json.dumps(s) + "\n" for s in sequences))
+    key_file.write_text(json.dumps(key))
     return sequences
 
 
@@ -132,8 +142,13 @@ def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Pa
 
 def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
     H, n = target.hidden_size, target.num_layers
-    taps = opts.taps or default_target_layer_ids(n, min(n - 1, max(3, opts.layers)))
+    # z-lab's spread; on a target of a few layers it repeats ids, which would only duplicate inputs.
+    taps = opts.taps or sorted(set(default_target_layer_ids(n, min(n - 1, max(3, opts.layers)))))
+    if any(not 0 <= t < n for t in taps) or len(set(taps)) != len(taps):
+        raise ValueError(f"--taps {taps}: distinct target layer ids in [0, {n}) expected")
     mask = opts.mask_token_id
+    if mask is not None and not 0 <= mask < target.vocab_size:
+        raise ValueError(f"--mask-token-id {mask}: outside the target's vocabulary of {target.vocab_size}")
     if mask is None:
         vocab = hf_tokenizer(tokenizer).get_vocab()
         mask = next((vocab[t] for t in ("<mask>", "<|mask|>") if t in vocab), None)
@@ -412,24 +427,24 @@ def add_train(sub) -> None:
     p.add_argument("--target", required=True, help="target model: repo id or local directory")
     p.add_argument("--data", required=True, type=Path, help="prompts: .txt (one per line), .jsonl or a folder of documents")
     p.add_argument("--out", required=True, type=Path, help="output folder (the drafter, checkpoints, the data)")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=_positive, default=1)
+    p.add_argument("--block-size", type=_block_size, default=16)
     p.add_argument("--taps", help="comma-separated target layer ids (default: spread over the target)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch", type=int, default=4, help="sequences per optimizer step")
-    p.add_argument("--anchors", type=int, default=8, help="blocks per sequence")
+    p.add_argument("--steps", type=_positive, default=1000)
+    p.add_argument("--batch", type=_positive, default=4, help="sequences per optimizer step")
+    p.add_argument("--anchors", type=_positive, default=8, help="blocks per sequence")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the regenerated responses")
-    p.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their head and end")
+    p.add_argument("--max-new-tokens", type=_positive, default=128, help="length of the regenerated responses")
+    p.add_argument("--max-prompt-tokens", type=_positive, default=384, help="longer prompts keep their head and end")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--save-every", type=int, default=200)
-    p.add_argument("--intermediate-size", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--eval-every", type=_positive, default=100)
+    p.add_argument("--save-every", type=_positive, default=200)
+    p.add_argument("--intermediate-size", type=_positive)
+    p.add_argument("--heads", type=_positive)
+    p.add_argument("--kv-heads", type=_positive)
+    p.add_argument("--head-dim", type=_positive, default=128)
     p.add_argument("--mask-token-id", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
@@ -437,6 +452,20 @@ def add_train(sub) -> None:
     p.add_argument("--loss-vocab", choices=("full", "data"), default="full",
                    help="softmax over the whole vocabulary (default) or only the tokens in the training responses")
     p.set_defaults(func=run_train)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _block_size(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"a block needs at least 2 tokens, got {text}")
+    return value
 
 
 def run_train(args) -> int:

@@ -209,3 +209,12 @@ def test_server_mode_reports_latencies(qwen3_pair, tmp_path, capsys):
     assert {r.prompt for r in report.requests_detail} == {"chat/trip-plan", "agent/weather-call"}
     printed = capsys.readouterr().out
     assert "time to first token" in printed and "errors 0" in printed
+
+
+def test_bad_bench_input_is_one_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _bench("--random-weights", "tiny-qwen3", "--prompts-per-set", "0", out=tmp_path / "r.json")
+    assert "--prompts-per-set: expected positive integers" in capsys.readouterr().err
+    # Nothing listens on port 9: a message naming the URL, exit code 2, no traceback.
+    assert _bench("--server", "http://127.0.0.1:9", "--requests", "1", out=tmp_path / "s.json") == 2
+    assert "http://127.0.0.1:9: no OpenAI-compatible server" in capsys.readouterr().err

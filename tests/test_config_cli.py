@@ -176,6 +176,33 @@ def test_dtype_quantization_and_block_size(qwen3_pair, caplog):
         load_model(str(target), str(drafter), block_size=40)
 
 
+def test_command_line_edges(qwen3_pair, tmp_path, monkeypatch, capsys):
+    target, _ = qwen3_pair
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DFLASH_CONFIG", raising=False)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "defaults": {"max_tokens": 5},
+        "models": [{"name": "a", "target": str(target), "drafter": "none"}, {"name": "b", "target": "org/b"}]}))
+    settings = cli.settings_from_args(_args(["serve", "--model", "a", "--target-revision", "v1"]))
+    first, other = settings.models
+    assert first.drafter is None  # `drafter: none` in YAML, as --drafter none
+    assert first.target_revision == "v1" and other.load_at_start is False  # --model: the others wait
+    # generate takes config.yaml's defaults for what its flags leave unset, and with
+    # --no-speculative it never loads (or downloads) a drafter.
+    code = cli.main(["generate", "--target", str(target), "--drafter", "org/not-downloaded", "--no-speculative",
+                     "--prompt", "Hi", "--json"])
+    assert code == 0 and len(json.loads(capsys.readouterr().out)["token_ids"]) == 5
+    # Bad values are one clear message (exit code 2), not a traceback.
+    assert cli.main(["serve", "--model", "a", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+    assert cli.main(["generate", "--config", str(tmp_path), "--prompt", "x"]) == 2
+    assert "cannot read the config file" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", "a", "--prompt-file", str(tmp_path)]) == 2
+    assert "cannot read the prompt file" in capsys.readouterr().err
+    monkeypatch.chdir(target)
+    assert cli.model_name(".") == target.name
+
+
 def test_dtype_keeps_what_the_model_keeps_in_float32(qwen3_5_pair):
     from mlx.utils import tree_flatten
 

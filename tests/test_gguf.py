@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package comes with the demo 
 
 from mlx.utils import tree_flatten  # noqa: E402
 
-from dflash_core.gguf import BYTE, CONTROL, NORMAL, convert_gguf  # noqa: E402
+from dflash_core.gguf import BYTE, CONTROL, NORMAL, GGUFError, convert_gguf  # noqa: E402
 from dflash_core.loading import load_target  # noqa: E402
 from dflash_core.synthetic import random_model, target_config  # noqa: E402
 
@@ -108,6 +108,18 @@ def test_gguf_converts_to_the_same_model(tiny_gguf, tmp_path):
     ours = adapter.forward(tokens, adapter.make_cache(16)).logits
     theirs = reference(tokens)
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=1e-4, atol=1e-4)
+
+
+def test_larger_gemma3_gguf_is_refused(tmp_path):
+    path = tmp_path / "gemma3-4b-like.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(34)  # Gemma 3 4B: RoPE scaling this converter does not carry over
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="only the 270M and 1B"):
+        convert_gguf(path, tmp_path / "out")
 
 
 def test_gguf_tokenizer(tiny_gguf, tmp_path):

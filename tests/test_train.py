@@ -7,6 +7,7 @@ import json
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from dflash_core import cli
 from dflash_core.drafter import load_drafter
@@ -76,6 +77,26 @@ def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path):
     assert cli.main(common + ["--steps", "6", "--resume"]) == 0
     report = json.loads((out / "train_report.json").read_text())
     assert [h["step"] for h in report["history"]] == [1, 2, 3, 4, 5, 6]  # the history survives the restart
+    # The regenerated responses are reused only for the same target, prompts and settings.
+    cached = (out / "data" / "sequences.jsonl").read_text()
+    data.write_text("\n".join(PROMPTS[:6]))
+    assert cli.main(common + ["--steps", "1"]) == 0
+    assert (out / "data" / "sequences.jsonl").read_text() != cached
+    assert len((out / "data" / "sequences.jsonl").read_text().splitlines()) <= 6
+
+
+def test_bad_options_are_one_clear_error(qwen3_pair, tmp_path, capsys):
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS))
+    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(tmp_path / "d"),
+              "--head-dim", "16", "--max-new-tokens", "4", "--steps", "1"]
+    for bad, message in ((["--taps", "99"], "--taps"), (["--mask-token-id", "999999"], "--mask-token-id")):
+        assert cli.main(common + bad) == 2
+        assert message in capsys.readouterr().err
+    for flag in ("--batch", "--anchors", "--layers"):
+        with pytest.raises(SystemExit):  # argparse: "expected a positive integer"
+            cli.main(common + [flag, "0"])
+        assert "positive integer" in capsys.readouterr().err
 
 
 def test_data_vocabulary_loss(qwen3_pair, tmp_path):
