@@ -40,16 +40,37 @@ def resolve(
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        # Cached files first, so a model already on disk needs no network at all.
-        return Path(snapshot_download(name, revision=revision, allow_patterns=files, local_files_only=True))
+        # Cached files first, so a model already on disk needs no network at all; an interrupted
+        # download leaves a snapshot without its weights, which is finished below.
+        cached = Path(snapshot_download(name, revision=revision, allow_patterns=files, local_files_only=True))
+        if _complete(cached):
+            return cached
+        if not allow_download:
+            raise ModelNotFoundError(f"{_not_cached(name, revision)} (the cached copy at {cached} lacks weights)")
     except LocalEntryNotFoundError:
         if not allow_download:
             raise ModelNotFoundError(_not_cached(name, revision)) from None
     try:
         # huggingface_hub draws its progress bars; files already cached are not fetched again.
-        return Path(snapshot_download(name, revision=revision, allow_patterns=files))
+        downloaded = Path(snapshot_download(name, revision=revision, allow_patterns=files))
     except Exception as e:  # offline, unknown repo, gated repo, ...
         raise ModelNotFoundError(f"{_not_cached(name, revision)}\n  download failed: {type(e).__name__}: {e}") from e
+    if not _complete(downloaded):  # offline mode hands back the partial snapshot as it is
+        raise ModelNotFoundError(f"{_not_cached(name, revision)} (the cached copy at {downloaded} lacks weights)")
+    return downloaded
+
+
+def _complete(path: Path) -> bool:
+    """config.json and the weights, every shard an index names included."""
+    if not (path / "config.json").exists():
+        return False
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        import json
+
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        return bool(shards) and all((path / shard).exists() for shard in shards)
+    return any(path.glob("*.safetensors"))
 
 
 def _not_cached(name: str, revision: Optional[str]) -> str:

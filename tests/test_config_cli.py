@@ -138,6 +138,23 @@ def test_missing_repo_gives_a_clear_offline_message(monkeypatch):
         resolve("./does/not/exist")
 
 
+def test_an_interrupted_download_is_not_taken_for_a_model(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--partial"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    (snapshot / "config.json").write_text("{}")  # the weights never arrived
+    with pytest.raises(ModelNotFoundError, match="hf download org/partial"):
+        resolve("org/partial", files=["*.json", "*.safetensors"])
+    (snapshot / "model.safetensors").write_bytes(b"")
+    assert resolve("org/partial", files=["*.json", "*.safetensors"]) == snapshot
+
+
 def test_generate_json_on_local_fixtures(qwen3_5_pair, capsys):
     target, drafter = qwen3_5_pair
     code = cli.main(["generate", "--target", str(target), "--drafter", str(drafter), "--prompt", "Hello",
