@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from .kernels import backend, gated_delta
 from .loading import CPU_SPECULATION_WARNING
-from .registry import KNOWN_PAIRS
+from .registry import KNOWN_PAIRS, find_pair
 from .settings import Settings
 
 
@@ -92,9 +92,13 @@ def models_report(settings: Settings) -> list[dict]:
     cache = cached_repos()
     rows = []
     for m in settings.models:
-        rows.append({"source": "config", "name": m.name, "target": m.target, "drafter": m.drafter,
+        drafter = m.drafter
+        if drafter == "auto":  # what the registry will pick, so its download shows too
+            pair = find_pair(m.target)
+            drafter = pair.drafter if pair else None
+        rows.append({"source": "config", "name": m.name, "target": m.target, "drafter": drafter,
                      "target_bytes": _local_size(m.target, cache),
-                     "drafter_bytes": _local_size(m.drafter, cache) if m.drafter and m.drafter != "auto" else None})
+                     "drafter_bytes": _local_size(drafter, cache) if drafter else None})
     from .demo import DEMO_DRAFTER, DEMO_NAME, DEMO_TARGET, cache_root
 
     demo_dir = cache_root() / f"{DEMO_NAME}-mlx"

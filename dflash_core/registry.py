@@ -37,7 +37,7 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
 
 # Suffixes conversions add to a base model's name (mlx-community and friends).
 _CONVERSION_SUFFIX = re.compile(
-    r"(-(mlx|mxfp4|mxfp8|nvfp4|fp8|fp16|bf16|float16|bfloat16|dwq|awq|gptq|q[2-8](_k(_m|_s)?)?|[2-8]bit|[2-8]-bit))+$"
+    r"(-(mlx|mxfp4|mxfp8|nvfp4|fp8|fp16|bf16|float16|bfloat16|dwq|awq|gptq|qat|q[2-8](_k(_m|_s)?)?|[2-8]bit|[2-8]-bit))+$"
 )
 
 

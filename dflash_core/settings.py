@@ -92,10 +92,10 @@ class Settings(Strict):
         A DFlash cycle's op sequence changes every cycle (accepted length, cache sizes), so MLX's
         CUDA graphs are re-instantiated each cycle; measured on an H200, a Qwen3.5-9B cycle took
         25.7 ms with them and 16.4 ms without. Target-alone decoding keeps them (6.0 vs 7.7 ms)."""
-        use = self.cuda_graphs
-        if use is None:
-            use = not any(m.drafter for m in self.models)
-        os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "1" if use else "0")
+        if self.cuda_graphs is not None:  # said in the config: that wins over the environment
+            os.environ["MLX_USE_CUDA_GRAPHS"] = "1" if self.cuda_graphs else "0"
+        else:  # automatic: an MLX_USE_CUDA_GRAPHS already set by the user is left alone
+            os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0" if any(m.drafter for m in self.models) else "1")
 
     @model_validator(mode="after")
     def _unique_names(self):

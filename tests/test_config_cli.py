@@ -102,6 +102,7 @@ def test_model_flag_picks_a_configured_model_or_a_target(tmp_path, monkeypatch):
         ("/models/Qwen3.5-27B-bf16", "z-lab/Qwen3.5-27B-DFlash"),
         ("mlx-community/Qwen3.6-35B-A3B-4bit", "z-lab/Qwen3.6-35B-A3B-DFlash"),
         ("mlx-community/gemma-4-31b-it-4bit", "z-lab/gemma-4-31B-it-DFlash"),
+        ("mlx-community/gemma-4-31b-it-qat-4bit", "z-lab/gemma-4-31B-it-DFlash"),
         ("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
         ("Qwen/Qwen3.5-9B-Base", None),
         ("meta-llama/Llama-3.2-1B", None),
@@ -235,11 +236,14 @@ def test_dtype_keeps_what_the_model_keeps_in_float32(qwen3_5_pair):
 def test_models_and_doctor_commands(qwen3_pair, tmp_path, capsys):
     target, _ = qwen3_pair
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"models": [{"name": "mine", "target": str(target), "drafter": None}]}))
+    config.write_text(yaml.safe_dump({"models": [{"name": "mine", "target": str(target), "drafter": None},
+                                                 {"name": "nine", "target": "mlx-community/Qwen3.5-9B-4bit"}]}))
     assert cli.main(["models", "--config", str(config), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     mine = next(r for r in rows if r["name"] == "mine")
     assert mine["source"] == "config" and mine["target_bytes"] > 0
+    nine = next(r for r in rows if r["name"] == "nine")
+    assert nine["drafter"] == "z-lab/Qwen3.5-9B-DFlash"  # drafter "auto": the registry's choice, shown
     assert any(r["source"] == "registry" and r["drafter"] == "z-lab/Qwen3.5-9B-DFlash" for r in rows)
     assert cli.main(["models", "--config", str(config)]) == 0
     assert "z-lab/Qwen3.5-9B-DFlash" in capsys.readouterr().out
@@ -274,6 +278,10 @@ def test_cuda_graphs_follow_speculation(monkeypatch, models, setting, expected):
     monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
     Settings.model_validate({"models": models, "cuda_graphs": setting}).apply_backend_settings()
     assert os.environ["MLX_USE_CUDA_GRAPHS"] == expected
+    # A value in the environment stays when the config leaves it automatic, and yields when it says.
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "from-env")
+    Settings.model_validate({"models": models, "cuda_graphs": setting}).apply_backend_settings()
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == ("from-env" if setting is None else expected)
 
 
 def test_model_sampling_defaults_are_typed(tmp_path):
