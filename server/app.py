@@ -9,7 +9,7 @@ import secrets
 import time
 from typing import Optional
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -52,22 +52,13 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="dflash", lifespan=lifespan)
     app.state.dflash = state
     app.add_middleware(InternalErrors)  # first added, so inside the counter and CORS
+    if settings.server.api_key:  # before the body is read: a bad key is a 401 whatever the body
+        app.add_middleware(RequireKey, key=settings.server.api_key)
     app.add_middleware(CountRequests, counter=state.metrics.requests)
     install_error_handlers(app)
     if settings.server.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
-
-    def authorized(request: Request) -> None:
-        key = settings.server.api_key
-        if not key:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # Bytes: compare_digest refuses non-ASCII str, and a wrong key must be a 401, not a 500.
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                           type="authentication_error", code="invalid_api_key")
 
     @app.get("/health")
     async def health():
@@ -89,17 +80,17 @@ def create_app(settings: Settings) -> FastAPI:
         return {"id": name, "object": "model", "owned_by": "dflash",
                 "created": loaded[name].created if name in loaded else 0}
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_entry(name) for name in state.pool.names()]}
 
-    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
         if model not in state.pool.names():
             raise APIError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
         return model_entry(model)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         chat.refuse_unsupported(body)
@@ -114,7 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
             raise
         return await _respond(state, "chat", request, run, ChatResponder(run, body.model, parser), body)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         chat.refuse_unsupported(body)
@@ -189,6 +180,25 @@ async def _respond(state: ServerState, endpoint: str, request: Request, run: Run
 
 
 API_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+class RequireKey:
+    """`Authorization: Bearer <key>` on every /v1 path (health and metrics stay open)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        # Bytes as sent: compare_digest refuses non-ASCII str, and a wrong key is a 401, not a 500.
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+            response = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                type="authentication_error", code="invalid_api_key").response()
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class InternalErrors:

@@ -256,6 +256,9 @@ def test_api_key_is_required(live, client, key):
                           headers=headers, timeout=60)
     error = _error(response, 401)
     assert error["type"] == "authentication_error"
+    # The key is checked before the body is read: a malformed body without it is still a 401.
+    _error(_post(live, "/v1/chat/completions", b"{not json", key=None), 401)
+    assert httpx.get(live.url + "/v1/models").status_code == 401
     _still_serving(live, client)
 
 
