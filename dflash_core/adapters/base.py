@@ -66,7 +66,12 @@ class TargetAdapter:
 
     def lm_head(self, hidden: mx.array) -> mx.array:
         """The target's LM head without any family-specific logit post-processing."""
-        if getattr(self.text_model.args, "tie_word_embeddings", False):
+        # The model's own flag where it has one (Gemma 3 decides at load time whether the
+        # checkpoint carries a head), else its config's.
+        tied = getattr(self.text_model, "tie_word_embeddings", None)
+        if tied is None:
+            tied = getattr(self.text_model.args, "tie_word_embeddings", False)
+        if tied:
             return self.inner.embed_tokens.as_linear(hidden)
         return self.text_model.lm_head(hidden)
 

@@ -32,11 +32,6 @@ class Gemma3Adapter(TargetAdapter):
             for i in range(len(self.layers))
         ]
 
-    def lm_head(self, hidden):
-        if self.text_model.tie_word_embeddings:
-            return self.inner.embed_tokens.as_linear(hidden)
-        return self.text_model.lm_head(hidden)
-
     def run_layers(self, tokens, cache, tap_ids, tape):
         h = self.embed(tokens)
         h = h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
