@@ -186,15 +186,14 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         produced: list[int] = []  # every token the loop committed, before any cut
         decode_start = None
-        first_commit = True  # the prefill's token; each later speculative commit is one cycle
         try:
             for ids in steps:
                 if not ids:  # a prefill chunk: give the caller a chance to interleave
                     yield GenerationChunk([], "", stats=stats.copy())
                     continue
+                # The first commit is the prefill's token; each later speculative one is a cycle.
+                drafts_in_cycle = len(ids) - 1 if stats.speculative and produced else None
                 produced += ids
-                drafts_in_cycle = len(ids) - 1 if stats.speculative and not first_commit else None
-                first_commit = False
                 now = time.perf_counter()
                 if decode_start is None:
                     decode_start = now
