@@ -92,8 +92,7 @@ def run_generate(args) -> int:
     settings = settings_from_args(args)
     spec = settings.model()
     text = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
-    configured = {**settings.defaults.model_dump(include={"temperature", "max_tokens"}, exclude_none=True),
-                  **spec.sampling.model_dump(exclude_none=True)}
+    configured = settings.sampling_defaults(spec)  # as the server's, less generation_config.json
 
     def option(name, fallback):
         value = getattr(args, name)
@@ -115,9 +114,8 @@ def run_generate(args) -> int:
         engine.drafter_off_reason = "disabled by request"  # not "no drafter configured": one is
     tokenizer = engine.tokenizer
     if args.chat:  # rendered as the server renders a chat request
-        kwargs = settings.defaults.model_dump(include={"enable_thinking"}, exclude_none=True)
         tokens = encode_rendered(tokenizer, render_chat(
-            tokenizer, [{"role": "user", "content": text}], **{**kwargs, **spec.chat_template_kwargs}))
+            tokenizer, [{"role": "user", "content": text}], **settings.template_defaults(spec)))
     else:
         tokens = tokenizer.encode(text)
     pieces, token_ids, last = [], [], None

@@ -97,6 +97,19 @@ class Settings(Strict):
         else:  # automatic: an MLX_USE_CUDA_GRAPHS already set by the user is left alone
             os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0" if any(m.drafter for m in self.models) else "1")
 
+    def sampling_defaults(self, spec: ModelSettings, generation_defaults: Optional[dict] = None) -> dict:
+        """What a request leaves unset: the checkpoint's generation_config.json defaults, then
+        `defaults`, then the model's own `sampling`."""
+        out = dict(generation_defaults or {})
+        out.update(self.defaults.model_dump(include={"temperature", "max_tokens"}, exclude_none=True))
+        out.update(spec.sampling.model_dump(exclude_none=True))
+        return out
+
+    def template_defaults(self, spec: ModelSettings) -> dict:
+        """Chat-template arguments: `defaults.enable_thinking`, then the model's own."""
+        return {**self.defaults.model_dump(include={"enable_thinking"}, exclude_none=True),
+                **spec.chat_template_kwargs}
+
     @model_validator(mode="after")
     def _unique_names(self):
         names = [m.name for m in self.models]

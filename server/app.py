@@ -96,7 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
         chat.refuse_unsupported(body)
         served = await state.pool.get(body.model)
         try:
-            prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, served.template_defaults(settings))
+            prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, settings.template_defaults(served.settings))
             parser = ChatOutputParser(served.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
                                       body.stop, prompt.starts_in_reasoning)
             run = _start(state, served, body, prompt, _stop_tokens(served, body), arrival)
@@ -130,7 +130,7 @@ def _stop_tokens(served: ServedModel, body: ChatCompletionRequest) -> Optional[s
 
 def _start(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, stop_tokens, arrival: float) -> Run:
     """Queue the generation (the model stays acquired until _respond finishes)."""
-    defaults = served.sampling_defaults(state.settings)
+    defaults = state.settings.sampling_defaults(served.settings, served.loaded.generation_defaults)
     max_tokens = chat.max_new_tokens(body, defaults)
     chat.check_context(len(prompt.tokens), max_tokens, served.engine.max_context,
                        "messages" if isinstance(body, ChatCompletionRequest) else "prompt")

@@ -46,19 +46,6 @@ class ServedModel:
     def name(self) -> str:
         return self.settings.name
 
-    def sampling_defaults(self, settings: Settings) -> dict:
-        """The model's generation_config.json, then config.yaml's defaults, then this model's own."""
-        out = dict(self.loaded.generation_defaults)
-        out.update(settings.defaults.model_dump(include={"temperature", "max_tokens"}, exclude_none=True))
-        out.update(self.settings.sampling.model_dump(exclude_none=True))
-        return out
-
-    def template_defaults(self, settings: Settings) -> dict:
-        out = {}
-        if settings.defaults.enable_thinking is not None:
-            out["enable_thinking"] = settings.defaults.enable_thinking
-        out.update(self.settings.chat_template_kwargs)
-        return out
 
 
 def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache_gb: float = 0.0) -> ServedModel:
