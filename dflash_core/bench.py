@@ -15,7 +15,6 @@ docs/bench.md describes how to read it. No HTTP server code here: server mode is
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -905,27 +904,12 @@ def checkpoint_bench_model(settings) -> BenchModel:
 # =====================================================================================
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    (value,) = _ints(text)
-    return value
-
-
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
 def add_bench(sub) -> None:
-    from .cli import _add_model_flags  # here, not at the top: cli.py imports this module
+    from .cli import _add_model_flags, positive_int, positive_ints  # here: cli.py imports this module
     from .random_models import QUANTS
 
     p = sub.add_parser(
@@ -942,14 +926,14 @@ def add_bench(sub) -> None:
     p.add_argument("--forced-accepted", type=int, metavar="K",
                    help="random weights: force K accepted drafts per cycle (speed at K+1 tokens per cycle)")
     p.add_argument("--sets", type=_names, default=list(PROMPT_SETS), help="prompt sets (default: math,code,chat,agent)")
-    p.add_argument("--prompts-per-set", type=_positive, help="use only the first N prompts of each set")
-    p.add_argument("--contexts", type=_ints, default=[512, 2048, 8192],
+    p.add_argument("--prompts-per-set", type=positive_int, help="use only the first N prompts of each set")
+    p.add_argument("--contexts", type=positive_ints, default=[512, 2048, 8192],
                    help="prompt lengths in tokens, filler document + prompt (default: 512,2048,8192)")
-    p.add_argument("--max-tokens", type=_positive, default=256)
+    p.add_argument("--max-tokens", type=positive_int, default=256)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens in every run")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--repeats", type=_positive, default=3, help="runs per prompt, context and mode; medians reported")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per prompt, context and mode; medians reported")
     p.add_argument("--cooldown", type=float, default=1.0, help="seconds of rest before each run")
     p.add_argument("--out", type=Path, default=Path("dflash-bench.json"), help="JSON results")
     p.add_argument("--plots", type=Path, help="folder for the PNG plots (default: the folder of --out)")

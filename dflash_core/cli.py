@@ -59,6 +59,22 @@ def settings_from_args(args) -> Settings:
     return settings
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    (value,) = positive_ints(text)
+    return value
+
+
 def model_name(target: str) -> str:
     path = Path(target).expanduser()
     return path.resolve().name if path.exists() else target  # resolved: `.` has no name of its own

@@ -423,28 +423,30 @@ def _jsonable(opts: TrainOptions) -> dict:
 
 
 def add_train(sub) -> None:
+    from .cli import positive_int  # here, not at the top, as for `dflash bench`
+
     p = sub.add_parser("train", help="distil a DFlash drafter for a target (saved in the z-lab format)")
     p.add_argument("--target", required=True, help="target model: repo id or local directory")
     p.add_argument("--data", required=True, type=Path, help="prompts: .txt (one per line), .jsonl or a folder of documents")
     p.add_argument("--out", required=True, type=Path, help="output folder (the drafter, checkpoints, the data)")
-    p.add_argument("--layers", type=_positive, default=1)
+    p.add_argument("--layers", type=positive_int, default=1)
     p.add_argument("--block-size", type=_block_size, default=16)
     p.add_argument("--taps", help="comma-separated target layer ids (default: spread over the target)")
-    p.add_argument("--steps", type=_positive, default=1000)
-    p.add_argument("--batch", type=_positive, default=4, help="sequences per optimizer step")
-    p.add_argument("--anchors", type=_positive, default=8, help="blocks per sequence")
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--batch", type=positive_int, default=4, help="sequences per optimizer step")
+    p.add_argument("--anchors", type=positive_int, default=8, help="blocks per sequence")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
-    p.add_argument("--max-new-tokens", type=_positive, default=128, help="length of the regenerated responses")
-    p.add_argument("--max-prompt-tokens", type=_positive, default=384, help="longer prompts keep their head and end")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="length of the regenerated responses")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=384, help="longer prompts keep their head and end")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
-    p.add_argument("--eval-every", type=_positive, default=100)
-    p.add_argument("--save-every", type=_positive, default=200)
-    p.add_argument("--intermediate-size", type=_positive)
-    p.add_argument("--heads", type=_positive)
-    p.add_argument("--kv-heads", type=_positive)
-    p.add_argument("--head-dim", type=_positive, default=128)
+    p.add_argument("--eval-every", type=positive_int, default=100)
+    p.add_argument("--save-every", type=positive_int, default=200)
+    p.add_argument("--intermediate-size", type=positive_int)
+    p.add_argument("--heads", type=positive_int)
+    p.add_argument("--kv-heads", type=positive_int)
+    p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--mask-token-id", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
@@ -452,13 +454,6 @@ def add_train(sub) -> None:
     p.add_argument("--loss-vocab", choices=("full", "data"), default="full",
                    help="softmax over the whole vocabulary (default) or only the tokens in the training responses")
     p.set_defaults(func=run_train)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
 
 
 def _block_size(text: str) -> int:
