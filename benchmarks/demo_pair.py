@@ -75,7 +75,7 @@ def main() -> None:
     sets = {}
     for name, prompts in HELD_OUT.items():
         prompts = prompts[: args.prompts_per_set] if args.prompts_per_set else prompts
-        alone, dflash, mismatches = [], [], []
+        alone, dflash, dflash_runs, mismatches = [], [], [], []
         for prompt in prompts:
             tokens = engine.tokenizer.encode(prompt)
             runs = {}
@@ -87,14 +87,14 @@ def main() -> None:
                 mismatches.append({"prompt": prompt, "first_divergence": divergence})
             alone.append(mode_result(runs[False]))
             dflash.append(mode_result(runs[True]))
-        cycles = sum(r.cycles for r in dflash)
-        by_position = [sum(col) for col in zip(*(r.accepted_by_position for r in dflash))]
+            dflash_runs += runs[True]
+        pooled = mode_result(dflash_runs)  # tokens per cycle and acceptance over every cycle of the set
         alone_tps = statistics.median(r.decode_tokens_per_second for r in alone)
         dflash_tps = statistics.median(r.decode_tokens_per_second for r in dflash)
         sets[name] = {
             "prompts": len(prompts),
-            "tokens_per_cycle": (sum(r.draft_tokens_accepted for r in dflash) + cycles) / cycles,
-            "acceptance_by_position": [round(n / cycles, 4) for n in by_position],
+            "tokens_per_cycle": pooled.tokens_per_cycle,
+            "acceptance_by_position": [round(a, 4) for a in pooled.acceptance_by_position],
             "target_alone_decode_tokens_per_second": alone_tps,
             "dflash_decode_tokens_per_second": dflash_tps,
             "speedup": dflash_tps / alone_tps,
