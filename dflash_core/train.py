@@ -31,7 +31,7 @@ from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids, loa
 from .engine import Engine
 from .hub import TARGET_FILES, resolve
 from .loading import load_target
-from .prompts import hf_tokenizer
+from .prompts import encode_rendered, hf_tokenizer, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,8 @@ def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Pa
     sequences = []
     for prompt in tqdm(prompts, desc="target responses", unit="prompt"):
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if opts.chat and getattr(hf, "chat_template", None):
-            tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if opts.chat and getattr(hf, "chat_template", None):  # rendered as the server renders requests
+            tokens = encode_rendered(tokenizer, render_chat(tokenizer, messages))
         else:
             tokens = tokenizer.encode(prompt if isinstance(prompt, str) else messages[-1]["content"])
         tokens = list(tokens)
