@@ -47,7 +47,6 @@ class ServedModel:
         return self.settings.name
 
 
-
 def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache_gb: float = 0.0) -> ServedModel:
     loaded = load_configured(spec, prefill_chunk, int(prefix_cache_gb * 1e9))
     hf = hf_tokenizer(loaded.engine.tokenizer)
