@@ -99,11 +99,9 @@ class ModelPool:
 
     async def get(self, name: str) -> ServedModel:
         """The model, loading it if needed, acquired for one request: release() it when done."""
-        with self._use_lock:
-            served = self._served.get(name)
-            if served is not None:
-                self._acquire(served)
-                return served
+        served = self._acquire_loaded(name)
+        if served is not None:
+            return served
         spec = next((m for m in self.settings.models if m.name == name), None)
         if spec is None:
             raise APIError(
@@ -111,11 +109,9 @@ class ModelPool:
                 param="model", code="model_not_found",
             )
         async with self._load_lock:  # one load at a time: the budget check must see the others
-            with self._use_lock:
-                served = self._served.get(name)
-                if served is not None:
-                    self._acquire(served)
-                    return served
+            served = self._acquire_loaded(name)  # loaded by another request while this one waited
+            if served is not None:
+                return served
             try:
                 # Downloads happen here, off the worker thread: generations keep running meanwhile.
                 size = await asyncio.to_thread(estimated_bytes, spec)
@@ -154,6 +150,13 @@ class ModelPool:
                 log.info("unloading %s (least recently used) to stay within the memory budget", victim.name)
                 del self._served[victim.name]
         mx.clear_cache()
+
+    def _acquire_loaded(self, name: str) -> Optional[ServedModel]:
+        with self._use_lock:
+            served = self._served.get(name)
+            if served is not None:
+                self._acquire(served)
+            return served
 
     def _acquire(self, served: ServedModel) -> None:
         served.in_use += 1
