@@ -22,8 +22,9 @@ from .registry import find_pair
 
 log = logging.getLogger(__name__)
 
-# Measured on this project's x86-64 CPU (docs/train.md): MLX's CPU backend multiplies a 16-row
-# matrix in about 16 times the time of one row, where a GPU or Metal reads the weights once.
+# Measured on this project's x86-64 CPU with benchmarks/cpu_matmul.py (docs/train.md): MLX's CPU
+# backend multiplies a 16-row matrix in 16 times the time of one row, where a GPU or Metal reads
+# the weights once.
 CPU_SPECULATION_WARNING = (
     "running on MLX's CPU backend: its matrix multiply costs about as much per row as a one-row "
     "decode step, so verifying a 16-token block costs about 16 decode steps and DFlash is usually "

@@ -38,3 +38,11 @@ def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
     for result in report["sets"].values():
         assert result["outputs_identical"] and result["tokens_per_cycle"] >= 1.0
         assert len(result["acceptance_by_position"]) == 15
+
+
+def test_cpu_matmul_runs():
+    done = _run("benchmarks/cpu_matmul.py", "--rows", "256", "--cols", "64", "--batch-rows", "1,4", "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert json.loads(lines[0])["shape"] == [256, 64]
+    assert lines[1].startswith("M=  1:") and "1.0x M=1" in lines[1] and lines[2].startswith("M=  4:")
