@@ -8,6 +8,10 @@ a FORCED acceptance of 3, 5 and 6.5 tokens per cycle (the target's choice is ove
 with the drafts: this measures speed, not acceptance).
 
     python benchmarks/gpu_cycle.py --models qwen3.5-9b --quant bf16 --contexts 1024,8192 --out r.json
+
+`--paths dflash,mlx` measures each context twice in the same process: with this project's CUDA
+paths for decode and verify (the small-M tensor-core matmul and stacked block attention), and with
+MLX's own GEMM and fused attention in their place.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.kernels import attention as block_attention  # noqa: E402
 from dflash_core.kernels import backend  # noqa: E402
+from dflash_core.kernels import matmul  # noqa: E402
 from dflash_core.kernels.gated_delta import active_path  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 # One copy of the real-shape builders, shared with `dflash bench --random-weights` (and, through
@@ -175,6 +181,7 @@ def main() -> int:
     parser.add_argument("--contexts", default="1024,8192,32768")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--layers", type=int, help="truncate targets to this many layers (quick looks only)")
+    parser.add_argument("--paths", default="dflash", help="comma list of: dflash (our CUDA paths), mlx (MLX's own)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()
@@ -189,11 +196,14 @@ def main() -> int:
             entry = {"model": name, "quant": quant, "layers": adapter.num_layers,
                      "weight_gb_per_token": weight_bytes_per_token(adapter) / 1e9, "contexts": []}
             for context in (int(c) for c in args.contexts.split(",")):
-                row = run_context(name, adapter, drafter, context, args.decode_tokens)
-                row["weight_tb_s"] = entry["weight_gb_per_token"] / row["decode_ms"]  # GB/ms == TB/s
-                row["verify_over_decode"] = row["verify16_full_accept_ms"] / row["decode_ms"]
-                entry["contexts"].append(row)
-                print(json.dumps({"model": name, "quant": quant, **row}), flush=True)
+                for paths in args.paths.split(","):
+                    matmul.use_cuda_kernel = block_attention.use_stacked = paths == "dflash"
+                    adapter.clear_compiled()  # compiled blocks traced the other path
+                    row = {"paths": paths, **run_context(name, adapter, drafter, context, args.decode_tokens)}
+                    row["weight_tb_s"] = entry["weight_gb_per_token"] / row["decode_ms"]  # GB/ms == TB/s
+                    row["verify_over_decode"] = row["verify16_full_accept_ms"] / row["decode_ms"]
+                    entry["contexts"].append(row)
+                    print(json.dumps({"model": name, "quant": quant, **row}), flush=True)
             entry["seconds"] = time.perf_counter() - started
             report["results"].append(entry)
             del adapter, drafter

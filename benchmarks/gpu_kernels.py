@@ -3,6 +3,10 @@
 - the gated delta recurrence: our kernel against the pure-MLX path, T = 1, 16 and prefill sizes;
 - attention of 1 and 16 queries over long caches, head_dim 256 (Qwen3.5) and 512 (Gemma 4 global);
 - weight streaming of small-M matmuls (M = 1..16) in bf16 and 4-bit, against a plain copy;
+- our tensor-core small-M kernel: exactness against MLX's matmul, row invariance, and streaming
+  for each block shape (warps, row tiles, unroll) against MLX's GEMM on the same weights;
+- a verify block's attention (16 queries, head_dim 128 and 256) over long caches: MLX's fused
+  path with the engine's mask against the stacked-GEMM path of dflash_core/kernels/attention.py;
 - GatedDeltaNet's depthwise conv for a decode step and a verify block.
 
     python benchmarks/gpu_kernels.py --out kernels.json
@@ -22,7 +26,9 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.kernels import backend  # noqa: E402
+from dflash_core.kernels import attention as block_attention  # noqa: E402
 from dflash_core.kernels import gated_delta as gd  # noqa: E402
+from dflash_core.kernels import matmul_cuda  # noqa: E402
 
 
 def bench(fn, warmup=3, iters=20) -> float:
@@ -108,6 +114,69 @@ def streaming_rows():
     return rows
 
 
+def matmul_rows():
+    rows = []
+    # Exactness: every M against MLX's GEMM (fp32 accumulation both, different order), and each
+    # token's row bit-identical whether multiplied alone or with the others.
+    for N, K in ((4096, 4096), (12288, 4096), (4096, 12288), (1024, 5376)):
+        w = (mx.random.normal((N, K)) / K**0.5).astype(mx.bfloat16)
+        x16 = mx.random.normal((16, K)).astype(mx.bfloat16)
+        alone = matmul_cuda.matmul_cuda(x16[:1], w)
+        for M in range(1, 17):
+            x = x16[:M]
+            ours = matmul_cuda.matmul_cuda(x, w).astype(mx.float32)
+            ref = (x.astype(mx.float32) @ w.astype(mx.float32).T)
+            row = {"N": N, "K": K, "M": M,
+                   "max_abs_err_vs_fp32": mx.abs(ours - ref).max().item(),
+                   "mlx_max_abs_err_vs_fp32": mx.abs((x @ w.T).astype(mx.float32) - ref).max().item(),
+                   "row0_identical_to_alone": bool(mx.array_equal(ours[:1], alone.astype(mx.float32)).item())}
+            rows.append(row)
+        print(json.dumps({"matmul_exact": rows[-16:]}), flush=True)
+    # Streaming: eight weights of each shape (far past L2), our kernel per block shape and MLX's.
+    for N, K in ((12288, 4096), (4096, 12288), (4096, 4096)):
+        layers = max(2, int(800e6 // (2 * N * K)))
+        weights = [mx.random.normal((N, K)).astype(mx.bfloat16) for _ in range(layers)]
+        mx.eval(weights)
+        nbytes = sum(w.nbytes for w in weights)
+        for M in (1, 2, 4, 8, 16):
+            x = mx.random.normal((M, K)).astype(mx.bfloat16)
+            row = {"N": N, "K": K, "M": M, "mlx_tb_s": nbytes / bench(lambda: [x @ w.T for w in weights]) / 1e12}
+            for warps in (4, 8):
+                for row_tiles in (1, 2):
+                    for unroll in (2, 4):
+                        t = bench(lambda: [matmul_cuda.matmul_cuda(x, w, warps, row_tiles, unroll) for w in weights])
+                        row[f"ours_w{warps}_m{row_tiles}_u{unroll}_tb_s"] = nbytes / t / 1e12
+            rows.append(row)
+            print(json.dumps({"matmul_streaming": row}), flush=True)
+        del weights
+    return rows
+
+
+def block_attention_rows():
+    rows = []
+    for label, heads, kv_heads, dim in (("qwen3 hd128", 32, 8, 128), ("qwen3.5 hd256", 16, 4, 256)):
+        for keys in (1024, 8192, 32768):
+            k = mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16)
+            v = mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16)
+            q = mx.random.normal((1, heads, 16, dim)).astype(mx.bfloat16)
+            start = keys - 200  # the engine's verify mask: a buffer whose tail is unused
+            mask = mx.arange(keys)[None] <= mx.arange(start, start + 16)[:, None]
+            mx.eval(k, v, q, mask)
+            scale = dim**-0.5
+            fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+            ours = block_attention.stacked(q, [k], [v], scale, mask)
+            row = {"shape": label, "keys": keys,
+                   "fused_masked_ms": bench(lambda: [mx.fast.scaled_dot_product_attention(
+                       q, k, v, scale=scale, mask=mask)]) * 1e3,
+                   "stacked_ms": bench(lambda: [block_attention.stacked(q, [k], [v], scale, mask)]) * 1e3,
+                   "q1_fused_ms": bench(lambda: [mx.fast.scaled_dot_product_attention(
+                       q[:, :, :1], k[:, :, :start + 1], v[:, :, :start + 1], scale=scale)]) * 1e3,
+                   "max_abs_diff": mx.abs(fused.astype(mx.float32) - ours.astype(mx.float32)).max().item()}
+            rows.append(row)
+            print(json.dumps({"block_attention": row}), flush=True)
+    return rows
+
+
 def conv_rows():
     rows = []
     channels, kernel = 2 * 16 * 128 + 32 * 128, 4  # Qwen3.5-9B: conv over q, k and v
@@ -127,10 +196,10 @@ def conv_rows():
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, conv")
+    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, block_attention, conv")
     args = parser.parse_args()
     sections = {"gated_delta": gated_delta_rows, "attention": attention_rows, "streaming": streaming_rows,
-                "conv": conv_rows}
+                "matmul": matmul_rows, "block_attention": block_attention_rows, "conv": conv_rows}
     chosen = args.only.split(",") if args.only else list(sections)
     report = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
               "date": time.strftime("%Y-%m-%d")}

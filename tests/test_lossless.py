@@ -8,9 +8,11 @@ the contexts reached here.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from dflash_core.engine import Engine, RequestError
+from dflash_core.kernels import attention as block_attention
 from dflash_core.loading import load_engine
 from forced import ForcedDrafter
 
@@ -63,6 +65,19 @@ SCHEDULE = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8, 15, 15, 0, 0]
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_acceptance_length_is_lossless(engines, references, family):
+    _check_every_acceptance_length(engines, references, family)
+
+
+def test_cuda_block_attention_path_is_lossless(engines, references, monkeypatch):
+    """Verify and draft blocks attend through the stacked-GEMM path CUDA uses (kernels/attention.py),
+    run here on the CPU: the dense adapter's verify and the drafter's block both take it."""
+    monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
+    assert block_attention.path_for(mx.zeros((1, 4, 16, 16)), mx.ones((16, 16), mx.bool_)) == "stacked"
+    test_random_drafter_is_lossless(engines, references, "qwen3")
+    _check_every_acceptance_length(engines, references, "qwen3")
+
+
+def _check_every_acceptance_length(engines, references, family):
     engine = engines[family]
     prompt, reference = references[family]
     forced = ForcedDrafter(

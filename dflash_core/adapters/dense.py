@@ -7,6 +7,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
+from ..kernels.attention import attention
+from ..kernels.matmul import linear, swiglu_mlp
 from .base import TargetAdapter
 
 
@@ -17,9 +19,9 @@ def attention_inputs(layer):
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = attn.q_norm(linear(attn.q_proj, x).reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = attn.k_norm(linear(attn.k_proj, x).reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = linear(attn.v_proj, x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
     return pre
@@ -28,8 +30,8 @@ def attention_inputs(layer):
 def attention_output_and_mlp(layer):
     def post(h, attended):
         B, L, _ = h.shape
-        h = h + layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return h + swiglu_mlp(layer.mlp, layer.post_attention_layernorm(h))
 
     return post
 
@@ -58,13 +60,15 @@ class DenseAdapter(TargetAdapter):
             k, v = layer_cache.update_and_fetch(k, v)
             if length > 1:
                 # Attend over the cache's whole buffer (it grows in steps of 256) with the tail
-                # masked: shapes then repeat across cycles, and CUDA's cuDNN attention builds one
-                # graph per shape instead of one per cycle.
+                # masked: shapes then repeat across cycles (CUDA's cuDNN attention builds one
+                # graph per shape, and compiled blocks trace once per shape).
                 k, v = layer_cache.keys, layer_cache.values
                 if mask is None:
                     key_pos = mx.arange(k.shape[2])[None]
                     mask = key_pos <= mx.arange(start, start + length)[:, None]
-            attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=mask)
+                attended = attention(q, [k], [v], layer.self_attn.scale, mask)
+            else:
+                attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=None)
             h = self.compiled(("post", i), lambda: attention_output_and_mlp(layer))(h, attended)
             if i in tap_ids:
                 tapped[i] = h

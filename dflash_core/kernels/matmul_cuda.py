@@ -1,0 +1,190 @@
+"""`x @ w.T` for a few rows of x (M <= 16) on tensor cores, for MLX's CUDA backend.
+
+A decode step multiplies one row and a verify 16 rows by every weight matrix, so the product is
+bound by reading the weights. MLX's GEMM for such shapes streams 1.6-2.8 TB/s on the H200
+(docs/performance.md); this kernel aims at the card's copy bandwidth.
+
+Layout. The operands are swapped: the weight is the MMA's A operand (16 weight rows x 16 k) and
+x the B operand (16 k x 8 tokens), so no tensor-core row is wasted on padding tokens; 16 tokens
+are two 8-token tiles sharing each weight fragment. Every lane loads 16 contiguous bytes of a
+weight row and of an x row per 32 k; as a sum over k does not care about its order, the lanes'
+k indices are permuted identically in both operands so that these wide loads feed the MMA
+fragments directly (`mma_32k` says how).
+
+Work split. A block of NW warps owns 16 * MT weight rows; warp w owns a fixed slice of the K/32
+chunks and keeps fp32 accumulators; the block sums the warps' partials in a fixed order through
+shared memory. Nothing depends on M but the number of token tiles, so a token's output is
+bit-identical whether it is multiplied alone (decode) or with 15 others (verify).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+# Tuned on the H200 by benchmarks/gpu_kernels.py (section "matmul").
+WARPS = 4  # NW: warps per block, splitting K
+ROW_TILES = 1  # MT: 16-row weight tiles per warp
+UNROLL = 4  # U: 32-k chunks whose loads are issued before the first MMA
+
+_HEADER = """
+__device__ __forceinline__ void mma_bf16_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One 32-k chunk: lane (g = lane / 4, t = lane % 4) holds k = 8t..8t+7 of weight rows g and g + 8
+// (w_lo, w_hi) and of token g (x_tok). The m16n8k16 fragments want, for lane (g, t), columns
+// 2t, 2t+1 and 2t+8, 2t+9 of a 16-k step; mapping step s's logical column 2t+j to physical
+// 8t+4s+j and 2t+8+j to 8t+4s+2+j (j = 0, 1) covers the 32 k exactly once over s = 0, 1, the
+// same way in both operands. Words (32-bit pairs) 2s and 2s+1 of each load are those columns.
+template <int MT, int NT>
+__device__ __forceinline__ void mma_32k(float (&acc)[MT][NT][4], const uint4 (&w)[MT][2], const uint4 (&x)[NT]) {
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      mma_bf16_16816(acc[mt][nt], w[mt][0].x, w[mt][1].x, w[mt][0].y, w[mt][1].y, x[nt].x, x[nt].y);
+      mma_bf16_16816(acc[mt][nt], w[mt][0].z, w[mt][1].z, w[mt][0].w, w[mt][1].w, x[nt].z, x[nt].w);
+    }
+  }
+}
+"""
+
+_SOURCE = """
+    constexpr int ROWS = 16 * MT;
+    const int M = x_shape[0];
+    const int K = x_shape[1];
+    const int N = w_shape[0];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int row0 = blockIdx.x * ROWS;
+
+    // This warp's 32-k chunks: a split fixed by K and NW alone.
+    const int chunks = K / 32;
+    const int c_begin = (warp * chunks) / NW;
+    const int c_end = ((warp + 1) * chunks) / NW;
+
+    const uint4* w_rows[MT][2];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      w_rows[mt][0] = reinterpret_cast<const uint4*>(w + (size_t)(row0 + mt * 16 + g) * K) + t;
+      w_rows[mt][1] = reinterpret_cast<const uint4*>(w + (size_t)(row0 + mt * 16 + g + 8) * K) + t;
+    }
+    const uint4* x_rows[NT];
+    bool x_real[NT];
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int token = nt * 8 + g;
+      x_real[nt] = token < M;
+      x_rows[nt] = reinterpret_cast<const uint4*>(x + (size_t)(x_real[nt] ? token : 0) * K) + t;
+    }
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+
+    float acc[MT][NT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+    int c = c_begin;
+    for (; c + U <= c_end; c += U) {
+      uint4 wf[U][MT][2];
+      uint4 xf[U][NT];
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          wf[u][mt][0] = __ldcs(w_rows[mt][0] + (c + u) * 4);
+          wf[u][mt][1] = __ldcs(w_rows[mt][1] + (c + u) * 4);
+        }
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) xf[u][nt] = x_real[nt] ? __ldg(x_rows[nt] + (c + u) * 4) : zero;
+      }
+      #pragma unroll
+      for (int u = 0; u < U; ++u) mma_32k<MT, NT>(acc, wf[u], xf[u]);
+    }
+    for (; c < c_end; ++c) {
+      uint4 wf[MT][2];
+      uint4 xf[NT];
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        wf[mt][0] = __ldcs(w_rows[mt][0] + c * 4);
+        wf[mt][1] = __ldcs(w_rows[mt][1] + c * 4);
+      }
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) xf[nt] = x_real[nt] ? __ldg(x_rows[nt] + c * 4) : zero;
+      mma_32k<MT, NT>(acc, wf, xf);
+    }
+
+    // Accumulator lane layout: (row g, tokens 2t, 2t+1) and (row g + 8, the same tokens).
+    __shared__ float partial[NW][ROWS][NT * 8];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = mt * 16 + g;
+        const int col = nt * 8 + 2 * t;
+        partial[warp][r][col] = acc[mt][nt][0];
+        partial[warp][r][col + 1] = acc[mt][nt][1];
+        partial[warp][r + 8][col] = acc[mt][nt][2];
+        partial[warp][r + 8][col + 1] = acc[mt][nt][3];
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * M; i += NW * 32) {
+      const int r = i % ROWS;
+      const int token = i / ROWS;
+      float sum = 0.0f;
+      #pragma unroll
+      for (int p = 0; p < NW; ++p) sum += partial[p][r][token];
+      y[(size_t)token * N + row0 + r] = static_cast<OutT>(sum);
+    }
+"""
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash_small_m_matmul",
+        input_names=["x", "w"],
+        output_names=["y"],
+        source=_SOURCE,
+        header=_HEADER,
+    )
+
+
+def supported(rows: int, x_dtype: mx.Dtype, w: mx.array) -> bool:
+    """bf16 x [rows <= 16, K] and w [N, K] with K a multiple of 32 and N of the block's rows."""
+    return (
+        1 <= rows <= 16
+        and x_dtype == mx.bfloat16
+        and w.dtype == mx.bfloat16
+        and w.ndim == 2
+        and w.shape[1] % 32 == 0
+        and w.shape[0] % (16 * ROW_TILES) == 0
+    )
+
+
+def matmul_cuda(x: mx.array, w: mx.array, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int = UNROLL) -> mx.array:
+    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (bf16)."""
+    M = x.shape[0]
+    N = w.shape[0]
+    rows = 16 * row_tiles
+    return _kernel()(
+        inputs=[x, w],
+        template=[("OutT", x.dtype), ("NW", warps), ("MT", row_tiles), ("NT", (M + 7) // 8), ("U", unroll)],
+        grid=(N // rows * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(M, N)],
+        output_dtypes=[x.dtype],
+    )[0]
