@@ -114,6 +114,12 @@ def streaming_rows():
     return rows
 
 
+# (variant, warps per block, 16-row tiles per warp, pipeline stages or unroll)
+MATMUL_CONFIGS = [("direct", 4, 1, 4), ("direct", 8, 1, 4), ("pipelined", 1, 1, 4), ("pipelined", 1, 1, 8),
+                  ("pipelined", 2, 1, 2), ("pipelined", 2, 1, 4), ("pipelined", 4, 1, 2), ("pipelined", 2, 2, 2),
+                  ("pipelined", 1, 2, 4)]
+
+
 def matmul_rows():
     rows = []
     # Exactness: every M against MLX's GEMM (fp32 accumulation both, different order), and each
@@ -142,14 +148,12 @@ def matmul_rows():
         weights = [mx.random.normal((N, K)).astype(mx.bfloat16) for _ in range(layers)]
         mx.eval(weights)
         nbytes = sum(w.nbytes for w in weights)
-        for M in (1, 2, 4, 8, 16):
+        for M in (1, 4, 16):
             x = mx.random.normal((M, K)).astype(mx.bfloat16)
             row = {"N": N, "K": K, "M": M, "mlx_tb_s": nbytes / bench(lambda: [x @ w.T for w in weights]) / 1e12}
-            for warps in (4, 8):
-                for row_tiles in (1, 2):
-                    for unroll in (2, 4):
-                        t = bench(lambda: [matmul_cuda.matmul_cuda(x, w, warps, row_tiles, unroll) for w in weights])
-                        row[f"ours_w{warps}_m{row_tiles}_u{unroll}_tb_s"] = nbytes / t / 1e12
+            for variant, warps, row_tiles, depth in MATMUL_CONFIGS:
+                t = bench(lambda: [matmul_cuda.matmul_cuda(x, w, variant, warps, row_tiles, depth) for w in weights])
+                row[f"{variant}_w{warps}_m{row_tiles}_d{depth}_tb_s"] = nbytes / t / 1e12
             rows.append(row)
             print(json.dumps({"matmul_streaming": row}), flush=True)
         del weights

@@ -24,11 +24,20 @@ import functools
 import mlx.core as mx
 
 # Tuned on the H200 by benchmarks/gpu_kernels.py (section "matmul").
-WARPS = 4  # NW: warps per block, splitting K
+VARIANT = "pipelined"  # or "direct": fragments loaded straight from global memory
+WARPS = 2  # NW: warps per block, splitting K
 ROW_TILES = 1  # MT: 16-row weight tiles per warp
-UNROLL = 4  # U: 32-k chunks whose loads are issued before the first MMA
+DEPTH = 4  # pipelined: STAGES of the cp.async ring; direct: U, 32-k chunks loaded before the MMAs
 
 _HEADER = """
+__device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" ::"r"(dst), "l"(global_src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\\n" ::"n"(N)); }
+
 __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                                unsigned b0, unsigned b1) {
   asm volatile(
@@ -56,7 +65,7 @@ __device__ __forceinline__ void mma_32k(float (&acc)[MT][NT][4], const uint4 (&w
 }
 """
 
-_SOURCE = """
+_SOURCE_DIRECT = """
     constexpr int ROWS = 16 * MT;
     const int M = x_shape[0];
     const int K = x_shape[1];
@@ -125,9 +134,102 @@ _SOURCE = """
       for (int nt = 0; nt < NT; ++nt) xf[nt] = x_real[nt] ? __ldg(x_rows[nt] + c * 4) : zero;
       mma_32k<MT, NT>(acc, wf, xf);
     }
-
-    // Accumulator lane layout: (row g, tokens 2t, 2t+1) and (row g + 8, the same tokens).
     __shared__ float partial[NW][ROWS][NT * 8];
+"""
+
+
+_SOURCE_PIPELINED = """
+    // Each warp streams its weight tiles (ROWS rows x 128 k; 256 contiguous bytes per row, two
+    // rows per load instruction) into its own shared-memory ring with cp.async, STAGES - 1 tiles
+    // ahead of the MMAs; x, which every block reads, comes from L1/L2 one tile ahead.
+    constexpr int ROWS = 16 * MT;
+    constexpr int KT = 128;
+    constexpr int SUB = KT / 32;
+    const int M = x_shape[0];
+    const int K = x_shape[1];
+    const int N = w_shape[0];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int row0 = blockIdx.x * ROWS;
+
+    const int tiles = K / KT;
+    const int t_begin = (warp * tiles) / NW;
+    const int t_end = ((warp + 1) * tiles) / NW;
+
+    __shared__ uint4 ring[NW][STAGES][ROWS][KT / 8];
+    __shared__ float partial[NW][ROWS][NT * 8];
+
+    auto issue = [&](int tile, int slot) {
+      #pragma unroll
+      for (int q = 0; q < ROWS / 2; ++q) {
+        const int r = 2 * q + (lane >> 4);
+        const int chunk = lane & 15;
+        cp_async_16(&ring[warp][slot][r][chunk], w + (size_t)(row0 + r) * K + (size_t)tile * KT + chunk * 8);
+      }
+    };
+    #pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (t_begin + s < t_end) issue(t_begin + s, s);
+      cp_async_commit();
+    }
+
+    const uint4* x_rows[NT];
+    bool x_real[NT];
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int token = nt * 8 + g;
+      x_real[nt] = token < M;
+      x_rows[nt] = reinterpret_cast<const uint4*>(x + (size_t)(x_real[nt] ? token : 0) * K) + t;
+    }
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4 x_next[SUB][NT];
+    #pragma unroll
+    for (int j = 0; j < SUB; ++j)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        x_next[j][nt] = (x_real[nt] && t_begin < t_end) ? __ldg(x_rows[nt] + t_begin * (KT / 8) + 4 * j) : zero;
+
+    float acc[MT][NT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+    for (int tile = t_begin; tile < t_end; ++tile) {
+      const int ahead = tile + STAGES - 1;
+      if (ahead < t_end) issue(ahead, (ahead - t_begin) % STAGES);
+      cp_async_commit();
+      uint4 x_now[SUB][NT];
+      #pragma unroll
+      for (int j = 0; j < SUB; ++j)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          x_now[j][nt] = x_next[j][nt];
+          x_next[j][nt] = (x_real[nt] && tile + 1 < t_end) ? __ldg(x_rows[nt] + (tile + 1) * (KT / 8) + 4 * j) : zero;
+        }
+      cp_async_wait<STAGES - 1>();
+      __syncwarp();
+      const int slot = (tile - t_begin) % STAGES;
+      #pragma unroll
+      for (int j = 0; j < SUB; ++j) {
+        uint4 wf[MT][2];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          wf[mt][0] = ring[warp][slot][mt * 16 + g][4 * j + t];
+          wf[mt][1] = ring[warp][slot][mt * 16 + g + 8][4 * j + t];
+        }
+        mma_32k<MT, NT>(acc, wf, x_now[j]);
+      }
+      __syncwarp();  // the slot is refilled next iteration
+    }
+"""
+
+_REDUCE = """
+    // Accumulator lane layout: (row g, tokens 2t, 2t+1) and (row g + 8, the same tokens).
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       #pragma unroll
@@ -153,36 +255,39 @@ _SOURCE = """
 
 
 @functools.cache
-def _kernel():
+def _kernel(variant: str):
+    source = {"direct": _SOURCE_DIRECT, "pipelined": _SOURCE_PIPELINED}[variant]
     return mx.fast.cuda_kernel(
-        name="dflash_small_m_matmul",
+        name=f"dflash_small_m_matmul_{variant}",
         input_names=["x", "w"],
         output_names=["y"],
-        source=_SOURCE,
+        source=source + _REDUCE,
         header=_HEADER,
     )
 
 
 def supported(rows: int, x_dtype: mx.Dtype, w: mx.array) -> bool:
-    """bf16 x [rows <= 16, K] and w [N, K] with K a multiple of 32 and N of the block's rows."""
+    """bf16 x [rows <= 16, K] and w [N, K] with K a multiple of 128 and N of the block's rows."""
     return (
         1 <= rows <= 16
         and x_dtype == mx.bfloat16
         and w.dtype == mx.bfloat16
         and w.ndim == 2
-        and w.shape[1] % 32 == 0
+        and w.shape[1] % 128 == 0
         and w.shape[0] % (16 * ROW_TILES) == 0
     )
 
 
-def matmul_cuda(x: mx.array, w: mx.array, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int = UNROLL) -> mx.array:
+def matmul_cuda(x: mx.array, w: mx.array, variant: str = VARIANT, warps: int = WARPS, row_tiles: int = ROW_TILES,
+                depth: int = DEPTH) -> mx.array:
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (bf16)."""
     M = x.shape[0]
     N = w.shape[0]
     rows = 16 * row_tiles
-    return _kernel()(
+    return _kernel(variant)(
         inputs=[x, w],
-        template=[("OutT", x.dtype), ("NW", warps), ("MT", row_tiles), ("NT", (M + 7) // 8), ("U", unroll)],
+        template=[("OutT", x.dtype), ("NW", warps), ("MT", row_tiles), ("NT", (M + 7) // 8),
+                  ("STAGES" if variant == "pipelined" else "U", depth)],
         grid=(N // rows * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
         output_shapes=[(M, N)],
