@@ -3,8 +3,8 @@
 - the gated delta recurrence: our kernel against the pure-MLX path, T = 1, 16 and prefill sizes;
 - attention of 1 and 16 queries over long caches, head_dim 256 (Qwen3.5) and 512 (Gemma 4 global);
 - weight streaming of small-M matmuls (M = 1..16) in bf16 and 4-bit, against a plain copy;
-- our tensor-core small-M kernel: exactness against MLX's matmul, row invariance, and streaming
-  for each block shape (warps, row tiles, unroll) against MLX's GEMM on the same weights;
+- the tensor-core small-M matmul experiment (small_m_matmul_cuda.py): exactness against MLX's
+  matmul, row invariance, and streaming per variant and block shape against MLX's GEMM;
 - a verify block's attention (16 queries, head_dim 128 and 256) over long caches: MLX's fused
   path with the engine's mask against the stacked-GEMM path of dflash_core/kernels/attention.py;
 - GatedDeltaNet's depthwise conv for a decode step and a verify block.
@@ -24,11 +24,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dflash_core.kernels import backend  # noqa: E402
 from dflash_core.kernels import attention as block_attention  # noqa: E402
 from dflash_core.kernels import gated_delta as gd  # noqa: E402
-from dflash_core.kernels import matmul_cuda  # noqa: E402
+
+import small_m_matmul_cuda as matmul_cuda  # noqa: E402  (benchmarks/, an experiment)
 
 
 def bench(fn, warmup=3, iters=20) -> float:
@@ -142,7 +144,7 @@ def matmul_rows():
             "N": N, "K": K, "max_abs_err_vs_fp32": max(r["max_abs_err_vs_fp32"] for r in last),
             "mlx_max_abs_err_vs_fp32": max(r["mlx_max_abs_err_vs_fp32"] for r in last),
             "row_invariant": all(r["row0_identical_to_alone"] for r in last)}}), flush=True)
-    # Streaming: eight weights of each shape (far past L2), our kernel per block shape and MLX's.
+    # Streaming: about 800 MB of weights per shape (far past L2), each kernel variant and MLX's GEMM.
     for N, K in ((12288, 4096), (4096, 12288), (4096, 4096)):
         layers = max(2, int(800e6 // (2 * N * K)))
         weights = [mx.random.normal((N, K)).astype(mx.bfloat16) for _ in range(layers)]
@@ -156,7 +158,6 @@ def matmul_rows():
                 row[f"{variant}_w{warps}_m{row_tiles}_d{depth}_tb_s"] = nbytes / t / 1e12
             rows.append(row)
             print(json.dumps({"matmul_streaming": row}), flush=True)
-        del weights
     return rows
 
 

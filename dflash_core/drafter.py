@@ -24,7 +24,6 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels.attention import attention
-from .kernels.matmul import linear, swiglu_mlp
 
 log = logging.getLogger(__name__)
 
@@ -234,18 +233,18 @@ class DrafterAttention(nn.Module):
     def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """K/V of `x` at absolute positions offset.. (input_layernorm is not applied to context)."""
         B, L, _ = x.shape
-        k = self.k_norm(linear(self.k_proj, x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = linear(self.v_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
     def __call__(self, x, context: tuple[mx.array, mx.array], start: int, mask) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_norm(linear(self.q_proj, x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         k, v = self.keys_values(x, start)
         ctx_k, ctx_v = context
         out = attention(q, [ctx_k, k], [ctx_v, v], self.scale, mask)
-        return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class DrafterLayer(nn.Module):
@@ -258,7 +257,7 @@ class DrafterLayer(nn.Module):
 
     def __call__(self, h, context, start, mask):
         h = h + self.self_attn(self.input_layernorm(h), context, start, mask)
-        return h + swiglu_mlp(self.mlp, self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DFlashDrafter(nn.Module):
@@ -283,7 +282,7 @@ class DFlashDrafter(nn.Module):
     def add_context(self, taps: mx.array, cache: list[KVCache]) -> None:
         """Project target taps [1, n, n_taps*H] of the next n positions into every layer's context
         K/V. Positions are implied: they continue from what the cache already holds."""
-        c = self.hidden_norm(linear(self.fc, taps))
+        c = self.hidden_norm(self.fc(taps))
         for layer, layer_cache in zip(self.layers, cache):
             k, v = layer.self_attn.keys_values(c, layer_cache.offset)
             layer_cache.update_and_fetch(k, v)

@@ -98,7 +98,6 @@ def test_gate_picks_a_path_for_this_backend():
 # ----- attention of a verify or draft block (dflash_core/kernels/attention.py)
 
 from dflash_core.kernels import attention as block_attention  # noqa: E402
-from dflash_core.kernels import matmul  # noqa: E402
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 64), (16, 4, 128)])
@@ -137,74 +136,3 @@ def test_attention_gate(monkeypatch):
     assert block_attention.path_for(q16, None) == "fused"
     assert block_attention.path_for(q16, "causal") == "fused"
     assert block_attention.path_for(mx.zeros((1, 8, 16, 512)), mask) == "fused"  # Gemma 4 global
-
-
-# ----- small-M weight products (dflash_core/kernels/matmul.py)
-
-
-def test_matmul_gate(monkeypatch):
-    w = mx.zeros((64, 128), mx.bfloat16)
-    x = mx.zeros((1, 16, 128), mx.bfloat16)
-    assert matmul.path_for(w, x) == ("cuda" if backend() == "cuda" else "reference")
-    monkeypatch.setattr(matmul, "backend", lambda: "cuda")
-    assert matmul.path_for(w, x) == "cuda"
-    assert matmul.path_for(w, x[:, :1]) == "cuda"
-    assert matmul.path_for(w, mx.zeros((1, 17, 128), mx.bfloat16)) == "reference"  # prefill: MLX GEMM
-    assert matmul.path_for(w.astype(mx.float32), x.astype(mx.float32)) == "reference"
-    assert matmul.path_for(mx.zeros((64, 100), mx.bfloat16), mx.zeros((1, 4, 100), mx.bfloat16)) == "reference"
-    assert matmul.path_for(mx.zeros((24, 128), mx.bfloat16), x) == "reference"  # N not whole 16-row tiles
-    monkeypatch.setattr(matmul, "use_cuda_kernel", False)
-    assert matmul.path_for(w, x) == "reference"
-
-
-def test_linear_and_mlp_are_the_modules_own_calls_off_cuda():
-    import mlx.nn as nn
-    from mlx_lm.models.qwen3 import MLP
-
-    mx.random.seed(2)
-    mlp = MLP(64, 96)
-    layer = nn.Linear(64, 32, bias=True)
-    x = mx.random.normal((1, 5, 64))
-    quantized = nn.QuantizedLinear.from_linear(nn.Linear(64, 64))
-    if backend() == "cuda":
-        pytest.skip("on CUDA these are the kernel's products, tested below")
-    assert mx.array_equal(matmul.linear(layer, x), layer(x)).item()
-    assert mx.array_equal(matmul.swiglu_mlp(mlp, x), mlp(x)).item()
-    assert mx.array_equal(matmul.linear(quantized, x), quantized(x)).item()
-
-
-@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend (run on the GPU machine)")
-@pytest.mark.parametrize("N,K", [(64, 128), (4096, 4096), (1024, 5376), (4096, 12288)])
-def test_cuda_matmul_matches_mlx_and_is_row_invariant(N, K):
-    from dflash_core.kernels.matmul_cuda import matmul_cuda
-
-    mx.random.seed(3)
-    w = (mx.random.normal((N, K)) / K**0.5).astype(mx.bfloat16)
-    x16 = mx.random.normal((16, K)).astype(mx.bfloat16)
-    exact = x16.astype(mx.float32) @ w.astype(mx.float32).T
-    alone = [matmul_cuda(x16[i : i + 1], w) for i in range(16)]
-    for M in range(1, 17):
-        ours = matmul_cuda(x16[:M], w)
-        # bf16 output of an fp32 accumulation: within bf16 rounding of the exact product.
-        np.testing.assert_allclose(np.array(ours.astype(mx.float32)), np.array(exact[:M]), rtol=2e-2, atol=2e-2)
-        # Each token's row is bit-identical whether multiplied alone (decode) or in a block (verify).
-        for i in range(M):
-            assert mx.array_equal(ours[i : i + 1], alone[i]).item(), (M, i)
-
-
-@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend (run on the GPU machine)")
-def test_cuda_matmul_gradient_and_compile():
-    mx.random.seed(4)
-    w = (mx.random.normal((256, 512)) / 512**0.5).astype(mx.bfloat16)
-    x = mx.random.normal((1, 16, 512)).astype(mx.bfloat16)
-    assert matmul.path_for(w, x) == "cuda"
-
-    def loss(fn, x, w):
-        return fn(x, w).astype(mx.float32).square().sum()
-
-    ours = mx.grad(lambda x, w: loss(matmul.matmul_weight_t, x, w), argnums=(0, 1))(x, w)
-    ref = mx.grad(lambda x, w: loss(lambda a, b: a @ b.T, x, w), argnums=(0, 1))(x, w)
-    for a, b in zip(ours, ref):
-        np.testing.assert_allclose(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)), rtol=5e-2, atol=5e-2)
-    compiled = mx.compile(matmul.matmul_weight_t)
-    assert mx.array_equal(compiled(x, w), matmul.matmul_weight_t(x, w)).item()

@@ -15,8 +15,6 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.matmul import linear, matmul_weight_t
-
 
 @dataclass
 class Forward:
@@ -74,11 +72,8 @@ class TargetAdapter:
         if tied is None:
             tied = getattr(self.text_model.args, "tie_word_embeddings", False)
         if tied:
-            embed = self.inner.embed_tokens
-            if type(embed) is nn.Embedding:
-                return matmul_weight_t(hidden, embed.weight)
-            return embed.as_linear(hidden)
-        return linear(self.text_model.lm_head, hidden)
+            return self.inner.embed_tokens.as_linear(hidden)
+        return self.text_model.lm_head(hidden)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and LM head exactly as the mlx-lm model computes them."""
@@ -90,10 +85,6 @@ class TargetAdapter:
         if fn is None:
             fn = self._compiled_fns[key] = mx.compile(make())
         return fn
-
-    def clear_compiled(self) -> None:
-        """Forget compiled functions, so the next forward traces again (after a kernel switch)."""
-        self._compiled_fns.clear()
 
     # ----- the family-specific part
     def make_cache(self, max_rollback: int) -> list:

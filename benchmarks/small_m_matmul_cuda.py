@@ -1,8 +1,10 @@
-"""`x @ w.T` for a few rows of x (M <= 16) on tensor cores, for MLX's CUDA backend.
+"""An experiment, not used by the engine: `x @ w.T` for a few rows of x (M <= 16) on tensor cores.
 
 A decode step multiplies one row and a verify 16 rows by every weight matrix, so the product is
-bound by reading the weights. MLX's GEMM for such shapes streams 1.6-2.8 TB/s on the H200
-(docs/performance.md); this kernel aims at the card's copy bandwidth.
+bound by reading the weights. MLX's GEMM for such shapes streams 1.3-2.9 TB/s on the H200. These
+two kernels were written to beat it and, measured by gpu_kernels.py (docs/performance.md,
+"Weight streaming"), did not do so reliably, so the engine keeps MLX's GEMM. They are kept, exact
+and row-invariant, as the starting point for that work.
 
 Layout. The operands are swapped: the weight is the MMA's A operand (16 weight rows x 16 k) and
 x the B operand (16 k x 8 tokens), so no tensor-core row is wasted on padding tokens; 16 tokens
@@ -23,7 +25,7 @@ import functools
 
 import mlx.core as mx
 
-# Tuned on the H200 by benchmarks/gpu_kernels.py (section "matmul").
+# Defaults for gpu_kernels.py's exactness rows; its streaming rows sweep the others.
 VARIANT = "pipelined"  # or "direct": fragments loaded straight from global memory
 WARPS = 2  # NW: warps per block, splitting K
 ROW_TILES = 1  # MT: 16-row weight tiles per warp
