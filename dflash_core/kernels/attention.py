@@ -63,3 +63,10 @@ def stacked(q, keys, values, scale, mask) -> mx.array:
         out = part if out is None else out + part
         start += v.shape[2]
     return out.reshape(B, Hq, L, -1)
+
+
+def active_path() -> str:
+    """Which implementation a verify or draft block's attention uses here (for `dflash doctor`)."""
+    if backend() == "cuda" and use_stacked:
+        return f"stacked GEMMs for 2-{MAX_QUERIES} queries with a mask (head_dim <= {MAX_HEAD_DIM}); MLX fused otherwise"
+    return "MLX fused attention"
