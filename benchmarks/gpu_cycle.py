@@ -9,9 +9,10 @@ with the drafts: this measures speed, not acceptance).
 
     python benchmarks/gpu_cycle.py --models qwen3.5-9b --quant bf16 --contexts 1024,8192 --out r.json
 
-`--paths dflash,mlx` measures each context twice in the same process: with this project's
-attention for verify and draft blocks on CUDA (dflash_core/kernels/attention.py), and with MLX's
-fused attention in its place.
+`--paths dflash,replay,mlx` measures each context with this project's CUDA paths (block attention,
+dflash_core/kernels/attention.py; GatedDeltaNet rollback from recorded step states), with the
+rollback replaying the recurrence instead, and with MLX's fused attention and the replay, all in
+the same process.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.kernels import attention as block_attention  # noqa: E402
 from dflash_core.kernels import backend  # noqa: E402
+from dflash_core.kernels import gated_delta  # noqa: E402
 from dflash_core.kernels.gated_delta import active_path  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 # One copy of the real-shape builders, shared with `dflash bench --random-weights` (and, through
@@ -181,7 +183,8 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--layers", type=int, help="truncate targets to this many layers (quick looks only)")
     parser.add_argument("--paths", default="dflash",
-                        help="comma list of: dflash (our block attention on CUDA), mlx (MLX's fused attention)")
+                        help="comma list of: dflash (this project's CUDA paths), replay (GatedDeltaNet rollback "
+                             "by replay instead of recorded step states), mlx (MLX's fused attention, replay)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()
@@ -197,7 +200,8 @@ def main() -> int:
                      "weight_gb_per_token": weight_bytes_per_token(adapter) / 1e9, "contexts": []}
             for context in (int(c) for c in args.contexts.split(",")):
                 for paths in args.paths.split(","):
-                    block_attention.use_stacked = paths == "dflash"
+                    block_attention.use_stacked = paths in ("dflash", "replay")
+                    gated_delta.use_step_states = paths == "dflash"
                     row = {"paths": paths, **run_context(name, adapter, drafter, context, args.decode_tokens)}
                     row["weight_tb_s"] = entry["weight_gb_per_token"] / row["decode_ms"]  # GB/ms == TB/s
                     row["verify_over_decode"] = row["verify16_full_accept_ms"] / row["decode_ms"]

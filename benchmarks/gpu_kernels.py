@@ -7,7 +7,8 @@
   matmul, row invariance, and streaming per variant and block shape against MLX's GEMM;
 - a verify block's attention (16 queries, head_dim 128 and 256) over long caches: MLX's fused
   path with the engine's mask against the stacked-GEMM path of dflash_core/kernels/attention.py;
-- GatedDeltaNet's depthwise conv for a decode step and a verify block.
+- GatedDeltaNet's depthwise conv for a decode step and a verify block;
+- a verify's KV writes followed by a rollback (keep 16 or 7 tokens) at 1K and 32K context.
 
     python benchmarks/gpu_kernels.py --out kernels.json
 """
@@ -186,6 +187,38 @@ def block_attention_rows():
     return rows
 
 
+def kv_rollback_rows():
+    """A verify's KV writes followed by a rollback that keeps 16 or 7 of the 16 tokens, over 36
+    layers of mlx-lm's KVCache at 32K (Qwen3-8B's 8 KV heads x 128): does a trim make the next
+    write cost O(context)?"""
+    from mlx_lm.models.cache import KVCache
+
+    rows = []
+    layers, kv_heads, dim = 36, 8, 128
+    for context in (1024, 32768):
+        for keep in (16, 7):
+            caches = []
+            for _ in range(layers):
+                c = KVCache()
+                c.update_and_fetch(*(mx.random.normal((1, kv_heads, context, dim)).astype(mx.bfloat16),) * 2)
+                caches.append(c)
+            mx.eval([(c.keys, c.values) for c in caches])
+            block = mx.random.normal((1, kv_heads, 16, dim)).astype(mx.bfloat16)
+
+            def step():
+                outs = []
+                for c in caches:
+                    k, v = c.update_and_fetch(block, block)
+                    outs.append(k[..., -1, :].sum() + v[..., -1, :].sum())
+                    c.trim(16 - keep)
+                return outs + [a for c in caches for a in (c.keys, c.values)]
+
+            row = {"context": context, "keep": keep, "ms": bench(step, warmup=3, iters=40) * 1e3}
+            rows.append(row)
+            print(json.dumps({"kv_rollback": row}), flush=True)
+    return rows
+
+
 def conv_rows():
     rows = []
     channels, kernel = 2 * 16 * 128 + 32 * 128, 4  # Qwen3.5-9B: conv over q, k and v
@@ -205,10 +238,11 @@ def conv_rows():
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, block_attention, conv")
+    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, block_attention, kv_rollback, conv")
     args = parser.parse_args()
     sections = {"gated_delta": gated_delta_rows, "attention": attention_rows, "streaming": streaming_rows,
-                "matmul": matmul_rows, "block_attention": block_attention_rows, "conv": conv_rows}
+                "matmul": matmul_rows, "block_attention": block_attention_rows, "kv_rollback": kv_rollback_rows,
+                "conv": conv_rows}
     chosen = args.only.split(",") if args.only else list(sections)
     report = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
               "date": time.strftime("%Y-%m-%d")}

@@ -79,9 +79,15 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
         adapter.rollback(cache, v.tape, keep=next(keeps))
         return [v.logits] + [a for c in cache if hasattr(c, "cache") for a in c.cache]
 
-    out["verify_replay_6_7_ms"] = per_iteration(verify_and_replay)
-    keeps = iter([7] * 40)
-    out["verify_replay_7_ms"] = per_iteration(verify_and_replay)
+    # The rollback either replays the recurrence or (CUDA) picks a state the verify recorded.
+    for label, step_states in (("replay", False), ("step_states", True), ("replay", False), ("step_states", True)):
+        gd.use_step_states = step_states
+        for keep_label, pattern in (("6_7", [6, 7]), ("7", [7]), ("16", [16])):
+            keeps = iter(pattern * 40)
+            cache, context_cache = snapshot.restore()
+            out.setdefault(f"verify_rollback_{keep_label}_{label}_ms", []).append(per_iteration(verify_and_replay))
+    gd.use_step_states = True
+    out = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}
 
     def draft():
         drafter.add_context(mx.zeros((1, 1, len(taps) * adapter.hidden_size), adapter.dtype), context_cache)

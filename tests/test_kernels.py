@@ -76,6 +76,20 @@ def test_cuda_kernel_matches_reference(shape, dtype):
     np.testing.assert_allclose(np.array(s_prefix), np.array(s_prefix_ref), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]])
+def test_step_states_are_the_states_of_shorter_runs(shape):
+    inputs = _inputs(*shape, mx.float32)
+    y, final, states = gd.gated_delta_step_states(*inputs)
+    y_ref, final_ref = gd.gated_delta(*inputs)
+    T = shape[1]
+    assert states.shape == (shape[0], T) + inputs[5].shape[1:]
+    np.testing.assert_allclose(np.array(y), np.array(y_ref), rtol=1e-5, atol=1e-5)
+    for t in sorted({0, 1, T // 2, T - 1}):
+        _, after_t = gd.gated_delta(*(x[:, : t + 1] for x in inputs[:5]), inputs[5])
+        assert mx.array_equal(states[:, t], after_t).item(), t
+    assert mx.array_equal(states[:, -1], final).item()
+
+
 @pytest.mark.skipif(backend() != "metal", reason="needs Metal")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_metal_kernel_matches_reference(shape):

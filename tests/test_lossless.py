@@ -77,6 +77,15 @@ def test_cuda_block_attention_path_is_lossless(engines, references, monkeypatch)
     _check_every_acceptance_length(engines, references, "qwen3")
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_rollback_from_step_states_is_lossless(engines, references, family, monkeypatch):
+    """Verifies keep every step's GatedDeltaNet state and rollbacks pick one, as on CUDA."""
+    from dflash_core.adapters import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    _check_every_acceptance_length(engines, references, family)
+
+
 def _check_every_acceptance_length(engines, references, family):
     engine = engines[family]
     prompt, reference = references[family]

@@ -46,6 +46,20 @@ def _compare(rolled, fresh):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rollback_matches_fresh_forward(request, family):
+    _check_rollback(request, family)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_rollback_from_recorded_step_states(request, family, monkeypatch):
+    """The CUDA way (the verify keeps the state after every step, the rollback picks one), run on
+    this backend through the per-step reference."""
+    from dflash_core.adapters import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    _check_rollback(request, family)
+
+
+def _check_rollback(request, family):
     target_dir, _ = request.getfixturevalue(f"{family}_pair")
     adapter, _, _ = load_target(target_dir)
     rng = np.random.default_rng(0)
@@ -58,6 +72,10 @@ def test_rollback_matches_fresh_forward(request, family):
         rolled = adapter.make_cache(max_rollback=BLOCK)
         adapter.forward(prompt, rolled)
         verify = adapter.forward(block, rolled, record=True)
+        if family.startswith("qwen3_5"):  # the tape holds what this backend's rollback uses
+            from dflash_core.adapters.qwen3_5 import records_step_states
+
+            assert all((r.step_states is not None) == records_step_states() for r in verify.tape[1])
         adapter.rollback(rolled, verify.tape, keep=keep)
 
         fresh = adapter.make_cache(max_rollback=BLOCK)

@@ -2,12 +2,17 @@
 
 A GatedDeltaNet layer carries a conv state (the last K-1 inputs) and a recurrent state that cannot
 be trimmed. The adapter runs the mixer itself over mlx-lm's projections so that, during a verify
-forward, it can keep the step inputs (q, k, v, g, beta) and the pre-verify states. MLX arrays are
-immutable, so keeping references is the snapshot. Rolling back to `keep` tokens then replays only
-the recurrence over those steps, from the snapshot, with the same kernel: no weight is read again.
+forward, it can keep the pre-verify states and either the step inputs (q, k, v, g, beta) or, where
+the kernel writes them in the same launch (CUDA), the state after every step. MLX arrays are
+immutable, so keeping references is the snapshot. Rolling back to `keep` tokens then picks the
+state after `keep` steps, or replays only the recurrence over those steps from the snapshot with
+the same kernel; either way no weight is read again and the state is the one a forward of the
+kept tokens alone would give.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,14 +20,23 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from ..kernels.gated_delta import gated_delta
+from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from .base import TargetAdapter
 
 
-def gated_delta_layer(layer):
+class GatedDeltaRecord(NamedTuple):
+    """What a rollback of one GatedDeltaNet layer needs from the recorded forward."""
+
+    conv_input: mx.array  # the conv state before the forward, then its inputs
+    state: mx.array  # the recurrent state before the forward
+    steps: Optional[tuple]  # (q, k, v, g, beta), replayed up to `keep`; or
+    step_states: Optional[mx.array]  # the state after every step [B, T, Hv, Dv, Dk]
+
+
+def gated_delta_layer(layer, step_states: bool = False):
     """A whole GatedDeltaNet decoder layer as a pure function of (h, conv state, recurrent state):
     mlx-lm's GatedDeltaNet.__call__ for one unpadded sequence, plus the MLP, returning what a
-    rollback replays (conv input and the recurrence's step inputs)."""
+    rollback needs: the conv input and either the recurrence's step inputs or its per-step states."""
     m = layer.linear_attn
 
     def block(h, conv_state, state):
@@ -45,11 +59,16 @@ def gated_delta_layer(layer):
         q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
         g = compute_g(m.A_log, a, m.dt_bias)
         beta = mx.sigmoid(b)
-        y, new_state = gated_delta(q, k, v, g, beta, state)
+        if step_states:
+            y, new_state, states = gated_delta_step_states(q, k, v, g, beta, state)
+            record = (conv_input, states)
+        else:
+            y, new_state = gated_delta(q, k, v, g, beta, state)
+            record = (conv_input, q, k, v, g, beta)
         h = h + m.out_proj(m.norm(y, z).reshape(B, S, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         new_conv_state = conv_input[:, -(m.conv_kernel_size - 1) :]
-        return h, new_conv_state, new_state, (conv_input, q, k, v, g, beta)
+        return h, new_conv_state, new_state, record
 
     return block
 
@@ -94,6 +113,8 @@ class Qwen35Adapter(TargetAdapter):
         offset = mx.array(attention_cache.offset)
         mask = create_attention_mask(h, attention_cache)
         tapped = {}
+        # A verify (recorded, more than one token) keeps per-step states where that is cheap.
+        step_states = tape is not None and S > 1 and records_step_states()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             if layer.is_linear:
                 m = layer.linear_attn
@@ -101,10 +122,13 @@ class Qwen35Adapter(TargetAdapter):
                 if conv_state is None:
                     conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
                     state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-                block = self.compiled(("gdn", i), lambda: gated_delta_layer(layer)) if small else gated_delta_layer(layer)
-                h, layer_cache[0], layer_cache[1], steps = block(h, conv_state, state)
+                make = lambda: gated_delta_layer(layer, step_states)  # noqa: E731
+                block = self.compiled(("gdn", i, step_states), make) if small else make()
+                h, layer_cache[0], layer_cache[1], record = block(h, conv_state, state)
                 if tape is not None:
-                    tape.append((*steps, state))
+                    conv_input, *rest = record
+                    steps, states = (None, rest[0]) if step_states else (tuple(rest), None)
+                    tape.append(GatedDeltaRecord(conv_input, state, steps, states))
             elif small:
                 q, k, v, gate = self.compiled(("pre", i), lambda: gated_attention_inputs(layer))(h, offset)
                 k, v = layer_cache.update_and_fetch(k, v)
@@ -125,13 +149,15 @@ class Qwen35Adapter(TargetAdapter):
             if not layer.is_linear:
                 layer_cache.trim(length - keep)
                 continue
-            conv_input, q, k, v, g, beta, state = next(steps)
+            record = next(steps)
             # Conv state after `keep` tokens: the K-1 inputs ending at the last kept token.
             kernel = layer.linear_attn.conv_kernel_size
-            layer_cache[0] = mx.contiguous(conv_input[:, keep : keep + kernel - 1])
+            layer_cache[0] = mx.contiguous(record.conv_input[:, keep : keep + kernel - 1])
             if keep == 0:
-                layer_cache[1] = state
+                layer_cache[1] = record.state
+            elif record.step_states is not None:
+                # A copy, so that the cache (and prefix-cache snapshots of it) do not pin all T states.
+                layer_cache[1] = mx.contiguous(record.step_states[:, keep - 1])
             else:
-                _, layer_cache[1] = gated_delta(
-                    q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], beta[:, :keep], state
-                )
+                q, k, v, g, beta = (x[:, :keep] for x in record.steps)
+                _, layer_cache[1] = gated_delta(q, k, v, g, beta, record.state)

@@ -24,6 +24,30 @@ def path_for(q, v, g) -> str:
     return "reference"
 
 
+# Switched off by benchmarks to measure the replay in the same process.
+use_step_states = True
+
+
+def records_step_states() -> bool:
+    """Whether a verify should keep the state after every step (`gated_delta_step_states`) so that a
+    rollback picks one instead of replaying the recurrence. On CUDA our kernel writes them in the
+    same launch (16 x 2 MB per Qwen3.5-9B layer); elsewhere a replay is cheaper than a per-step loop."""
+    return use_step_states and backend() == "cuda"
+
+
+def gated_delta_step_states(q, k, v, g, beta, state) -> tuple[mx.array, mx.array, mx.array]:
+    """`gated_delta` plus the state after every step, [B, T, Hv, Dv, Dk]: states[:, t] is exactly
+    the final state of running steps 0..t alone."""
+    if path_for(q, v, g) == "cuda":
+        return gated_delta_cuda.gated_delta_cuda(q, k, v, g, beta, state, step_states=True)
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        y, state = gated_delta(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state)
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), state, mx.stack(states, axis=1)
+
+
 def gated_delta(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
     """Run T steps of the recurrence; returns (y [B, T, Hv, Dv], final state)."""
     path = path_for(q, v, g)

@@ -59,6 +59,7 @@ _SOURCE = """
       #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) out += __shfl_xor_sync(0xffffffff, out, offset);
       if (lane == 0) *y_ = static_cast<OutT>(out);
+      // per-step state
       q_ += Hk * Dk;
       k_ += Hk * Dk;
       v_ += Hv * Dv;
@@ -71,13 +72,32 @@ _SOURCE = """
 """
 
 
+# The state after every step as well, [B, T, Hv, Dv, Dk]: a verify that records them lets the
+# rollback pick the state after `keep` tokens instead of replaying the recurrence.
+_STEP_STATES = """
+      #pragma unroll
+      for (int i = 0; i < n_per_lane; ++i) st_[i] = static_cast<StT>(s[i]);
+      st_ += (size_t)Hv * Dv * Dk;"""
+_STEP_STATES_SETUP = """
+    auto st_ = states + (((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx) * Dk + n_per_lane * lane;
+"""
+
+
 @functools.cache
-def _kernel():
+def _kernel(step_states: bool = False):
+    if not step_states:
+        return mx.fast.cuda_kernel(
+            name="dflash_gated_delta",
+            input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
+            output_names=["y", "state_out"],
+            source=_SOURCE,
+        )
+    source = _SOURCE.replace("    float s[n_per_lane];", _STEP_STATES_SETUP + "    float s[n_per_lane];", 1)
     return mx.fast.cuda_kernel(
-        name="dflash_gated_delta",
+        name="dflash_gated_delta_step_states",
         input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
-        output_names=["y", "state_out"],
-        source=_SOURCE,
+        output_names=["y", "state_out", "states"],
+        source=source.replace("      // per-step state", _STEP_STATES, 1),
     )
 
 
@@ -86,15 +106,20 @@ def supported(q: mx.array, v: mx.array, g: mx.array) -> bool:
     return g.ndim == 3 and q.shape[-1] % 32 == 0 and v.shape[-1] % 4 == 0
 
 
-def gated_delta_cuda(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
+def gated_delta_cuda(q, k, v, g, beta, state, step_states: bool = False) -> tuple[mx.array, ...]:
+    """(y, final state), plus the state after every step [B, T, Hv, Dv, Dk] with step_states."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     rows_per_block = 4
-    return _kernel()(
+    shapes, dtypes = [(B, T, Hv, Dv), state.shape], [q.dtype, state.dtype]
+    if step_states:
+        shapes.append((B, T) + tuple(state.shape[1:]))
+        dtypes.append(state.dtype)
+    return tuple(_kernel(step_states)(
         inputs=[q, k, v, g, beta, state, mx.array([T], dtype=mx.int32)],
         template=[("OutT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
         grid=(32, Dv, B * Hv),
         threadgroup=(32, rows_per_block, 1),
-        output_shapes=[(B, T, Hv, Dv), state.shape],
-        output_dtypes=[q.dtype, state.dtype],
-    )
+        output_shapes=shapes,
+        output_dtypes=dtypes,
+    ))
