@@ -67,7 +67,7 @@ __device__ __forceinline__ void mma_32k(float (&acc)[MT][NT][4], const uint4 (&w
 }
 """
 
-_SOURCE_DIRECT = """
+_COMMON = """
     constexpr int ROWS = 16 * MT;
     const int M = x_shape[0];
     const int K = x_shape[1];
@@ -77,18 +77,6 @@ _SOURCE_DIRECT = """
     const int g = lane >> 2;
     const int t = lane & 3;
     const int row0 = blockIdx.x * ROWS;
-
-    // This warp's 32-k chunks: a split fixed by K and NW alone.
-    const int chunks = K / 32;
-    const int c_begin = (warp * chunks) / NW;
-    const int c_end = ((warp + 1) * chunks) / NW;
-
-    const uint4* w_rows[MT][2];
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      w_rows[mt][0] = reinterpret_cast<const uint4*>(w + (size_t)(row0 + mt * 16 + g) * K) + t;
-      w_rows[mt][1] = reinterpret_cast<const uint4*>(w + (size_t)(row0 + mt * 16 + g + 8) * K) + t;
-    }
     const uint4* x_rows[NT];
     bool x_real[NT];
     #pragma unroll
@@ -106,6 +94,21 @@ _SOURCE_DIRECT = """
       for (int nt = 0; nt < NT; ++nt)
         #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+"""
+
+_SOURCE_DIRECT = _COMMON + """
+
+    // This warp's 32-k chunks: a split fixed by K and NW alone.
+    const int chunks = K / 32;
+    const int c_begin = (warp * chunks) / NW;
+    const int c_end = ((warp + 1) * chunks) / NW;
+
+    const uint4* w_rows[MT][2];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      w_rows[mt][0] = reinterpret_cast<const uint4*>(w + (size_t)(row0 + mt * 16 + g) * K) + t;
+      w_rows[mt][1] = reinterpret_cast<const uint4*>(w + (size_t)(row0 + mt * 16 + g + 8) * K) + t;
+    }
 
     int c = c_begin;
     for (; c + U <= c_end; c += U) {
@@ -140,21 +143,12 @@ _SOURCE_DIRECT = """
 """
 
 
-_SOURCE_PIPELINED = """
-    // Each warp streams its weight tiles (ROWS rows x 128 k; 256 contiguous bytes per row, two
-    // rows per load instruction) into its own shared-memory ring with cp.async, STAGES - 1 tiles
-    // ahead of the MMAs; x, which every block reads, comes from L1/L2 one tile ahead.
-    constexpr int ROWS = 16 * MT;
+# Each warp streams its weight tiles (ROWS rows x 128 k; 256 contiguous bytes per row, two rows per
+# load instruction) into its own shared-memory ring with cp.async, STAGES - 1 tiles ahead of the
+# MMAs; x, which every block reads, comes from L1/L2 one tile ahead.
+_SOURCE_PIPELINED = _COMMON + """
     constexpr int KT = 128;
     constexpr int SUB = KT / 32;
-    const int M = x_shape[0];
-    const int K = x_shape[1];
-    const int N = w_shape[0];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    const int row0 = blockIdx.x * ROWS;
 
     const int tiles = K / KT;
     const int t_begin = (warp * tiles) / NW;
@@ -177,29 +171,12 @@ _SOURCE_PIPELINED = """
       cp_async_commit();
     }
 
-    const uint4* x_rows[NT];
-    bool x_real[NT];
-    #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int token = nt * 8 + g;
-      x_real[nt] = token < M;
-      x_rows[nt] = reinterpret_cast<const uint4*>(x + (size_t)(x_real[nt] ? token : 0) * K) + t;
-    }
-    const uint4 zero = make_uint4(0, 0, 0, 0);
     uint4 x_next[SUB][NT];
     #pragma unroll
     for (int j = 0; j < SUB; ++j)
       #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         x_next[j][nt] = (x_real[nt] && t_begin < t_end) ? __ldg(x_rows[nt] + t_begin * (KT / 8) + 4 * j) : zero;
-
-    float acc[MT][NT][4];
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
     for (int tile = t_begin; tile < t_end; ++tile) {
       const int ahead = tile + STAGES - 1;
