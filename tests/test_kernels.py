@@ -133,6 +133,7 @@ def test_stacked_attention_matches_fused(heads, kv_heads, dim, queries):
         (mask, [keys], [values]),
         (mx.broadcast_to(mask, (B, 1) + mask.shape), [k1, k2], [v1, v2]),  # training's [B, 1, L, T]
         (mx.broadcast_to(mask, (B, heads) + mask.shape), [keys], [values]),
+        (mx.broadcast_to(mask, (1, heads) + mask.shape), [k1, k2], [v1, v2]),  # one mask for the batch
     ]
     for m, ks, vs in cases:
         expected = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=m)
@@ -150,3 +151,5 @@ def test_attention_gate(monkeypatch):
     assert block_attention.path_for(q16, None) == "fused"
     assert block_attention.path_for(q16, "causal") == "fused"
     assert block_attention.path_for(mx.zeros((1, 8, 16, 512)), mask) == "fused"  # Gemma 4 global
+    additive = mx.where(mask, 0.0, -mx.inf)  # an additive mask would be misread as a boolean one
+    assert block_attention.path_for(q16, additive) == "fused"

@@ -122,7 +122,9 @@ class Qwen35Adapter(TargetAdapter):
                 if conv_state is None:
                     conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
                     state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-                make = lambda: gated_delta_layer(layer, step_states)  # noqa: E731
+                def make(layer=layer):
+                    return gated_delta_layer(layer, step_states)
+
                 block = self.compiled(("gdn", i, step_states), make) if small else make()
                 h, layer_cache[0], layer_cache[1], record = block(h, conv_state, state)
                 if tape is not None:
@@ -156,7 +158,8 @@ class Qwen35Adapter(TargetAdapter):
             if keep == 0:
                 layer_cache[1] = record.state
             elif record.step_states is not None:
-                # A copy, so that the cache (and prefix-cache snapshots of it) do not pin all T states.
+                # A copy (MLX copies a view much smaller than its buffer), so that the cache and
+                # prefix-cache snapshots of it do not pin all T states.
                 layer_cache[1] = mx.contiguous(record.step_states[:, keep - 1])
             else:
                 q, k, v, g, beta = (x[:, :keep] for x in record.steps)

@@ -20,6 +20,8 @@ import mlx.core as mx
 from . import backend
 
 MAX_QUERIES = 16
+# Up to 256 as well: MLX runs head_dim 129..256 on its unfused path (scores as a bf16 GEMM, as here,
+# but with each query head's GEMM reading the keys again), which stacking measured 10-25% faster.
 MAX_HEAD_DIM = 256
 # Switched off by benchmarks to measure MLX's fused attention in the same process.
 use_stacked = True
@@ -27,7 +29,8 @@ use_stacked = True
 
 def path_for(q: mx.array, mask) -> str:
     L, D = q.shape[2], q.shape[3]
-    if use_stacked and backend() == "cuda" and 1 < L <= MAX_QUERIES and isinstance(mask, mx.array) and D <= MAX_HEAD_DIM:
+    boolean_mask = isinstance(mask, mx.array) and mask.dtype == mx.bool_  # not an additive one
+    if use_stacked and backend() == "cuda" and 1 < L <= MAX_QUERIES and boolean_mask and D <= MAX_HEAD_DIM:
         return "stacked"
     return "fused"
 
@@ -45,15 +48,18 @@ def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
 
 def stacked(q, keys, values, scale, mask) -> mx.array:
     """The same attention as MLX's unfused reference (scaled bf16 scores, fp32 softmax), with the
-    query heads of each KV head stacked into the rows of one GEMM."""
+    query heads of each KV head stacked into the rows of one GEMM. Its scores are rounded to the
+    input dtype before the softmax, as in that reference; cuDNN keeps them in fp32, so in bf16 a
+    verify's attention now rounds a little differently from a decode step's (near-ties only)."""
     B, Hq, L, D = q.shape
     Hkv = keys[0].shape[1]
     rows = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv * L, D)
     scores = [rows @ k.swapaxes(-1, -2) for k in keys]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     scores = scores.reshape(B, Hkv, Hq // Hkv, L, -1)
-    if mask.ndim == 4:  # [B, 1 or Hq, L, T] -> [B, 1 or Hkv, 1 or Hq // Hkv, L, T]
-        mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(B, Hkv, Hq // Hkv, L, -1)
+    if mask.ndim == 4:  # [B or 1, 1 or Hq, L, T] -> [B or 1, 1 or Hkv, 1 or Hq // Hkv, L, T]
+        mb = mask.shape[0]
+        mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(mb, Hkv, Hq // Hkv, L, -1)
     scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, Hq // Hkv * L, -1)
     out = None

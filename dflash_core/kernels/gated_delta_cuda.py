@@ -59,7 +59,7 @@ _SOURCE = """
       #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) out += __shfl_xor_sync(0xffffffff, out, offset);
       if (lane == 0) *y_ = static_cast<OutT>(out);
-      // per-step state
+      // per-step state (written here by the step-states variant)
       q_ += Hk * Dk;
       k_ += Hk * Dk;
       v_ += Hv * Dv;
@@ -92,12 +92,17 @@ def _kernel(step_states: bool = False):
             output_names=["y", "state_out"],
             source=_SOURCE,
         )
-    source = _SOURCE.replace("    float s[n_per_lane];", _STEP_STATES_SETUP + "    float s[n_per_lane];", 1)
+    anchors = {"    float s[n_per_lane];": _STEP_STATES_SETUP,
+               "      // per-step state (written here by the step-states variant)": _STEP_STATES}
+    source = _SOURCE
+    for anchor, code in anchors.items():
+        assert source.count(anchor) == 1, anchor  # else `states` would be left unwritten
+        source = source.replace(anchor, code + anchor if anchor.startswith("    float") else code)
     return mx.fast.cuda_kernel(
         name="dflash_gated_delta_step_states",
         input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
         output_names=["y", "state_out", "states"],
-        source=source.replace("      // per-step state", _STEP_STATES, 1),
+        source=source,
     )
 
 
