@@ -34,7 +34,6 @@ from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.kernels import attention as block_attention  # noqa: E402
 from dflash_core.kernels import backend  # noqa: E402
 from dflash_core.kernels import gated_delta  # noqa: E402
-from dflash_core.kernels.gated_delta import active_path  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 # One copy of the real-shape builders, shared with `dflash bench --random-weights` (and, through
 # these names, with gpu_profile.py).
@@ -188,7 +187,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()
-    report = {"device": str(mx.default_device()), "backend": backend(), "gated_delta": active_path(),
+    report = {"device": str(mx.default_device()), "backend": backend(), "gated_delta": gated_delta.active_path(),
               "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "results": []}
     print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
     for name in args.models.split(","):

@@ -67,27 +67,23 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
         for key, value in (("decode_ms", decode), ("decode_build_ms", decode_build), ("verify_ms", verify),
                            ("verify_build_ms", verify_build)):
             out.setdefault(f"{mode}_{key}", []).append(value)
-    out = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}
 
-    # Rollback replays of alternating lengths (a cycle keeps 6, then 7, ...).
+    # Verify + rollback to alternating lengths (a cycle keeps 6, then 7, ...), to 7, and to all 16.
+    # The rollback either replays the recurrence or (CUDA) picks a state the verify recorded.
     adapter.compile_max_tokens = 16
-    cache, context_cache = snapshot.restore()
-    keeps = iter([6, 7] * 20)
 
-    def verify_and_replay():
+    def verify_and_rollback():
         v = adapter.forward(block, cache, taps, record=True)
         adapter.rollback(cache, v.tape, keep=next(keeps))
         return [v.logits] + [a for c in cache if hasattr(c, "cache") for a in c.cache]
 
-    # The rollback either replays the recurrence or (CUDA) picks a state the verify recorded.
     for label, step_states in (("replay", False), ("step_states", True), ("replay", False), ("step_states", True)):
         gd.use_step_states = step_states
         for keep_label, pattern in (("6_7", [6, 7]), ("7", [7]), ("16", [16])):
             keeps = iter(pattern * 40)
             cache, context_cache = snapshot.restore()
-            out.setdefault(f"verify_rollback_{keep_label}_{label}_ms", []).append(per_iteration(verify_and_replay))
+            out.setdefault(f"verify_rollback_{keep_label}_{label}_ms", []).append(per_iteration(verify_and_rollback))
     gd.use_step_states = True
-    out = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}
 
     def draft():
         drafter.add_context(mx.zeros((1, 1, len(taps) * adapter.hidden_size), adapter.dtype), context_cache)
@@ -120,7 +116,7 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
         return list(gd.gated_delta(qq[:, :t], qq[:, :t], vv[:, :t], g[:, :t], beta[:, :t], state))
 
     out["gdn_replay_6_7_ms"] = per_iteration(replay)
-    return out
+    return {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}  # repeated runs
 
 
 def main() -> int:

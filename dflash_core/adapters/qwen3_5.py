@@ -59,16 +59,16 @@ def gated_delta_layer(layer, step_states: bool = False):
         q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
         g = compute_g(m.A_log, a, m.dt_bias)
         beta = mx.sigmoid(b)
+        # What a rollback needs besides the conv input: every step's state, or the steps to replay.
         if step_states:
-            y, new_state, states = gated_delta_step_states(q, k, v, g, beta, state)
-            record = (conv_input, states)
+            y, new_state, kept = gated_delta_step_states(q, k, v, g, beta, state)
         else:
             y, new_state = gated_delta(q, k, v, g, beta, state)
-            record = (conv_input, q, k, v, g, beta)
+            kept = (q, k, v, g, beta)
         h = h + m.out_proj(m.norm(y, z).reshape(B, S, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         new_conv_state = conv_input[:, -(m.conv_kernel_size - 1) :]
-        return h, new_conv_state, new_state, record
+        return h, new_conv_state, new_state, (conv_input, kept)
 
     return block
 
@@ -128,8 +128,8 @@ class Qwen35Adapter(TargetAdapter):
                 block = self.compiled(("gdn", i, step_states), make) if small else make()
                 h, layer_cache[0], layer_cache[1], record = block(h, conv_state, state)
                 if tape is not None:
-                    conv_input, *rest = record
-                    steps, states = (None, rest[0]) if step_states else (tuple(rest), None)
+                    conv_input, kept = record
+                    steps, states = (None, kept) if step_states else (tuple(kept), None)
                     tape.append(GatedDeltaRecord(conv_input, state, steps, states))
             elif small:
                 q, k, v, gate = self.compiled(("pre", i), lambda: gated_attention_inputs(layer))(h, offset)

@@ -92,12 +92,12 @@ def _kernel(step_states: bool = False):
             output_names=["y", "state_out"],
             source=_SOURCE,
         )
-    anchors = {"    float s[n_per_lane];": _STEP_STATES_SETUP,
-               "      // per-step state (written here by the step-states variant)": _STEP_STATES}
+    edits = {"    float s[n_per_lane];": _STEP_STATES_SETUP + "    float s[n_per_lane];",
+             "      // per-step state (written here by the step-states variant)": _STEP_STATES}
     source = _SOURCE
-    for anchor, code in anchors.items():
+    for anchor, text in edits.items():
         assert source.count(anchor) == 1, anchor  # else `states` would be left unwritten
-        source = source.replace(anchor, code + anchor if anchor.startswith("    float") else code)
+        source = source.replace(anchor, text)
     return mx.fast.cuda_kernel(
         name="dflash_gated_delta_step_states",
         input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
