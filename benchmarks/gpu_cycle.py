@@ -9,10 +9,11 @@ with the drafts: this measures speed, not acceptance).
 
     python benchmarks/gpu_cycle.py --models qwen3.5-9b --quant bf16 --contexts 1024,8192 --out r.json
 
-`--paths dflash,replay,mlx` measures each context with this project's CUDA paths (block attention,
-dflash_core/kernels/attention.py; GatedDeltaNet rollback from recorded step states), with the
-rollback replaying the recurrence instead, and with MLX's fused attention and the replay, all in
-the same process.
+`--paths dflash,replay,mlx,mlx-qmm` measures each context with this project's CUDA paths (block
+attention, dflash_core/kernels/attention.py; GatedDeltaNet rollback from recorded step states;
+the 4-bit small-M matmul, dflash_core/kernels/matmul.py), with the rollback replaying the
+recurrence instead, with MLX's fused attention, the replay and MLX's quantized matmul, and with
+only MLX's quantized matmul swapped back in, all in the same process.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.kernels import attention as block_attention  # noqa: E402
 from dflash_core.kernels import backend  # noqa: E402
 from dflash_core.kernels import gated_delta  # noqa: E402
+from dflash_core.kernels import matmul as small_m  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 # One copy of the real-shape builders, shared with `dflash bench --random-weights` (and, through
 # these names, with gpu_profile.py).
@@ -183,11 +185,13 @@ def main() -> int:
     parser.add_argument("--layers", type=int, help="truncate targets to this many layers (quick looks only)")
     parser.add_argument("--paths", default="dflash",
                         help="comma list of: dflash (this project's CUDA paths), replay (GatedDeltaNet rollback "
-                             "by replay instead of recorded step states), mlx (MLX's fused attention, replay)")
+                             "by replay instead of recorded step states), mlx (MLX's fused attention, replay and "
+                             "quantized matmul), mlx-qmm (dflash with MLX's quantized matmul)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()
     report = {"device": str(mx.default_device()), "backend": backend(), "gated_delta": gated_delta.active_path(),
+              "small_m_matmul": small_m.active_path(),
               "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "results": []}
     print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
     for name in args.models.split(","):
@@ -199,8 +203,10 @@ def main() -> int:
                      "weight_gb_per_token": weight_bytes_per_token(adapter) / 1e9, "contexts": []}
             for context in (int(c) for c in args.contexts.split(",")):
                 for paths in args.paths.split(","):
-                    block_attention.use_stacked = paths in ("dflash", "replay")
-                    gated_delta.use_step_states = paths == "dflash"
+                    block_attention.use_stacked = paths in ("dflash", "replay", "mlx-qmm")
+                    gated_delta.use_step_states = paths in ("dflash", "mlx-qmm")
+                    small_m.use_cuda_kernel = paths in ("dflash", "replay")
+                    adapter.clear_compiled()  # the matmul switch is read when a block is traced
                     row = {"paths": paths, **run_context(name, adapter, drafter, context, args.decode_tokens)}
                     row["weight_tb_s"] = entry["weight_gb_per_token"] / row["decode_ms"]  # GB/ms == TB/s
                     row["verify_over_decode"] = row["verify16_full_accept_ms"] / row["decode_ms"]

@@ -5,6 +5,9 @@
 - weight streaming of small-M matmuls (M = 1..16) in bf16 and 4-bit, against a plain copy;
 - the tensor-core small-M matmul experiment (small_m_matmul_cuda.py): exactness against MLX's
   matmul, row invariance, and streaming per variant and block shape against MLX's GEMM;
+- the 4-bit small-M matmul (dflash_core/kernels/quantized_matmul_cuda.py): exactness against a
+  float32 product and MLX's quantized matmul, row invariance, and streaming per launch shape
+  against MLX's quantized matmul at Qwen3.5-9B's projection shapes;
 - a verify block's attention (16 queries, head_dim 128 and 256) over long caches: MLX's fused
   path with the engine's mask against the stacked-GEMM path of dflash_core/kernels/attention.py;
 - GatedDeltaNet's depthwise conv for a decode step and a verify block;
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dflash_core.kernels import backend  # noqa: E402
 from dflash_core.kernels import attention as block_attention  # noqa: E402
 from dflash_core.kernels import gated_delta as gd  # noqa: E402
+from dflash_core.kernels import quantized_matmul_cuda as q4  # noqa: E402
 
 import small_m_matmul_cuda as matmul_cuda  # noqa: E402  (benchmarks/, an experiment)
 
@@ -162,6 +166,69 @@ def matmul_rows():
     return rows
 
 
+# (warps per block splitting K, 16-row tiles per warp, 128-k chunks loaded ahead)
+Q4_SHAPES = [(1, 1, 2), (2, 1, 1), (4, 1, 1), (4, 1, 2), (8, 1, 1), (8, 1, 2), (2, 2, 1), (4, 2, 1), (4, 2, 2),
+             (8, 2, 1), (2, 4, 1), (16, 1, 1)]
+
+
+def q4_matmul_rows():
+    rows = []
+    # Per-launch cost: a product so small that only the launch and its host work are measured.
+    tiny = mx.quantize(mx.random.normal((16, 128)).astype(mx.bfloat16), group_size=64, bits=4)
+    x1 = mx.random.normal((1, 128)).astype(mx.bfloat16)
+    calls = 200
+    row = {"op": "launch, 16 x 128 weight, M = 1, per call", "calls": calls,
+           "mlx_us": bench(lambda: [mx.quantized_matmul(x1, *tiny, transpose=True, group_size=64, bits=4)
+                                    for _ in range(calls)]) / calls * 1e6,
+           "ours_us": bench(lambda: [q4.quantized_matmul_cuda(x1, *tiny, 64) for _ in range(calls)]) / calls * 1e6}
+    rows.append(row)
+    print(json.dumps({"q4_launch": row}), flush=True)
+    # Qwen3.5-9B: LM head (one 0.57 GB launch), in_proj_qkv, MLP gate/up, MLP down, in_proj_z and
+    # o_proj, k/v, in_proj_a/b.
+    for N, K in ((248320, 4096), (8192, 4096), (12288, 4096), (4096, 12288), (4096, 4096), (1024, 4096),
+                 (32, 4096)):
+        w = (mx.random.normal((N, K)) / K**0.5).astype(mx.bfloat16)
+        q = mx.quantize(w, group_size=64, bits=4)
+        x16 = mx.random.normal((16, K)).astype(mx.bfloat16)
+        dq = mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32)
+        block = q4.quantized_matmul_cuda(x16, *q, 64)
+        exact = {"N": N, "K": K, "launch": q4.launch_shape(N, K), "max_abs_err_vs_fp32": 0.0,
+                 "mlx_max_abs_err_vs_fp32": 0.0, "row_invariant": True}
+        for M in (1, 2, 5, 8, 9, 16):
+            x = x16[:M]
+            ref = x.astype(mx.float32) @ dq.T
+            ours = q4.quantized_matmul_cuda(x, *q, 64)
+            mlx_own = mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
+            exact["max_abs_err_vs_fp32"] = max(exact["max_abs_err_vs_fp32"], mx.abs(ours.astype(mx.float32) - ref).max().item())
+            exact["mlx_max_abs_err_vs_fp32"] = max(exact["mlx_max_abs_err_vs_fp32"],
+                                                   mx.abs(mlx_own.astype(mx.float32) - ref).max().item())
+            exact["row_invariant"] &= bool(mx.array_equal(ours, block[:M]).item())
+        print(json.dumps({"q4_exact": exact}), flush=True)
+        del w, dq
+        # Streaming: about 800 MB of 4-bit weights (with scales and biases) per shape, past L2.
+        layers = max(1, min(64, int(800e6 // (N * K * 0.5625))))
+        weights = [mx.quantize((mx.random.normal((N, K)) / K**0.5).astype(mx.bfloat16), group_size=64, bits=4)
+                   for _ in range(layers)]
+        mx.eval(weights)
+        nbytes = sum(sum(a.nbytes for a in q) for q in weights)
+        for M in (1, 4, 16):
+            x = x16[:M]
+            row = {**exact, "M": M, "mlx_tb_s": nbytes / bench(
+                lambda: [mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4) for q in weights]) / 1e12,
+                "default_tb_s": nbytes / bench(lambda: [q4.quantized_matmul_cuda(x, *q, 64) for q in weights]) / 1e12}
+            for shape in Q4_SHAPES:
+                nw, mt, u = shape
+                if N % (16 * mt) == 0 and nw <= K // 128:
+                    t = bench(lambda: [q4.quantized_matmul_cuda(x, *q, 64, shape) for q in weights])
+                    row[f"w{nw}_m{mt}_u{u}_tb_s"] = nbytes / t / 1e12
+            rows.append(row)
+            print(json.dumps({"q4_streaming": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}}),
+                  flush=True)
+        weights = None  # free them before the next shape
+        mx.clear_cache()
+    return rows
+
+
 def block_attention_rows():
     rows = []
     for label, heads, kv_heads, dim in (("qwen3 hd128", 32, 8, 128), ("qwen3.5 hd256", 16, 4, 256)):
@@ -238,10 +305,11 @@ def conv_rows():
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, block_attention, kv_rollback, conv")
+    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, q4_matmul, "
+                                       "block_attention, kv_rollback, conv")
     args = parser.parse_args()
     sections = {"gated_delta": gated_delta_rows, "attention": attention_rows, "streaming": streaming_rows,
-                "matmul": matmul_rows, "block_attention": block_attention_rows, "kv_rollback": kv_rollback_rows,
+                "matmul": matmul_rows, "q4_matmul": q4_matmul_rows, "block_attention": block_attention_rows, "kv_rollback": kv_rollback_rows,
                 "conv": conv_rows}
     chosen = args.only.split(",") if args.only else list(sections)
     report = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,

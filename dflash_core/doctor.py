@@ -10,7 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .kernels import attention, backend, gated_delta
+from .kernels import attention, backend, gated_delta, matmul
 from .loading import CPU_SPECULATION_WARNING
 from .registry import KNOWN_PAIRS, find_pair
 from .settings import Settings
@@ -64,7 +64,8 @@ def doctor_report(check_hub: bool = True) -> dict:
         "device": info.get("device_name", "unknown"),
         "system_memory_gb": round(memory / 1e9, 1) if memory else None,
         "device_memory_gb": round(info["memory_size"] / 1e9, 1) if "memory_size" in info else None,
-        "kernels": {"gated_delta": gated_delta.active_path(), "block_attention": attention.active_path()},
+        "kernels": {"gated_delta": gated_delta.active_path(), "block_attention": attention.active_path(),
+                    "small_m_matmul": matmul.active_path()},
         "model_cache": str(hub_cache_dir()),
         "hub": hub_reachable() if check_hub else "not checked",
         "speculation": CPU_SPECULATION_WARNING if mx.default_device() == mx.cpu else "a 16-token verify streams the weights once, as DFlash needs",

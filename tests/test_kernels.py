@@ -153,3 +153,127 @@ def test_attention_gate(monkeypatch):
     assert block_attention.path_for(mx.zeros((1, 8, 16, 512)), mask) == "fused"  # Gemma 4 global
     additive = mx.where(mask, 0.0, -mx.inf)  # an additive mask would be misread as a boolean one
     assert block_attention.path_for(q16, additive) == "fused"
+
+
+# ----- 4-bit weight products of decode and verify (dflash_core/kernels/matmul.py)
+
+import mlx.nn as nn  # noqa: E402
+
+from dflash_core.kernels import matmul as small_m  # noqa: E402
+
+cuda_only = pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend (run on the GPU machine)")
+
+
+def _quantized_linear(n, k, group_size=64, bits=4, bias=False, dtype=mx.bfloat16, seed=0):
+    mx.random.seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    layer.weight = mx.random.normal((n, k)) * k**-0.5
+    if bias:
+        layer.bias = mx.random.normal((n,))
+    layer.set_dtype(dtype)
+    return nn.QuantizedLinear.from_linear(layer, group_size=group_size, bits=bits)
+
+
+def test_small_m_gate(monkeypatch):
+    """Which products the CUDA kernel takes: 4-bit affine weights, bf16, 1..16 rows, K % 128 == 0."""
+    layer = _quantized_linear(64, 256)
+    x = mx.zeros((1, 16, 256), mx.bfloat16)
+    assert small_m.path_for(layer, x) == ("cuda" if backend() == "cuda" else "mlx")
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
+    assert small_m.path_for(layer, x) == "cuda"
+    assert small_m.path_for(layer, x[:, :1]) == "cuda"  # decode
+    assert small_m.path_for(layer, mx.zeros((1, 17, 256), mx.bfloat16)) == "mlx"  # prefill
+    assert small_m.path_for(layer, x.astype(mx.float32)) == "mlx"
+    assert small_m.path_for(_quantized_linear(64, 256, bits=8), x) == "mlx"
+    assert small_m.path_for(_quantized_linear(64, 192), mx.zeros((1, 4, 192), mx.bfloat16)) == "mlx"  # K % 128
+    assert small_m.path_for(_quantized_linear(40, 256), x) == "mlx"  # N % 16
+    plain = nn.Linear(256, 64)
+    plain.set_dtype(mx.bfloat16)
+    assert small_m.path_for(plain, x) == "mlx"  # bf16 weights keep MLX's GEMM
+    monkeypatch.setattr(small_m, "use_cuda_kernel", False)
+    assert small_m.path_for(layer, x) == "mlx"
+
+
+def _quantized_mlp(dim, hidden):
+    from mlx_lm.models.qwen3 import MLP
+
+    mx.random.seed(3)
+    mlp = MLP(dim, hidden)
+    mlp.set_dtype(mx.bfloat16)
+    nn.quantize(mlp, group_size=64, bits=4)
+    return mlp
+
+
+def test_mlx_path_is_mlx_lm_own_call(monkeypatch):
+    """Off the kernel, `linear` and `gated_mlp` are exactly the mlx-lm module calls they replace."""
+    from mlx_lm.models.activations import swiglu
+
+    monkeypatch.setattr(small_m, "use_cuda_kernel", False)  # the MLX path on every backend
+    mlp = _quantized_mlp(128, 256)
+    x = mx.random.normal((1, 5, 128)).astype(mx.bfloat16)
+    assert mx.array_equal(small_m.gated_mlp(mlp, x, swiglu), mlp(x))
+    layer = _quantized_linear(32, 128, bias=True)
+    assert mx.array_equal(small_m.linear(layer, x), layer(x))
+
+
+def _dequantized_product(x, layer):
+    w = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=4)
+    return x.astype(mx.float32) @ w.astype(mx.float32).T
+
+
+@cuda_only
+@pytest.mark.parametrize("n,k,group_size", [(256, 256, 64), (1024, 4096, 64), (4096, 1024, 64), (32, 4096, 64),
+                                            (48, 384, 64), (1024, 4096, 32), (1024, 4096, 128)])
+def test_quantized_kernel_matches_reference(n, k, group_size):
+    """Within bf16 rounding of MLX's own quantized matmul, for every token count 1..16."""
+    from dflash_core.kernels.quantized_matmul_cuda import quantized_matmul_cuda
+
+    layer = _quantized_linear(n, k, group_size=group_size)
+    mx.random.seed(7)
+    x = mx.random.normal((16, k)).astype(mx.bfloat16)
+    for m in (1, 7, 9, 16):
+        expected = _dequantized_product(x[:m], layer)
+        got = quantized_matmul_cuda(x[:m], layer.weight, layer.scales, layer.biases, group_size).astype(mx.float32)
+        mlx_own = layer(x[:m]).astype(mx.float32)
+        scale = mx.sqrt(mx.mean(expected * expected)).item()
+        ours_err = mx.max(mx.abs(got - expected)).item()
+        mlx_err = mx.max(mx.abs(mlx_own - expected)).item()
+        assert ours_err <= max(2 * mlx_err, 0.01 * scale), (m, ours_err, mlx_err, scale)
+
+
+@cuda_only
+def test_quantized_kernel_is_row_invariant():
+    """A token's output is bit-identical alone (decode) and in any block of up to 16 (verify)."""
+    from dflash_core.kernels.quantized_matmul_cuda import quantized_matmul_cuda
+
+    layer = _quantized_linear(2048, 4096)
+    mx.random.seed(8)
+    x = mx.random.normal((16, 4096)).astype(mx.bfloat16)
+    other = mx.random.normal((16, 4096)).astype(mx.bfloat16)
+    args = (layer.weight, layer.scales, layer.biases, 64)
+    block = quantized_matmul_cuda(x, *args)
+    for i in range(16):
+        assert mx.array_equal(quantized_matmul_cuda(x[i : i + 1], *args)[0], block[i])
+    mixed = quantized_matmul_cuda(mx.concatenate([x[:3], other[3:]]), *args)
+    assert mx.array_equal(mixed[:3], block[:3])
+
+
+@cuda_only
+def test_linear_and_tied_head_through_the_kernel():
+    mx.random.seed(9)
+    layer = _quantized_linear(512, 1024, bias=True)
+    x = mx.random.normal((1, 16, 1024)).astype(mx.bfloat16)
+    assert small_m.path_for(layer, x) == "cuda"
+    got, expected = small_m.linear(layer, x), layer(x)
+    assert got.shape == expected.shape == (1, 16, 512)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=0.1, rtol=0.05)
+    embedding = nn.Embedding(512, 1024)
+    embedding.set_dtype(mx.bfloat16)
+    embedding = nn.QuantizedEmbedding.from_embedding(embedding, group_size=64, bits=4)
+    got, expected = small_m.tied_lm_head(embedding, x), embedding.as_linear(x)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=0.1, rtol=0.05)
+    from mlx_lm.models.activations import swiglu
+
+    mlp = _quantized_mlp(1024, 2048)
+    got, expected = small_m.gated_mlp(mlp, x, swiglu), mlp(x)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=0.1, rtol=0.05)

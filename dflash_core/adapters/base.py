@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.matmul import linear, tied_lm_head
+
 
 @dataclass
 class Forward:
@@ -72,8 +74,8 @@ class TargetAdapter:
         if tied is None:
             tied = getattr(self.text_model.args, "tie_word_embeddings", False)
         if tied:
-            return self.inner.embed_tokens.as_linear(hidden)
-        return self.text_model.lm_head(hidden)
+            return tied_lm_head(self.inner.embed_tokens, hidden)
+        return linear(self.text_model.lm_head, hidden)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and LM head exactly as the mlx-lm model computes them."""
@@ -85,6 +87,11 @@ class TargetAdapter:
         if fn is None:
             fn = self._compiled_fns[key] = mx.compile(make())
         return fn
+
+    def clear_compiled(self) -> None:
+        """Forget the compiled functions, so that the next forward traces again: a kernel switch
+        flipped by a benchmark is read at trace time."""
+        self._compiled_fns.clear()
 
     # ----- the family-specific part
     def make_cache(self, max_rollback: int) -> list:

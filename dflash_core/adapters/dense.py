@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 
 from ..kernels.attention import attention
+from ..kernels.matmul import gated_mlp, linear
 from .base import TargetAdapter
 
 
@@ -18,9 +20,9 @@ def attention_inputs(layer):
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = attn.q_norm(linear(attn.q_proj, x).reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = attn.k_norm(linear(attn.k_proj, x).reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = linear(attn.v_proj, x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
     return pre
@@ -29,8 +31,8 @@ def attention_inputs(layer):
 def attention_output_and_mlp(layer):
     def post(h, attended):
         B, L, _ = h.shape
-        h = h + layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu)
 
     return post
 

@@ -12,8 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.gemma4_text import geglu
 
 from ..cache import SlidingWindowCache
+from ..kernels.matmul import gated_mlp, linear
 from .base import TargetAdapter
 
 
@@ -24,12 +26,12 @@ def attention_inputs(layer):
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, attn.head_dim)).transpose(0, 2, 1, 3)
+        q = attn.q_norm(linear(attn.q_proj, x).reshape(B, L, attn.n_heads, attn.head_dim)).transpose(0, 2, 1, 3)
         q = attn.rope(q, offset=offset)
         if not attn.has_kv:
             return (q,)
-        k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
-        v = k if attn.use_k_eq_v else attn.v_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        k = linear(attn.k_proj, x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        v = k if attn.use_k_eq_v else linear(attn.v_proj, x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
         k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
         v = attn.v_norm(v).transpose(0, 2, 1, 3)
         return q, k, v
@@ -43,20 +45,20 @@ def attention_output_and_feed_forward(layer):
     def post(h, attended, *per_layer_input):
         per_layer_input = per_layer_input[0] if per_layer_input else None
         B, L, _ = h.shape
-        out = layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
         h = h + layer.post_attention_layernorm(out)
         residual = h
         if layer.enable_moe:
-            dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            dense = layer.post_feedforward_layernorm_1(gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), geglu))
             top_k_indices, top_k_weights = layer.router(h)
             experts = layer.experts(layer.pre_feedforward_layernorm_2(h), top_k_indices, top_k_weights)
             h = dense + layer.post_feedforward_layernorm_2(experts)
         else:
-            h = layer.mlp(layer.pre_feedforward_layernorm(h))
+            h = gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), geglu)
         h = residual + layer.post_feedforward_layernorm(h)
         if layer.per_layer_input_gate is not None and per_layer_input is not None:
-            gate = nn.gelu_approx(layer.per_layer_input_gate(h)) * per_layer_input
-            h = h + layer.post_per_layer_input_norm(layer.per_layer_projection(gate))
+            gate = nn.gelu_approx(linear(layer.per_layer_input_gate, h)) * per_layer_input
+            h = h + layer.post_per_layer_input_norm(linear(layer.per_layer_projection, gate))
         return h * layer.layer_scalar if layer.layer_scalar is not None else h
 
     return post

@@ -16,11 +16,13 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
+from ..kernels.matmul import gated_mlp, linear
 from .base import TargetAdapter
 
 
@@ -42,10 +44,10 @@ def gated_delta_layer(layer, step_states: bool = False):
     def block(h, conv_state, state):
         B, S, _ = h.shape
         x = layer.input_layernorm(h)
-        qkv = m.in_proj_qkv(x)
-        z = m.in_proj_z(x).reshape(B, S, m.num_v_heads, m.head_v_dim)
-        b = m.in_proj_b(x)
-        a = m.in_proj_a(x)
+        qkv = linear(m.in_proj_qkv, x)
+        z = linear(m.in_proj_z, x).reshape(B, S, m.num_v_heads, m.head_v_dim)
+        b = linear(m.in_proj_b, x)
+        a = linear(m.in_proj_a, x)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         conv_out = nn.silu(m.conv1d(conv_input))
         q, k, v = [
@@ -65,8 +67,8 @@ def gated_delta_layer(layer, step_states: bool = False):
         else:
             y, new_state = gated_delta(q, k, v, g, beta, state)
             kept = (q, k, v, g, beta)
-        h = h + m.out_proj(m.norm(y, z).reshape(B, S, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + linear(m.out_proj, m.norm(y, z).reshape(B, S, -1))
+        h = h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu)
         new_conv_state = conv_input[:, -(m.conv_kernel_size - 1) :]
         return h, new_conv_state, new_state, (conv_input, kept)
 
@@ -80,10 +82,10 @@ def gated_attention_inputs(layer):
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        queries, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+        queries, gate = mx.split(linear(attn.q_proj, x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
         q = attn.q_norm(queries).transpose(0, 2, 1, 3)
-        k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        v = attn.v_proj(x).reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_norm(linear(attn.k_proj, x).reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        v = linear(attn.v_proj, x).reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
         return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v, gate.reshape(B, L, -1)
 
     return pre
@@ -93,8 +95,8 @@ def gated_attention_output_and_mlp(layer):
     def post(h, attended, gate):
         B, L, _ = h.shape
         out = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        h = h + layer.self_attn.o_proj(out * mx.sigmoid(gate))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + linear(layer.self_attn.o_proj, out * mx.sigmoid(gate))
+        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu)
 
     return post
 

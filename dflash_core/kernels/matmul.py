@@ -1,0 +1,68 @@
+"""The weight products of decode and verify forwards (`x @ W.T` for a few rows), behind the gate.
+
+Adapters call `linear(layer, x)` where mlx-lm would call `layer(x)`, `gated_mlp(mlp, x, act)` for
+its gated MLPs and `tied_lm_head(embedding, x)` for a tied head. On CUDA, 4-bit affine weights
+(`nn.QuantizedLinear`, `nn.QuantizedEmbedding`) multiplied by at most 16 rows use our kernel
+(quantized_matmul_cuda.py), because MLX's CUDA quantized matmul streams them at a fraction of the
+card's bandwidth. Everything else, on every backend, is mlx-lm's own call, which is what tests
+compare the kernel against. bf16 weights keep MLX's GEMM: a kernel of ours for them did not beat
+it (docs/performance.md, "Weight streaming").
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import backend
+from . import quantized_matmul_cuda
+
+# Switched off by benchmarks to measure MLX's own quantized matmul in the same process.
+use_cuda_kernel = True
+
+
+def path_for(layer: nn.Module, x: mx.array) -> str:
+    """'cuda' where `layer`'s product with `x` runs through our kernel, else 'mlx'."""
+    if not (use_cuda_kernel and backend() == "cuda" and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))):
+        return "mlx"
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    ok = "biases" in layer and quantized_matmul_cuda.supported(
+        rows, x, layer.weight, layer.scales, layer.group_size, layer.bits, getattr(layer, "mode", "affine"))
+    return "cuda" if ok else "mlx"
+
+
+def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
+    rows = x.reshape(-1, x.shape[-1])
+    y = quantized_matmul_cuda.quantized_matmul_cuda(rows, layer.weight, layer.scales, layer.biases, layer.group_size)
+    return y.reshape(*x.shape[:-1], layer.weight.shape[0])
+
+
+def linear(layer: nn.Module, x: mx.array) -> mx.array:
+    """`layer(x)`, through the 4-bit small-M kernel where it runs."""
+    if path_for(layer, x) == "cuda":
+        y = _quantized_product(layer, x)
+        return y + layer.bias if "bias" in layer else y
+    return layer(x)
+
+
+def tied_lm_head(embedding: nn.Module, x: mx.array) -> mx.array:
+    """`embedding.as_linear(x)`, through the kernel for a 4-bit embedding where it runs."""
+    if path_for(embedding, x) == "cuda":
+        return _quantized_product(embedding, x)
+    return embedding.as_linear(x)
+
+
+def gated_mlp(mlp: nn.Module, x: mx.array, activation) -> mx.array:
+    """mlx-lm's gated MLP `down(activation(gate(x), up(x)))` (activation: mlx-lm's own `swiglu` or
+    `geglu`) with its projections through `linear`; other feed-forwards (MoE blocks) are the
+    module's own call."""
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+        return mlp(x)
+    return linear(mlp.down_proj, activation(linear(mlp.gate_proj, x), linear(mlp.up_proj, x)))
+
+
+def active_path() -> str:
+    """Which implementation small-M weight products use here (for `dflash doctor`)."""
+    if backend() == "cuda" and use_cuda_kernel:
+        return "dflash CUDA kernel for 4-bit affine weights and <= 16 rows; MLX otherwise"
+    return "MLX matmul"
