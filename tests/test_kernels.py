@@ -175,7 +175,10 @@ def _quantized_linear(n, k, group_size=64, bits=4, bias=False, dtype=mx.bfloat16
 
 
 def test_small_m_gate(monkeypatch):
-    """Which products the CUDA kernel takes: 4-bit affine weights, bf16, 1..16 rows, K % 128 == 0."""
+    """Which products the CUDA kernel takes: 4-bit affine weights, bf16, 1..16 rows, K % 128 == 0,
+    an Ampere or newer GPU."""
+    from dflash_core.kernels import quantized_matmul_cuda
+
     layer = _quantized_linear(64, 256)
     x = mx.zeros((1, 16, 256), mx.bfloat16)
     assert small_m.path_for(layer, x) == ("cuda" if backend() == "cuda" else "mlx")
@@ -190,6 +193,13 @@ def test_small_m_gate(monkeypatch):
     plain = nn.Linear(256, 64)
     plain.set_dtype(mx.bfloat16)
     assert small_m.path_for(plain, x) == "mlx"  # bf16 weights keep MLX's GEMM
+    half_scales = _quantized_linear(64, 256)
+    half_scales.scales = half_scales.scales.astype(mx.float16)
+    assert small_m.path_for(half_scales, x) == "mlx"
+    monkeypatch.setattr(quantized_matmul_cuda, "has_bf16_mma", lambda: False)  # e.g. a Turing card
+    assert small_m.path_for(layer, x) == "mlx"
+    monkeypatch.undo()
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
     monkeypatch.setattr(small_m, "use_cuda_kernel", False)
     assert small_m.path_for(layer, x) == "mlx"
 
@@ -205,15 +215,40 @@ def _quantized_mlp(dim, hidden):
 
 
 def test_mlx_path_is_mlx_lm_own_call(monkeypatch):
-    """Off the kernel, `linear` and `gated_mlp` are exactly the mlx-lm module calls they replace."""
+    """Off the kernel, `gated_mlp` composes mlx-lm's MLPs exactly (activation, gate and up in place)."""
     from mlx_lm.models.activations import swiglu
+    from mlx_lm.models.gemma4_text import MLP as GemmaMLP
+    from mlx_lm.models.gemma4_text import ModelArgs as GemmaArgs
+    from mlx_lm.models.gemma4_text import geglu
 
     monkeypatch.setattr(small_m, "use_cuda_kernel", False)  # the MLX path on every backend
     mlp = _quantized_mlp(128, 256)
     x = mx.random.normal((1, 5, 128)).astype(mx.bfloat16)
     assert mx.array_equal(small_m.gated_mlp(mlp, x, swiglu), mlp(x))
-    layer = _quantized_linear(32, 128, bias=True)
-    assert mx.array_equal(small_m.linear(layer, x), layer(x))
+    assert not mx.array_equal(small_m.gated_mlp(mlp, x, geglu), mlp(x))  # the check can fail
+    gemma = GemmaMLP(GemmaArgs.from_dict({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
+                                          "num_kv_shared_layers": 0}))
+    gemma.set_dtype(mx.bfloat16)
+    assert mx.array_equal(small_m.gated_mlp(gemma, x, geglu), gemma(x))
+
+
+def test_kernel_path_has_a_gradient(monkeypatch):
+    """`dflash train` can send a drafter block (<= 16 rows) through a 4-bit LM head: the kernel's
+    product must pass x's gradient on. Here a non-differentiable stand-in plays the kernel."""
+    from dflash_core.kernels import quantized_matmul_cuda
+
+    def stand_in(x, w, scales, biases, group_size):
+        return mx.stop_gradient(mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=4))
+
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
+    monkeypatch.setattr(quantized_matmul_cuda, "quantized_matmul_cuda", stand_in)
+    layer = _quantized_linear(64, 128)
+    x = mx.random.normal((1, 15, 128)).astype(mx.bfloat16)
+    assert small_m.path_for(layer, x) == "cuda"
+    grad = mx.grad(lambda x: small_m.linear(layer, x).astype(mx.float32).sum())(x)
+    expected = mx.grad(lambda x: layer(x).astype(mx.float32).sum())(x)
+    assert grad.shape == x.shape and mx.abs(grad).max().item() > 0
+    np.testing.assert_allclose(np.array(grad.astype(mx.float32)), np.array(expected.astype(mx.float32)), rtol=0.02, atol=0.02)
 
 
 def _dequantized_product(x, layer):
@@ -242,14 +277,17 @@ def test_quantized_kernel_matches_reference(n, k, group_size):
 
 
 @cuda_only
-def test_quantized_kernel_is_row_invariant():
-    """A token's output is bit-identical alone (decode) and in any block of up to 16 (verify)."""
+@pytest.mark.parametrize("n,k", [(2048, 4096), (12288, 4096), (48, 384), (32768, 512)])
+def test_quantized_kernel_is_row_invariant(n, k):
+    """A token's output is bit-identical alone (decode) and in any block of up to 16 (verify).
+    The shapes cover 4 warps splitting K evenly, 3 unevenly (12288 x 4096, the MLP's), one row
+    tile per warp (48 rows) and one warp per block (an LM head's many rows)."""
     from dflash_core.kernels.quantized_matmul_cuda import quantized_matmul_cuda
 
-    layer = _quantized_linear(2048, 4096)
+    layer = _quantized_linear(n, k)
     mx.random.seed(8)
-    x = mx.random.normal((16, 4096)).astype(mx.bfloat16)
-    other = mx.random.normal((16, 4096)).astype(mx.bfloat16)
+    x = mx.random.normal((16, k)).astype(mx.bfloat16)
+    other = mx.random.normal((16, k)).astype(mx.bfloat16)
     args = (layer.weight, layer.scales, layer.biases, 64)
     block = quantized_matmul_cuda(x, *args)
     for i in range(16):
@@ -266,14 +304,20 @@ def test_linear_and_tied_head_through_the_kernel():
     assert small_m.path_for(layer, x) == "cuda"
     got, expected = small_m.linear(layer, x), layer(x)
     assert got.shape == expected.shape == (1, 16, 512)
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=0.1, rtol=0.05)
+    _assert_close(got, expected)
     embedding = nn.Embedding(512, 1024)
     embedding.set_dtype(mx.bfloat16)
     embedding = nn.QuantizedEmbedding.from_embedding(embedding, group_size=64, bits=4)
     got, expected = small_m.tied_lm_head(embedding, x), embedding.as_linear(x)
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=0.1, rtol=0.05)
+    _assert_close(got, expected)
     from mlx_lm.models.activations import swiglu
 
     mlp = _quantized_mlp(1024, 2048)
     got, expected = small_m.gated_mlp(mlp, x, swiglu), mlp(x)
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=0.1, rtol=0.05)
+    _assert_close(got, expected)
+
+
+def _assert_close(got, expected):
+    """Within 3% of the output's largest magnitude: bf16 rounding, not a wrong layout or scale."""
+    got, expected = got.astype(mx.float32), expected.astype(mx.float32)
+    assert mx.abs(got - expected).max().item() <= 0.03 * mx.abs(expected).max().item()

@@ -11,6 +11,8 @@ it (docs/performance.md, "Weight streaming").
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -27,13 +29,31 @@ def path_for(layer: nn.Module, x: mx.array) -> str:
         return "mlx"
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     ok = "biases" in layer and quantized_matmul_cuda.supported(
-        rows, x, layer.weight, layer.scales, layer.group_size, layer.bits, getattr(layer, "mode", "affine"))
+        rows, x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits, getattr(layer, "mode", "affine"))
     return "cuda" if ok else "mlx"
+
+
+@functools.cache
+def _kernel_product(group_size: int):
+    """The kernel as a differentiable function of x: `dflash train` may send 16 rows of a drafter
+    block through a 4-bit target's LM head. The target is frozen, so its arrays get zeros."""
+
+    @mx.custom_function
+    def product(x, w, scales, biases):
+        return quantized_matmul_cuda.quantized_matmul_cuda(x, w, scales, biases, group_size)
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        x, w, scales, biases = primals
+        dx = mx.quantized_matmul(cotangent, w, scales, biases, transpose=False, group_size=group_size, bits=4)
+        return dx.astype(x.dtype), mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+
+    return product
 
 
 def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
     rows = x.reshape(-1, x.shape[-1])
-    y = quantized_matmul_cuda.quantized_matmul_cuda(rows, layer.weight, layer.scales, layer.biases, layer.group_size)
+    y = _kernel_product(layer.group_size)(rows, layer.weight, layer.scales, layer.biases)
     return y.reshape(*x.shape[:-1], layer.weight.shape[0])
 
 

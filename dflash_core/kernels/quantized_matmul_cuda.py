@@ -15,9 +15,10 @@ to (x0, x4) likewise (`mma_word` says how). 128 + q is exact in bf16; subtractin
 fused multiply-add with the group's scale and bias give the weight rounded once to bf16.
 
 Work split. A block of NW warps owns 16 * MT weight rows; warp w owns a fixed slice of the K/128
-chunks with fp32 accumulators, and the block sums the warps' partials in a fixed order. The
-launch shape depends on (N, K) only and nothing but the number of token tiles on M, so a token's
-output is bit-identical whether it is multiplied alone (decode) or with 15 others (verify).
+chunks with fp32 accumulators, and the block sums the warps' partials in a fixed order. NW and MT depend
+on (N, K) only; M sets the number of token tiles and U (chunks loaded ahead), and a step past a
+warp's last chunk multiplies zeros, adding exact zeros. So a token's output is bit-identical
+whether it is multiplied alone (decode) or with 15 others (verify).
 """
 
 from __future__ import annotations
@@ -226,20 +227,34 @@ def _kernel():
     )
 
 
-def supported(rows: int, x: mx.array, w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str) -> bool:
-    """bf16 x with 1..16 rows against 4-bit affine [N, K] weights with bf16 scales and biases,
-    K a multiple of 128 and N of 16."""
+@functools.cache
+def has_bf16_mma() -> bool:
+    """mma.sync m16n8k16 with bf16 operands needs compute capability 8.0 (Ampere) or newer. Devices
+    that do not report one (the CPU, MLX builds that do not say) are not refused here: the backend
+    gate decides where CUDA kernels run at all."""
+    major = mx.device_info().get("compute_capability_major")
+    return major is None or int(major) >= 8
+
+
+def supported(rows: int, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+              mode: str) -> bool:
+    """bf16 x with 1..16 rows against 4-bit affine [N, K] weights (uint32 words) with bf16 scales
+    and biases [N, K / group_size], K a multiple of 128 and N of 16, on an Ampere or newer GPU."""
+    n, k = w.shape[0], x.shape[-1]
     return (
         1 <= rows <= MAX_ROWS
         and bits == 4
         and mode == "affine"
         and group_size in GROUP_SIZES
         and x.dtype == mx.bfloat16
-        and scales.dtype == mx.bfloat16
+        and w.dtype == mx.uint32
+        and scales.dtype == biases.dtype == mx.bfloat16
         and w.ndim == 2
-        and w.shape[1] * 8 == x.shape[-1]
-        and x.shape[-1] % 128 == 0
-        and w.shape[0] % 16 == 0
+        and w.shape[1] * 8 == k
+        and k % 128 == 0
+        and n % 16 == 0
+        and scales.shape == biases.shape == (n, k // group_size)
+        and has_bf16_mma()
     )
 
 
