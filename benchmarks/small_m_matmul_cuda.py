@@ -25,6 +25,8 @@ import functools
 
 import mlx.core as mx
 
+from dflash_core.kernels.quantized_matmul_cuda import MMA_BF16_16816, SUM_WARP_PARTIALS
+
 # Defaults for gpu_kernels.py's exactness rows; its streaming rows sweep the others.
 VARIANT = "pipelined"  # or "direct": fragments loaded straight from global memory
 WARPS = 2  # NW: warps per block, splitting K
@@ -40,15 +42,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\\n" ::"n"(N)); }
 
-__device__ __forceinline__ void mma_bf16_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
+""" + MMA_BF16_16816 + """
 // One 32-k chunk: lane (g = lane / 4, t = lane % 4) holds k = 8t..8t+7 of weight rows g and g + 8
 // (w_lo, w_hi) and of token g (x_tok). The m16n8k16 fragments want, for lane (g, t), columns
 // 2t, 2t+1 and 2t+8, 2t+9 of a 16-k step; mapping step s's logical column 2t+j to physical
@@ -207,30 +201,7 @@ _SOURCE_PIPELINED = _COMMON + """
     }
 """
 
-_REDUCE = """
-    // Accumulator lane layout: (row g, tokens 2t, 2t+1) and (row g + 8, the same tokens).
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int r = mt * 16 + g;
-        const int col = nt * 8 + 2 * t;
-        partial[warp][r][col] = acc[mt][nt][0];
-        partial[warp][r][col + 1] = acc[mt][nt][1];
-        partial[warp][r + 8][col] = acc[mt][nt][2];
-        partial[warp][r + 8][col + 1] = acc[mt][nt][3];
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * M; i += NW * 32) {
-      const int r = i % ROWS;
-      const int token = i / ROWS;
-      float sum = 0.0f;
-      #pragma unroll
-      for (int p = 0; p < NW; ++p) sum += partial[p][r][token];
-      y[(size_t)token * N + row0 + r] = static_cast<OutT>(sum);
-    }
-"""
+_REDUCE = SUM_WARP_PARTIALS
 
 
 @functools.cache

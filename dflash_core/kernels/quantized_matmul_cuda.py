@@ -30,9 +30,10 @@ import mlx.core as mx
 GROUP_SIZES = (32, 64, 128)
 MAX_ROWS = 16
 
-_HEADER = """
-typedef __nv_bfloat16 bf16;
-
+# The tensor-core MMA and the block's fixed-order sum of its warps' partials (into y as OutT, from
+# `__shared__ float partial[NW][ROWS][NT * 8]`), shared with the bf16 experiment of the same layout
+# (benchmarks/small_m_matmul_cuda.py).
+MMA_BF16_16816 = """
 __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                                unsigned b0, unsigned b1) {
   asm volatile(
@@ -41,7 +42,36 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned a0, unsigned a
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+"""
 
+SUM_WARP_PARTIALS = """
+    // Accumulator lane layout: (row g, tokens 2t, 2t+1) and (row g + 8, the same tokens).
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = mt * 16 + g;
+        const int col = nt * 8 + 2 * t;
+        partial[warp][r][col] = acc[mt][nt][0];
+        partial[warp][r][col + 1] = acc[mt][nt][1];
+        partial[warp][r + 8][col] = acc[mt][nt][2];
+        partial[warp][r + 8][col + 1] = acc[mt][nt][3];
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * M; i += NW * 32) {
+      const int r = i % ROWS;
+      const int token = i / ROWS;
+      float sum = 0.0f;
+      #pragma unroll
+      for (int p = 0; p < NW; ++p) sum += partial[p][r][token];
+      y[(size_t)token * N + row0 + r] = static_cast<OutT>(sum);
+    }
+"""
+
+_HEADER = """
+typedef __nv_bfloat16 bf16;
+""" + MMA_BF16_16816 + """
 __device__ __forceinline__ unsigned as_u32(__nv_bfloat162 v) { return *reinterpret_cast<unsigned*>(&v); }
 
 // Nibbles (shift, shift + 16) of a word as a bf16 pair of weights: scale * q + bias, rounded once.
@@ -188,30 +218,8 @@ _SOURCE = """
           }
     }
 
-    // Accumulator lane layout: (row g, tokens 2t, 2t+1) and (row g + 8, the same tokens).
     __shared__ float partial[NW][ROWS][NT * 8];
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int r = mt * 16 + g;
-        const int col = nt * 8 + 2 * t;
-        partial[warp][r][col] = acc[mt][nt][0];
-        partial[warp][r][col + 1] = acc[mt][nt][1];
-        partial[warp][r + 8][col] = acc[mt][nt][2];
-        partial[warp][r + 8][col + 1] = acc[mt][nt][3];
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * M; i += NW * 32) {
-      const int r = i % ROWS;
-      const int token = i / ROWS;
-      float sum = 0.0f;
-      #pragma unroll
-      for (int p = 0; p < NW; ++p) sum += partial[p][r][token];
-      y[(size_t)token * N + row0 + r] = static_cast<bf16>(sum);
-    }
-"""
+""" + SUM_WARP_PARTIALS
 
 WARP_TARGET = 1024  # warps wanted across the card (132 SMs on the H200) to keep loads in flight
 
@@ -278,7 +286,7 @@ def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx
     nw, mt, u = shape or launch_shape(n, k, m)
     return _kernel()(
         inputs=[x, w, scales, biases],
-        template=[("G", group_size), ("NW", nw), ("MT", mt), ("U", u), ("NT", (m + 7) // 8)],
+        template=[("OutT", mx.bfloat16), ("G", group_size), ("NW", nw), ("MT", mt), ("U", u), ("NT", (m + 7) // 8)],
         grid=(n // (16 * mt) * nw * 32, 1, 1),
         threadgroup=(nw * 32, 1, 1),
         output_shapes=[(m, n)],
@@ -289,6 +297,6 @@ def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx
 # Local compile checks without a GPU (NVRTC): (header, source, inputs, outputs, template values).
 NVRTC_CASES = [
     (_HEADER, _SOURCE, [("x", "__nv_bfloat16"), ("w", "uint32_t"), ("scales", "__nv_bfloat16"), ("biases", "__nv_bfloat16")],
-     [("y", "__nv_bfloat16")], [("G", 64), ("NW", nw), ("MT", mt), ("U", u), ("NT", nt)])
+     [("y", "__nv_bfloat16")], [("OutT", "__nv_bfloat16"), ("G", 64), ("NW", nw), ("MT", mt), ("U", u), ("NT", nt)])
     for nw, mt, u, nt in [(4, 1, 2, 1), (8, 2, 2, 2), (2, 4, 1, 2), (3, 2, 1, 1)]
 ]
