@@ -4,8 +4,8 @@ MoE). Every cache is a trimmable KV cache, so rollback is a trim."""
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from ..kernels.attention import attention
