@@ -73,12 +73,16 @@ def gated_delta_rows():
     return rows
 
 
+def random_kv(kv_heads, keys, dim):
+    """A bf16 cache's keys and values [1, kv_heads, keys, dim]."""
+    return tuple(mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16) for _ in range(2))
+
+
 def attention_rows():
     rows = []
     for label, heads, kv_heads, dim in (("qwen3.5 hd256", 16, 4, 256), ("gemma4 global hd512", 32, 4, 512)):
         for keys in (1024, 8192, 32768):
-            k = mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16)
-            v = mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16)
+            k, v = random_kv(kv_heads, keys, dim)
             mx.eval(k, v)
             row = {"shape": label, "keys": keys}
             for L in (1, 16):
@@ -233,8 +237,7 @@ def block_attention_rows():
     rows = []
     for label, heads, kv_heads, dim in (("qwen3 hd128", 32, 8, 128), ("qwen3.5 hd256", 16, 4, 256)):
         for keys in (1024, 8192, 32768):
-            k = mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16)
-            v = mx.random.normal((1, kv_heads, keys, dim)).astype(mx.bfloat16)
+            k, v = random_kv(kv_heads, keys, dim)
             q = mx.random.normal((1, heads, 16, dim)).astype(mx.bfloat16)
             start = keys - 200  # the engine's verify mask: a buffer whose tail is unused
             mask = mx.arange(keys)[None] <= mx.arange(start, start + 16)[:, None]

@@ -196,11 +196,10 @@ def test_small_m_gate(monkeypatch):
     half_scales = _quantized_linear(64, 256)
     half_scales.scales = half_scales.scales.astype(mx.float16)
     assert small_m.path_for(half_scales, x) == "mlx"
-    monkeypatch.setattr(quantized_matmul_cuda, "has_bf16_mma", lambda: False)  # e.g. a Turing card
-    assert small_m.path_for(layer, x) == "mlx"
-    monkeypatch.undo()
-    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
     monkeypatch.setattr(small_m, "use_cuda_kernel", False)
+    assert small_m.path_for(layer, x) == "mlx"
+    monkeypatch.setattr(small_m, "use_cuda_kernel", True)
+    monkeypatch.setattr(quantized_matmul_cuda, "has_bf16_mma", lambda: False)  # e.g. a Turing card
     assert small_m.path_for(layer, x) == "mlx"
 
 

@@ -1,8 +1,8 @@
 """`x @ dequantize(W).T` for a few rows of x (M <= 16) and 4-bit affine weights, on tensor cores.
 
 A decode step multiplies one row and a verify 16 rows by every weight matrix, so the product is
-bound by reading the weights. MLX's CUDA quantized matmul streams 4-bit weights at 0.2-0.8 TB/s
-on the H200 (docs/performance.md), which made 4-bit targets decode slower than bf16 ones. Here
+bound by reading the weights. MLX's CUDA quantized matmul streams 4-bit weights at 0.15-0.94 TB/s
+on the H200 (docs/performance.md), which made a 4-bit verify cost 2.3-3.7 decode steps. Here
 each 4-bit weight is read once, turned into bf16 in registers, and fed to mma.sync m16n8k16.
 
 Layout (MLX's affine format). `w` is [N, K / 8] uint32, nibble j of a word at bits 4j..4j+3;
@@ -270,8 +270,9 @@ def launch_shape(n: int, k: int, m: int = 1) -> tuple[int, int, int]:
     """(NW warps per block splitting K, MT 16-row tiles per warp, U chunks loaded ahead) for an
     [N, K] weight and M rows. NW fixes the order of the sum over K, so it depends on the weight's
     shape only: a token's output must not depend on M. MT and U change which registers and when,
-    not the arithmetic. Picked from gpu_kernels.py's sweep (docs/performance.md): two row tiles,
-    at most 4 warps, two chunks ahead for one token tile, one for two (fewer registers)."""
+    not the arithmetic. Set after gpu_kernels.py's sweep (docs/performance.md), which favoured
+    fewer warps for 16 rows: two row tiles, at most 4 warps, two chunks ahead for one token tile,
+    one for two (fewer registers)."""
     mt = 2 if n % 32 == 0 else 1
     blocks = n // (16 * mt)
     nw = max(1, min(4, k // 128, -(-WARP_TARGET // blocks)))
