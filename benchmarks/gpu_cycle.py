@@ -9,11 +9,12 @@ with the drafts: this measures speed, not acceptance).
 
     python benchmarks/gpu_cycle.py --models qwen3.5-9b --quant bf16 --contexts 1024,8192 --out r.json
 
-`--paths dflash,replay,mlx,mlx-qmm` measures each context with this project's CUDA paths (block
-attention, dflash_core/kernels/attention.py; GatedDeltaNet rollback from recorded step states;
-the 4-bit small-M matmul, dflash_core/kernels/matmul.py), with the rollback replaying the
-recurrence instead, with MLX's fused attention, the replay and MLX's quantized matmul, and with
-only MLX's quantized matmul swapped back in, all in the same process.
+`--paths dflash,replay,mlx,mlx-qmm,unfused` measures each context with this project's CUDA paths
+(block attention, dflash_core/kernels/attention.py; GatedDeltaNet rollback from recorded step
+states; the 4-bit small-M matmul, dflash_core/kernels/matmul.py), with the rollback replaying the
+recurrence instead, with MLX's fused attention, the replay and MLX's quantized matmul, with only
+MLX's quantized matmul swapped back in, and with a 4-bit kernel launch per weight instead of one
+per shared input, all in the same process.
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ def main() -> int:
     parser.add_argument("--paths", default="dflash",
                         help="comma list of: dflash (this project's CUDA paths), replay (GatedDeltaNet rollback "
                              "by replay instead of recorded step states), mlx (MLX's fused attention, replay and "
-                             "quantized matmul), mlx-qmm (dflash with MLX's quantized matmul)")
+                             "quantized matmul), mlx-qmm (dflash with MLX's quantized matmul), unfused (dflash with a "
+                             "4-bit launch per weight, not one per shared input)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()
@@ -203,9 +205,10 @@ def main() -> int:
                      "weight_gb_per_token": weight_bytes_per_token(adapter) / 1e9, "contexts": []}
             for context in (int(c) for c in args.contexts.split(",")):
                 for paths in args.paths.split(","):
-                    block_attention.use_stacked = paths in ("dflash", "replay", "mlx-qmm")
-                    gated_delta.use_step_states = paths in ("dflash", "mlx-qmm")
-                    small_m.use_cuda_kernel = paths in ("dflash", "replay")
+                    block_attention.use_stacked = paths in ("dflash", "replay", "mlx-qmm", "unfused")
+                    gated_delta.use_step_states = paths in ("dflash", "mlx-qmm", "unfused")
+                    small_m.use_cuda_kernel = paths in ("dflash", "replay", "unfused")
+                    small_m.fuse_shared_input = paths != "unfused"
                     adapter.clear_compiled()  # the matmul switch is read when a block is traced
                     row = {"paths": paths, **run_context(name, adapter, drafter, context, args.decode_tokens)}
                     row["weight_tb_s"] = entry["weight_gb_per_token"] / row["decode_ms"]  # GB/ms == TB/s

@@ -8,6 +8,7 @@
 - the 4-bit small-M matmul (dflash_core/kernels/quantized_matmul_cuda.py): exactness against a
   float32 product and MLX's quantized matmul, row invariance, and streaming per launch shape
   against MLX's quantized matmul at Qwen3.5-9B's projection shapes;
+- the same kernel with the projections that share an input in one launch, against a launch each;
 - a verify block's attention (16 queries, head_dim 128 and 256) over long caches: MLX's fused
   path with the engine's mask against the stacked-GEMM path of dflash_core/kernels/attention.py;
 - GatedDeltaNet's depthwise conv for a decode step and a verify block;
@@ -196,7 +197,7 @@ def q4_matmul_rows():
         x16 = mx.random.normal((16, K)).astype(mx.bfloat16)
         dq = mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32)
         block = q4.quantized_matmul_cuda(x16, *q, 64)
-        exact = {"N": N, "K": K, "launch": q4.launch_shape(N, K), "max_abs_err_vs_fp32": 0.0,
+        exact = {"N": N, "K": K, "launch": q4.launch_shape((N,), K), "max_abs_err_vs_fp32": 0.0,
                  "mlx_max_abs_err_vs_fp32": 0.0, "row_invariant": True}
         for M in (1, 2, 5, 8, 9, 16):
             x = x16[:M]
@@ -229,6 +230,43 @@ def q4_matmul_rows():
             print(json.dumps({"q4_streaming": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}}),
                   flush=True)
         weights = None  # free them before the next shape
+        mx.clear_cache()
+    return rows
+
+
+# Qwen3.5-9B's projections that share an input: a GatedDeltaNet layer's qkv, z, b, a; an
+# attention layer's q (with its gate), k, v; the MLP's gate and up.
+Q4_SHARED_INPUT = {"gdn in_proj qkv/z/b/a": ((8192, 4096, 32, 32), 4096),
+                   "attention q/k/v": ((8192, 1024, 1024), 4096),
+                   "mlp gate/up": ((12288, 12288), 4096)}
+
+
+def q4_fused_rows():
+    """One launch for the weights that share an input against one launch per weight, over 32
+    layers' worth of distinct weights (as a forward streams them), ms per layer."""
+    rows = []
+    for label, (ns, K) in Q4_SHARED_INPUT.items():
+        layers = [[mx.quantize((mx.random.normal((n, K)) / K**0.5).astype(mx.bfloat16), group_size=64, bits=4)
+                   for n in ns] for _ in range(32)]
+        mx.eval(layers)
+        nbytes = sum(a.nbytes for layer in layers for q in layer for a in q)
+        for M in (1, 16):
+            x = mx.random.normal((M, K)).astype(mx.bfloat16)
+            apart = bench(lambda: [y for layer in layers for q in layer for y in [q4.quantized_matmul_cuda(x, *q, 64)]])
+            fused = bench(lambda: [y for layer in layers for y in q4.quantized_matmuls_cuda(x, layer, 64)])
+            mlx_own = bench(lambda: [mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
+                                     for layer in layers for q in layer])
+            same = all(mx.array_equal(a, b).item() for a, b in zip(
+                q4.quantized_matmuls_cuda(x, layers[0], 64), [q4.quantized_matmul_cuda(x, *q, 64) for q in layers[0]]))
+            row = {"weights": label, "N": list(ns), "K": K, "M": M, "launch_apart": [q4.launch_shape((n,), K, M) for n in ns],
+                   "launch_fused": q4.launch_shape(ns, K, M), "ms_per_layer_apart": apart / 32 * 1e3,
+                   "ms_per_layer_fused": fused / 32 * 1e3, "ms_per_layer_mlx": mlx_own / 32 * 1e3,
+                   "tb_s_apart": nbytes / apart / 1e12, "tb_s_fused": nbytes / fused / 1e12, "tb_s_mlx": nbytes / mlx_own / 1e12,
+                   "fused_bit_identical_to_apart": same}
+            rows.append(row)
+            print(json.dumps({"q4_fused": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}}),
+                  flush=True)
+        layers = None
         mx.clear_cache()
     return rows
 
@@ -308,11 +346,11 @@ def conv_rows():
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, q4_matmul, "
+    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, q4_matmul, q4_fused, "
                                        "block_attention, kv_rollback, conv")
     args = parser.parse_args()
     sections = {"gated_delta": gated_delta_rows, "attention": attention_rows, "streaming": streaming_rows,
-                "matmul": matmul_rows, "q4_matmul": q4_matmul_rows, "block_attention": block_attention_rows, "kv_rollback": kv_rollback_rows,
+                "matmul": matmul_rows, "q4_matmul": q4_matmul_rows, "q4_fused": q4_fused_rows, "block_attention": block_attention_rows, "kv_rollback": kv_rollback_rows,
                 "conv": conv_rows}
     chosen = args.only.split(",") if args.only else list(sections)
     report = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,

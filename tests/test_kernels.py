@@ -233,21 +233,59 @@ def test_mlx_path_is_mlx_lm_own_call(monkeypatch):
 
 def test_kernel_path_has_a_gradient(monkeypatch):
     """`dflash train` can send a drafter block (<= 16 rows) through a 4-bit LM head: the kernel's
-    product must pass x's gradient on. Here a non-differentiable stand-in plays the kernel."""
+    product must pass x's gradient on, summed over the weights of one launch. Here a
+    non-differentiable stand-in plays the kernel."""
     from dflash_core.kernels import quantized_matmul_cuda
 
-    def stand_in(x, w, scales, biases, group_size):
-        return mx.stop_gradient(mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=4))
+    def stand_in(x, weights, group_size):
+        return [mx.stop_gradient(mx.quantized_matmul(x, *weight, transpose=True, group_size=group_size, bits=4))
+                for weight in weights]
 
     monkeypatch.setattr(small_m, "backend", lambda: "cuda")
-    monkeypatch.setattr(quantized_matmul_cuda, "quantized_matmul_cuda", stand_in)
-    layer = _quantized_linear(64, 128)
+    monkeypatch.setattr(quantized_matmul_cuda, "quantized_matmuls_cuda", stand_in)
+    layer, other = _quantized_linear(64, 128), _quantized_linear(32, 128)
     x = mx.random.normal((1, 15, 128)).astype(mx.bfloat16)
     assert small_m.path_for(layer, x) == "cuda"
-    grad = mx.grad(lambda x: small_m.linear(layer, x).astype(mx.float32).sum())(x)
-    expected = mx.grad(lambda x: layer(x).astype(mx.float32).sum())(x)
-    assert grad.shape == x.shape and mx.abs(grad).max().item() > 0
-    np.testing.assert_allclose(np.array(grad.astype(mx.float32)), np.array(expected.astype(mx.float32)), rtol=0.02, atol=0.02)
+    for through_kernel, own in [
+        (lambda x: small_m.linear(layer, x).astype(mx.float32).sum(), lambda x: layer(x).astype(mx.float32).sum()),
+        (lambda x: sum((y.astype(mx.float32) ** 2).sum() for y in small_m.linears([layer, other], x)),
+         lambda x: (layer(x).astype(mx.float32) ** 2).sum() + (other(x).astype(mx.float32) ** 2).sum()),
+    ]:
+        grad, expected = mx.grad(through_kernel)(x), mx.grad(own)(x)
+        assert grad.shape == x.shape and mx.abs(grad).max().item() > 0
+        np.testing.assert_allclose(np.array(grad.astype(mx.float32)), np.array(expected.astype(mx.float32)),
+                                   rtol=0.02, atol=0.02)
+
+
+def test_projections_sharing_an_input_share_a_launch(monkeypatch):
+    """`linears` sends the layers the kernel takes in one launch per group size and the others
+    through mlx-lm's own calls, each layer's bias added to its own output."""
+    from dflash_core.kernels import quantized_matmul_cuda
+
+    launches = []
+
+    def stand_in(x, weights, group_size):
+        launches.append(len(weights))
+        return [mx.quantized_matmul(x, *weight, transpose=True, group_size=group_size, bits=4) for weight in weights]
+
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
+    monkeypatch.setattr(quantized_matmul_cuda, "quantized_matmuls_cuda", stand_in)
+    q, k, v = _quantized_linear(128, 256, bias=True), _quantized_linear(64, 256), _quantized_linear(32, 256)
+    x = mx.random.normal((1, 3, 256)).astype(mx.bfloat16)
+    for got, layer in zip(small_m.linears([q, k, v], x), [q, k, v]):
+        assert mx.array_equal(got, layer(x))
+    assert launches == [3]
+    # An 8-bit layer keeps mlx-lm's call; another group size gets its own launch.
+    for odd_one, expected_launches in ((_quantized_linear(64, 256, bits=8), [2]),
+                                       (_quantized_linear(64, 256, group_size=32), [2, 1])):
+        launches.clear()
+        for got, layer in zip(small_m.linears([q, odd_one, k], x), [q, odd_one, k]):
+            assert mx.array_equal(got, layer(x))
+        assert launches == expected_launches
+    launches.clear()
+    monkeypatch.setattr(small_m, "fuse_shared_input", False)
+    small_m.linears([q, k, v], x)
+    assert launches == [1, 1, 1]
 
 
 def _dequantized_product(x, layer):
@@ -296,6 +334,28 @@ def test_quantized_kernel_is_row_invariant(n, k):
 
 
 @cuda_only
+@pytest.mark.parametrize("ns,k", [((2048, 512, 512), 1024), ((4096, 2048, 32, 32), 512), ((48, 256), 384)])
+def test_one_launch_for_several_weights(ns, k):
+    """Weights sharing x in one launch (q, k, v; Qwen3.5's qkv, z, b, a; one with 48 rows, so
+    one row tile for all): each product within bf16 rounding, and row-invariant as one weight is."""
+    from dflash_core.kernels.quantized_matmul_cuda import quantized_matmuls_cuda
+
+    layers = [_quantized_linear(n, k) for n in ns]
+    weights = [(layer.weight, layer.scales, layer.biases) for layer in layers]
+    mx.random.seed(10)
+    x = mx.random.normal((16, k)).astype(mx.bfloat16)
+    block = quantized_matmuls_cuda(x, weights, 64)
+    for got, layer in zip(block, layers):
+        expected = _dequantized_product(x, layer)
+        mlx_err = mx.max(mx.abs(layer(x).astype(mx.float32) - expected)).item()
+        scale = mx.sqrt(mx.mean(expected * expected)).item()
+        assert mx.max(mx.abs(got.astype(mx.float32) - expected)).item() <= max(2 * mlx_err, 0.01 * scale)
+    for i in (0, 5, 15):
+        for alone, together in zip(quantized_matmuls_cuda(x[i : i + 1], weights, 64), block):
+            assert mx.array_equal(alone[0], together[i])
+
+
+@cuda_only
 def test_linear_and_tied_head_through_the_kernel():
     mx.random.seed(9)
     layer = _quantized_linear(512, 1024, bias=True)
@@ -314,6 +374,9 @@ def test_linear_and_tied_head_through_the_kernel():
     mlp = _quantized_mlp(1024, 2048)
     got, expected = small_m.gated_mlp(mlp, x, swiglu), mlp(x)
     _assert_close(got, expected)
+    other = _quantized_linear(256, 1024)
+    for got, layer in zip(small_m.linears([layer, other], x), [layer, other]):
+        _assert_close(got, layer(x))
 
 
 def _assert_close(got, expected):

@@ -9,7 +9,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import KVCache
 
 from ..kernels.attention import attention
-from ..kernels.matmul import gated_mlp, linear
+from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter
 
 
@@ -20,9 +20,10 @@ def attention_inputs(layer):
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        q = attn.q_norm(linear(attn.q_proj, x).reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = attn.k_norm(linear(attn.k_proj, x).reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = linear(attn.v_proj, x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = linears([attn.q_proj, attn.k_proj, attn.v_proj], x)
+        q = attn.q_norm(q.reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = attn.k_norm(k.reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
     return pre

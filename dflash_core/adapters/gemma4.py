@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import geglu
 
 from ..cache import SlidingWindowCache
-from ..kernels.matmul import gated_mlp, linear
+from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter
 
 
@@ -26,12 +26,16 @@ def attention_inputs(layer):
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        q = attn.q_norm(linear(attn.q_proj, x).reshape(B, L, attn.n_heads, attn.head_dim)).transpose(0, 2, 1, 3)
+        projections = [attn.q_proj]
+        if attn.has_kv:
+            projections += [attn.k_proj] if attn.use_k_eq_v else [attn.k_proj, attn.v_proj]
+        q, *kv = linears(projections, x)
+        q = attn.q_norm(q.reshape(B, L, attn.n_heads, attn.head_dim)).transpose(0, 2, 1, 3)
         q = attn.rope(q, offset=offset)
         if not attn.has_kv:
             return (q,)
-        k = linear(attn.k_proj, x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
-        v = k if attn.use_k_eq_v else linear(attn.v_proj, x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        k = kv[0].reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        v = k if attn.use_k_eq_v else kv[1].reshape(B, L, attn.n_kv_heads, attn.head_dim)
         k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
         v = attn.v_norm(v).transpose(0, 2, 1, 3)
         return q, k, v

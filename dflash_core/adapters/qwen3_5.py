@@ -22,7 +22,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
-from ..kernels.matmul import gated_mlp, linear
+from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter
 
 
@@ -44,10 +44,8 @@ def gated_delta_layer(layer, step_states: bool = False):
     def block(h, conv_state, state):
         B, S, _ = h.shape
         x = layer.input_layernorm(h)
-        qkv = linear(m.in_proj_qkv, x)
-        z = linear(m.in_proj_z, x).reshape(B, S, m.num_v_heads, m.head_v_dim)
-        b = linear(m.in_proj_b, x)
-        a = linear(m.in_proj_a, x)
+        qkv, z, b, a = linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], x)
+        z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         conv_out = nn.silu(m.conv1d(conv_input))
         q, k, v = [
@@ -82,10 +80,11 @@ def gated_attention_inputs(layer):
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        queries, gate = mx.split(linear(attn.q_proj, x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+        q, k, v = linears([attn.q_proj, attn.k_proj, attn.v_proj], x)
+        queries, gate = mx.split(q.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
         q = attn.q_norm(queries).transpose(0, 2, 1, 3)
-        k = attn.k_norm(linear(attn.k_proj, x).reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        v = linear(attn.v_proj, x).reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_norm(k.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
         return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v, gate.reshape(B, L, -1)
 
     return pre

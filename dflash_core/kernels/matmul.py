@@ -1,6 +1,7 @@
 """The weight products of decode and verify forwards (`x @ W.T` for a few rows), behind the gate.
 
-Adapters call `linear(layer, x)` where mlx-lm would call `layer(x)`, `gated_mlp(mlp, x, act)` for
+Adapters call `linear(layer, x)` where mlx-lm would call `layer(x)`, `linears(layers, x)` for
+projections that share an input (one launch on the kernel's path), `gated_mlp(mlp, x, act)` for
 its gated MLPs and `tied_lm_head(embedding, x)` for a tied head. On CUDA, 4-bit affine weights
 (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`) multiplied by at most 16 rows use our kernel
 (quantized_matmul_cuda.py), because MLX's CUDA quantized matmul streams them at a fraction of the
@@ -19,8 +20,10 @@ import mlx.nn as nn
 from . import backend
 from . import quantized_matmul_cuda
 
-# Switched off by benchmarks to measure MLX's own quantized matmul in the same process.
+# Switched off by benchmarks to measure MLX's own quantized matmul in the same process, or a
+# launch per weight instead of one per input.
 use_cuda_kernel = True
+fuse_shared_input = True
 
 
 def path_for(layer: nn.Module, x: mx.array) -> str:
@@ -39,36 +42,51 @@ def _kernel_product(group_size: int):
     block through a 4-bit target's LM head. The target is frozen, so its arrays get zeros."""
 
     @mx.custom_function
-    def product(x, w, scales, biases):
-        return quantized_matmul_cuda.quantized_matmul_cuda(x, w, scales, biases, group_size)
+    def product(x, weights):
+        return quantized_matmul_cuda.quantized_matmuls_cuda(x, weights, group_size)
 
     @product.vjp
-    def product_vjp(primals, cotangent, output):
-        x, w, scales, biases = primals
-        dx = mx.quantized_matmul(cotangent, w, scales, biases, transpose=False, group_size=group_size, bits=4)
-        return dx.astype(x.dtype), mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+    def product_vjp(primals, cotangents, outputs):
+        x, weights = primals
+        dx = sum(mx.quantized_matmul(dy, w, scales, biases, transpose=False, group_size=group_size, bits=4)
+                 for dy, (w, scales, biases) in zip(cotangents, weights))
+        return dx.astype(x.dtype), [tuple(mx.zeros_like(a) for a in weight) for weight in weights]
 
     return product
 
 
-def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
+def _quantized_products(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
     rows = x.reshape(-1, x.shape[-1])
-    y = _kernel_product(layer.group_size)(rows, layer.weight, layer.scales, layer.biases)
-    return y.reshape(*x.shape[:-1], layer.weight.shape[0])
+    weights = [(layer.weight, layer.scales, layer.biases) for layer in layers]
+    ys = _kernel_product(layers[0].group_size)(rows, weights)
+    return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
+def linears(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
+    """`[layer(x) for layer in layers]`, with the layers the kernel takes (by group size) in one
+    launch: a launch costs about what streaming a small weight does (q, k, v; gate and up)."""
+    ys = [None] * len(layers)
+    launches = {}
+    for i, layer in enumerate(layers):
+        if path_for(layer, x) == "cuda":
+            launches.setdefault(layer.group_size if fuse_shared_input else -1 - i, []).append(i)
+        else:
+            ys[i] = layer(x)
+    for members in launches.values():
+        for i, y in zip(members, _quantized_products([layers[i] for i in members], x)):
+            ys[i] = y + layers[i].bias if "bias" in layers[i] else y
+    return ys
 
 
 def linear(layer: nn.Module, x: mx.array) -> mx.array:
     """`layer(x)`, through the 4-bit small-M kernel where it runs."""
-    if path_for(layer, x) == "cuda":
-        y = _quantized_product(layer, x)
-        return y + layer.bias if "bias" in layer else y
-    return layer(x)
+    return linears([layer], x)[0]
 
 
 def tied_lm_head(embedding: nn.Module, x: mx.array) -> mx.array:
     """`embedding.as_linear(x)`, through the kernel for a 4-bit embedding where it runs."""
     if path_for(embedding, x) == "cuda":
-        return _quantized_product(embedding, x)
+        return _quantized_products([embedding], x)[0]
     return embedding.as_linear(x)
 
 
@@ -78,7 +96,8 @@ def gated_mlp(mlp: nn.Module, x: mx.array, activation) -> mx.array:
     module's own call."""
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
         return mlp(x)
-    return linear(mlp.down_proj, activation(linear(mlp.gate_proj, x), linear(mlp.up_proj, x)))
+    gate, up = linears([mlp.gate_proj, mlp.up_proj], x)
+    return linear(mlp.down_proj, activation(gate, up))
 
 
 def active_path() -> str:

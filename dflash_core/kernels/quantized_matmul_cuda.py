@@ -102,17 +102,16 @@ __device__ __forceinline__ void mma_word(float* acc, unsigned w_lo, unsigned w_h
 }
 """
 
-_SOURCE = """
-    constexpr int ROWS = 16 * MT;
+# The body for weights w0, w1, ... that share x: their rows are numbered one after another across
+# the grid, and `_part_selection` points a block at the weight its rows belong to.
+_BODY = """
     const int M = x_shape[0];
     const int K = x_shape[1];
-    const int N = w_shape[0];
     const int groups = K / G;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int row0 = blockIdx.x * ROWS;
 
     // Lane t's 32 k of each 128-k chunk: 4 uint4 of x per token, one uint4 of nibbles per row.
     const uint4* x_rows[NT];
@@ -221,16 +220,35 @@ _SOURCE = """
     __shared__ float partial[NW][ROWS][NT * 8];
 """ + SUM_WARP_PARTIALS
 
+
+def _part_selection(parts: int) -> str:
+    """Point this block's `w`, `scales`, `biases`, `y`, `N` and first row at the weight it works
+    on: every weight's row count is a multiple of ROWS, so a block never straddles two."""
+    lines = [
+        "    constexpr int ROWS = 16 * MT;",
+        "    int row0 = blockIdx.x * ROWS;",
+        "    auto w = w0; auto scales = scales0; auto biases = biases0; auto y = y0;",
+        "    int N = w0_shape[0];",
+    ]
+    for i in range(1, parts):
+        lines.append(f"    if (row0 >= N) {{ row0 -= N; w = w{i}; scales = scales{i}; biases = biases{i}; y = y{i}; "
+                     f"N = w{i}_shape[0]; }}")
+    return "\n".join(lines) + "\n"
+
+
+def _input_names(parts: int) -> list[str]:
+    return ["x"] + [f"{name}{i}" for i in range(parts) for name in ("w", "scales", "biases")]
+
 WARP_TARGET = 1024  # warps wanted across the card (132 SMs on the H200) to keep loads in flight
 
 
 @functools.cache
-def _kernel():
+def _kernel(parts: int):
     return mx.fast.cuda_kernel(
-        name="dflash_q4_small_m_matmul",
-        input_names=["x", "w", "scales", "biases"],
-        output_names=["y"],
-        source=_SOURCE,
+        name=f"dflash_q4_small_m_matmul_{parts}",
+        input_names=_input_names(parts),
+        output_names=[f"y{i}" for i in range(parts)],
+        source=_part_selection(parts) + _BODY,
         header=_HEADER,
     )
 
@@ -266,38 +284,50 @@ def supported(rows: int, x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     )
 
 
-def launch_shape(n: int, k: int, m: int = 1) -> tuple[int, int, int]:
-    """(NW warps per block splitting K, MT 16-row tiles per warp, U chunks loaded ahead) for an
-    [N, K] weight and M rows. NW fixes the order of the sum over K, so it depends on the weight's
-    shape only: a token's output must not depend on M. MT and U change which registers and when,
-    not the arithmetic. Set after gpu_kernels.py's sweep (docs/performance.md), which favoured
-    fewer warps for 16 rows: two row tiles, at most 4 warps, two chunks ahead for one token tile,
-    one for two (fewer registers)."""
-    mt = 2 if n % 32 == 0 else 1
-    blocks = n // (16 * mt)
+def launch_shape(ns: tuple[int, ...], k: int, m: int = 1) -> tuple[int, int, int]:
+    """(NW warps per block splitting K, MT 16-row tiles per warp, U chunks loaded ahead) for
+    weights of N = ns rows each and K columns, multiplied by M rows in one launch. NW fixes the
+    order of the sum over K, so it depends on the weights' shapes only: a token's output must not
+    depend on M. MT and U change which registers and when, not the arithmetic. Set after
+    gpu_kernels.py's sweep (docs/performance.md), which favoured fewer warps for 16 rows: two row
+    tiles, at most 4 warps, two chunks ahead for one token tile, one for two (fewer registers)."""
+    mt = 2 if all(n % 32 == 0 for n in ns) else 1
+    blocks = sum(ns) // (16 * mt)
     nw = max(1, min(4, k // 128, -(-WARP_TARGET // blocks)))
     return nw, mt, 2 if m <= 8 else 1
+
+
+def quantized_matmuls_cuda(x: mx.array, weights: list[tuple[mx.array, mx.array, mx.array]], group_size: int,
+                           shape: tuple[int, int, int] | None = None) -> list[mx.array]:
+    """[x @ dequantize(w, scales, biases).T for each weight], in one launch: x [M, K] bf16, each
+    w [N_i, K/8] -> [M, N_i] bf16. Weights that share an input (q, k, v; gate, up) go together,
+    because a launch costs about as much as streaming a small weight (docs/performance.md)."""
+    m, k = x.shape
+    ns = tuple(w.shape[0] for w, _, _ in weights)
+    nw, mt, u = shape or launch_shape(ns, k, m)
+    return _kernel(len(weights))(
+        inputs=[x] + [a for weight in weights for a in weight],
+        template=[("OutT", mx.bfloat16), ("G", group_size), ("NW", nw), ("MT", mt), ("U", u), ("NT", (m + 7) // 8)],
+        grid=(sum(ns) // (16 * mt) * nw * 32, 1, 1),
+        threadgroup=(nw * 32, 1, 1),
+        output_shapes=[(m, n) for n in ns],
+        output_dtypes=[mx.bfloat16] * len(ns),
+    )
 
 
 def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
                           shape: tuple[int, int, int] | None = None) -> mx.array:
     """x [M, K] (bf16) @ dequantize(w [N, K/8], scales, biases).T -> [M, N] bf16."""
-    m, k = x.shape
-    n = w.shape[0]
-    nw, mt, u = shape or launch_shape(n, k, m)
-    return _kernel()(
-        inputs=[x, w, scales, biases],
-        template=[("OutT", mx.bfloat16), ("G", group_size), ("NW", nw), ("MT", mt), ("U", u), ("NT", (m + 7) // 8)],
-        grid=(n // (16 * mt) * nw * 32, 1, 1),
-        threadgroup=(nw * 32, 1, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[mx.bfloat16],
-    )[0]
+    return quantized_matmuls_cuda(x, [(w, scales, biases)], group_size, shape)[0]
+
+
+def _nvrtc_inputs(parts: int) -> list[tuple[str, str]]:
+    return [(name, "__nv_bfloat16" if name[0] in "xsb" else "uint32_t") for name in _input_names(parts)]
 
 
 # Local compile checks without a GPU (NVRTC): (header, source, inputs, outputs, template values).
 NVRTC_CASES = [
-    (_HEADER, _SOURCE, [("x", "__nv_bfloat16"), ("w", "uint32_t"), ("scales", "__nv_bfloat16"), ("biases", "__nv_bfloat16")],
-     [("y", "__nv_bfloat16")], [("OutT", "__nv_bfloat16"), ("G", 64), ("NW", nw), ("MT", mt), ("U", u), ("NT", nt)])
-    for nw, mt, u, nt in [(4, 1, 2, 1), (8, 2, 2, 2), (2, 4, 1, 2), (3, 2, 1, 1)]
+    (_HEADER, _part_selection(parts) + _BODY, _nvrtc_inputs(parts), [(f"y{i}", "__nv_bfloat16") for i in range(parts)],
+     [("OutT", "__nv_bfloat16"), ("G", 64), ("NW", nw), ("MT", mt), ("U", u), ("NT", nt)])
+    for parts, nw, mt, u, nt in [(1, 4, 1, 2, 1), (1, 8, 2, 2, 2), (2, 2, 4, 1, 2), (3, 3, 2, 1, 1), (4, 4, 1, 2, 1)]
 ]
