@@ -94,10 +94,10 @@ def stock_decode_ms(adapter, cache, steps=32) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def run_context(name, adapter, drafter, context, decode_tokens, rng_seed=0):
+def run_context(name, adapter, drafter, context, decode_tokens, prefill_chunk=4096, rng_seed=0):
     mx.random.seed(rng_seed)
     prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
-    engine = Engine(adapter, None, drafter, prefill_chunk=4096, prefix_cache=PrefixCache(16 << 30))
+    engine = Engine(adapter, None, drafter, prefill_chunk=prefill_chunk, prefix_cache=PrefixCache(16 << 30))
     engine.tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
     result = {"context": context}
 
@@ -105,7 +105,7 @@ def run_context(name, adapter, drafter, context, decode_tokens, rng_seed=0):
         chunks = list(eng.generate(prompt, max_tokens=n, stop_token_ids=set(), **kw))
         return chunks[-1].stats
 
-    warm = Engine(adapter, engine.tokenizer, drafter, prefill_chunk=4096)
+    warm = Engine(adapter, engine.tokenizer, drafter, prefill_chunk=prefill_chunk)
     list(warm.generate(prompt[:512], max_tokens=40, stop_token_ids=set()))  # kernels compiled and traced
     stats = gen(engine, 2)  # real prefill (and the snapshot later runs start from)
     result["prefill_tok_s"] = context / stats.prefill_seconds
@@ -157,7 +157,7 @@ def run_context(name, adapter, drafter, context, decode_tokens, rng_seed=0):
 
     result["draft_ms"] = draft()
     for label, schedule in FORCED.items():
-        forced = Engine(ForcedAcceptance(adapter, schedule), engine.tokenizer, drafter, prefill_chunk=4096,
+        forced = Engine(ForcedAcceptance(adapter, schedule), engine.tokenizer, drafter, prefill_chunk=prefill_chunk,
                         prefix_cache=engine.prefix_cache)
 
         def spec():
@@ -183,6 +183,8 @@ def main() -> int:
     parser.add_argument("--quant", default="bf16,4bit")
     parser.add_argument("--contexts", default="1024,8192,32768")
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=4096,
+                        help="tokens per prefill forward (the server's default is 2048; 4096 measured the tables)")
     parser.add_argument("--layers", type=int, help="truncate targets to this many layers (quick looks only)")
     parser.add_argument("--paths", default="dflash",
                         help="comma list of: dflash (this project's CUDA paths), replay (GatedDeltaNet rollback "
@@ -210,7 +212,8 @@ def main() -> int:
                     small_m.use_cuda_kernel = paths in ("dflash", "replay", "unfused")
                     small_m.fuse_shared_input = paths != "unfused"
                     adapter.clear_compiled()  # the matmul switch is read when a block is traced
-                    row = {"paths": paths, **run_context(name, adapter, drafter, context, args.decode_tokens)}
+                    row = {"paths": paths, **run_context(name, adapter, drafter, context, args.decode_tokens,
+                                                             args.prefill_chunk)}
                     row["weight_tb_s"] = entry["weight_gb_per_token"] / row["decode_ms"]  # GB/ms == TB/s
                     row["verify_over_decode"] = row["verify16_full_accept_ms"] / row["decode_ms"]
                     entry["contexts"].append(row)
