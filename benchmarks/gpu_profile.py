@@ -5,6 +5,13 @@ device time, compiled per-layer blocks versus eager ops, and effects that depend
 change every cycle (attention over a growing cache, GatedDeltaNet replays of varying length).
 
     python benchmarks/gpu_profile.py --model qwen3.5-9b --contexts 1024,8192
+
+`--launches` instead compares, for 4-bit weights, a decode step and a verify forward whose
+projections that share an input go through one kernel launch against one launch per weight,
+the two interleaved in one process (this machine's noise moves a whole run by more than the
+difference).
+
+    python benchmarks/gpu_profile.py --model qwen3.5-9b --quant 4bit --contexts 1024,8192 --launches
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.kernels import gated_delta as gd  # noqa: E402
+from dflash_core.kernels import matmul as small_m  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 from gpu_cycle import build_drafter, build_target  # noqa: E402
 from gpu_cycle import per_iteration_ms as per_iteration  # noqa: E402
@@ -119,17 +127,49 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
     return {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}  # repeated runs
 
 
+def launches(name: str, quant: str, context: int, rounds: int = 6, layers=None, tiny=False) -> dict:
+    """Decode and verify-16 ms (medians over `rounds` alternations) with one launch per shared
+    input (`fused`) and one per weight (`apart`)."""
+    adapter = build_target(name, quant, layers, tiny)
+    tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
+    engine = Engine(adapter, tokenizer, None, prefill_chunk=4096, prefix_cache=PrefixCache(16 << 30))
+    prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
+    list(engine.generate(prompt, max_tokens=2, stop_token_ids=set()))
+    snapshot = engine.prefix_cache.lookup(prompt, need_context=False)
+    one, block = mx.array([[7]]), mx.random.randint(0, adapter.vocab_size, (1, 16))
+    out = {"model": name, "quant": quant, "context": context, "rounds": rounds}
+    for _ in range(rounds):
+        for label, fused in (("fused", True), ("apart", False)):
+            small_m.fuse_shared_input = fused
+            adapter.clear_compiled()  # the switch is read when a block is traced
+            cache, _ = snapshot.restore()
+            out.setdefault(f"{label}_decode_ms", []).append(per_iteration(lambda: [adapter.forward(one, cache).logits]))
+            cache, _ = snapshot.restore()
+
+            def verify():
+                v = adapter.forward(block, cache, record=True)
+                adapter.rollback(cache, v.tape, keep=16)
+                return [v.logits]
+
+            out.setdefault(f"{label}_verify16_ms", []).append(per_iteration(verify))
+    small_m.fuse_shared_input = True
+    adapter.clear_compiled()
+    return {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3.5-9b")
     parser.add_argument("--quant", default="bf16")
     parser.add_argument("--contexts", default="1024,8192")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--launches", action="store_true", help="one 4-bit launch per shared input against one per weight")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
-        rows.append(profile(args.model, args.quant, context, tiny=args.tiny))
+        run = launches if args.launches else profile
+        rows.append(run(args.model, args.quant, context, tiny=args.tiny))
         print(json.dumps(rows[-1]), flush=True)
         if args.out:
             args.out.write_text(json.dumps(rows, indent=2))
