@@ -8,7 +8,8 @@
 - the 4-bit small-M matmul (dflash_core/kernels/quantized_matmul_cuda.py): exactness against a
   float32 product and MLX's quantized matmul, row invariance, and streaming per launch shape
   against MLX's quantized matmul at Qwen3.5-9B's projection shapes;
-- the same kernel with the projections that share an input in one launch, against a launch each;
+- the same kernel with the projections that share an input in one launch, against a launch each,
+  and the same groups in bf16 through MLX's GEMM, stacked into one matrix or not;
 - a verify block's attention (16 queries, head_dim 128 and 256) over long caches: MLX's fused
   path with the engine's mask against the stacked-GEMM path of dflash_core/kernels/attention.py;
 - GatedDeltaNet's depthwise conv for a decode step and a verify block;
@@ -271,6 +272,32 @@ def q4_fused_rows():
     return rows
 
 
+def bf16_stacked_rows():
+    """The same groups in bf16 through MLX's GEMM: a matmul per weight against one matmul by the
+    weights stacked into one matrix (the output split into views), ms per layer over 32 layers'
+    worth of distinct weights. Measures whether stacking bf16 projections at load would pay."""
+    rows = []
+    for label, (ns, K) in Q4_SHARED_INPUT.items():
+        layers = [[(mx.random.normal((n, K)) / K**0.5).astype(mx.bfloat16) for n in ns] for _ in range(32)]
+        stacked = [mx.concatenate(layer) for layer in layers]
+        mx.eval(layers, stacked)
+        nbytes = sum(w.nbytes for w in stacked)
+        splits = [sum(ns[: i + 1]) for i in range(len(ns) - 1)]
+        for M in (1, 16):
+            x = mx.random.normal((M, K)).astype(mx.bfloat16)
+            apart = bench(lambda: [x @ w.T for layer in layers for w in layer])
+            one = bench(lambda: [y for w in stacked for y in mx.split(x @ w.T, splits, axis=-1)])
+            row = {"weights": label, "N": list(ns), "K": K, "M": M, "ms_per_layer_apart": apart / 32 * 1e3,
+                   "ms_per_layer_stacked": one / 32 * 1e3, "tb_s_apart": nbytes / apart / 1e12,
+                   "tb_s_stacked": nbytes / one / 1e12}
+            rows.append(row)
+            print(json.dumps({"bf16_stacked": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}}),
+                  flush=True)
+        layers = stacked = None
+        mx.clear_cache()
+    return rows
+
+
 def block_attention_rows():
     rows = []
     for label, heads, kv_heads, dim in (("qwen3 hd128", 32, 8, 128), ("qwen3.5 hd256", 16, 4, 256)):
@@ -346,12 +373,13 @@ def conv_rows():
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, q4_matmul, q4_fused, "
-                                       "block_attention, kv_rollback, conv")
+    parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, q4_matmul, "
+                                       "q4_fused, bf16_stacked, block_attention, kv_rollback, conv")
     args = parser.parse_args()
     sections = {"gated_delta": gated_delta_rows, "attention": attention_rows, "streaming": streaming_rows,
-                "matmul": matmul_rows, "q4_matmul": q4_matmul_rows, "q4_fused": q4_fused_rows, "block_attention": block_attention_rows, "kv_rollback": kv_rollback_rows,
-                "conv": conv_rows}
+                "matmul": matmul_rows, "q4_matmul": q4_matmul_rows, "q4_fused": q4_fused_rows,
+                "bf16_stacked": bf16_stacked_rows, "block_attention": block_attention_rows,
+                "kv_rollback": kv_rollback_rows, "conv": conv_rows}
     chosen = args.only.split(",") if args.only else list(sections)
     report = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
               "date": time.strftime("%Y-%m-%d")}
