@@ -6,8 +6,9 @@ change every cycle (attention over a growing cache, GatedDeltaNet replays of var
 
     python benchmarks/gpu_profile.py --model qwen3.5-9b --contexts 1024,8192
 
-`--launches` instead compares, for 4-bit weights, a decode step and a verify forward whose
-projections that share an input go through one kernel launch against one launch per weight,
+`--launches` instead compares a decode step and a verify forward whose projections that share an
+input go through one 4-bit kernel launch or one bf16 GEMM (weights stacked at load) against one
+per weight,
 the two interleaved in one process (this machine's noise moves a whole run by more than the
 difference).
 
@@ -163,7 +164,7 @@ def main() -> int:
     parser.add_argument("--quant", default="bf16")
     parser.add_argument("--contexts", default="1024,8192")
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--launches", action="store_true", help="one 4-bit launch per shared input against one per weight")
+    parser.add_argument("--launches", action="store_true", help="one launch per shared input against one per weight")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []

@@ -288,6 +288,44 @@ def test_projections_sharing_an_input_share_a_launch(monkeypatch):
     assert launches == [1, 1, 1]
 
 
+def test_stacked_projections_keep_memory_and_outputs(monkeypatch):
+    """bf16 projections sharing an input become views of one matrix (no memory added; the same
+    weights) and `linears` hands each layer its own columns, bias included, from one GEMM."""
+    import gc
+
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
+    mx.random.seed(11)
+    layers = [nn.Linear(256, n, bias=n == 64) for n in (128, 64, 32)]
+    for layer in layers:
+        layer.set_dtype(mx.bfloat16)
+    x = mx.random.normal((1, 5, 256)).astype(mx.bfloat16)
+    expected = [layer(x) for layer in layers]
+    weights = [layer.weight for layer in layers]
+    mx.eval(expected, weights)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    assert small_m.stack_shared_input(layers)
+    weights = None
+    gc.collect()
+    mx.clear_cache()
+    assert mx.get_active_memory() <= before
+    assert small_m._stacked_products(layers, x) is not None  # the one-GEMM path is taken
+    for got, want, layer in zip(small_m.linears(layers, x), expected, layers):
+        assert got.shape == want.shape
+        _assert_close(got, want)
+        assert mx.array_equal(layer(x), want)  # mlx-lm's own call reads the same weights
+    layers[1].weight = layers[1].weight + 0  # a weight replaced after stacking: no longer stacked
+    assert small_m._stacked_products(layers, x) is None
+    for got, layer in zip(small_m.linears(layers, x), layers):
+        assert mx.array_equal(got, layer(x))
+    # Not stacked: quantized layers (the kernel's), inputs of different widths, other backends.
+    assert not small_m.stack_shared_input([_quantized_linear(64, 256), _quantized_linear(64, 256)])
+    assert not small_m.stack_shared_input([nn.Linear(256, 64), nn.Linear(128, 64)])
+    monkeypatch.setattr(small_m, "backend", lambda: "cpu")
+    assert not small_m.stack_shared_input([nn.Linear(256, 64), nn.Linear(256, 64)])
+
+
 def _dequantized_product(x, layer):
     w = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=4)
     return x.astype(mx.float32) @ w.astype(mx.float32).T

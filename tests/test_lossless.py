@@ -13,6 +13,7 @@ import pytest
 
 from dflash_core.engine import Engine, RequestError
 from dflash_core.kernels import attention as block_attention
+from dflash_core.kernels import matmul as small_m
 from dflash_core.loading import load_engine
 from forced import ForcedDrafter
 
@@ -75,6 +76,24 @@ def test_cuda_block_attention_path_is_lossless(engines, references, monkeypatch)
     assert block_attention.path_for(mx.zeros((1, 4, 16, 16)), mx.ones((16, 16), mx.bool_)) == "stacked"
     test_random_drafter_is_lossless(engines, references, "qwen3")
     _check_every_acceptance_length(engines, references, "qwen3")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4"])
+def test_stacked_projections_are_lossless(request, references, family, monkeypatch):
+    """Projections sharing an input stacked at load into one matrix, one GEMM each (as on CUDA),
+    run here on the CPU: speculative output equals target-alone output, which on this CPU is also
+    what the unstacked model gives (so the split hands each layer its own columns)."""
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
+    target, drafter = request.getfixturevalue(f"{family}_pair")
+    engine = load_engine(str(target), str(drafter), prefill_chunk=16)
+    groups = engine.target.shared_input_groups()
+    assert groups and all(small_m._stacked_products(g, mx.zeros((1, 1, g[0].weight.shape[1]))) for g in groups)
+    prompt = _prompt(engine)
+    reference, _ = _run(engine, prompt, max_tokens=N_TOKENS + 16, speculative=False)
+    assert (prompt, reference) == references[family]
+    tokens, _ = _run(engine, prompt)
+    assert tokens == reference[:N_TOKENS]
+    _check_every_acceptance_length({family: engine}, {family: (prompt, reference)}, family)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.matmul import linear, tied_lm_head
+from ..kernels.matmul import linear, stack_shared_input, tied_lm_head
 
 
 @dataclass
@@ -30,6 +30,11 @@ class Forward:
 COMPILED_MAX_TOKENS = 16
 
 
+def gated_mlp_group(mlp: nn.Module) -> list[list[nn.Module]]:
+    """[[gate, up]] for a gated MLP (what `gated_mlp` multiplies by one input), [] for others."""
+    return [[mlp.gate_proj, mlp.up_proj]] if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) else []
+
+
 class TargetAdapter:
     family = "base"
 
@@ -41,6 +46,8 @@ class TargetAdapter:
         self.text_model = getattr(model, "language_model", model)
         self.inner = self.text_model.model
         self.layers = self.inner.layers
+        for group in self.shared_input_groups():
+            stack_shared_input(group)
 
     # ----- shapes the drafter is checked against
     @property
@@ -94,6 +101,11 @@ class TargetAdapter:
         self._compiled_fns.clear()
 
     # ----- the family-specific part
+    def shared_input_groups(self) -> list[list[nn.Module]]:
+        """The projections the forward multiplies by one input through `linears` (q, k, v; gate
+        and up), stacked into one matrix at load where that pays (kernels/matmul.py)."""
+        return []
+
     def make_cache(self, max_rollback: int) -> list:
         raise NotImplementedError
 

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter
+from .base import TargetAdapter, gated_mlp_group
 
 
 def attention_inputs(layer):
@@ -43,6 +43,10 @@ class DenseAdapter(TargetAdapter):
 
     def make_cache(self, max_rollback: int) -> list:
         return [KVCache() for _ in self.layers]
+
+    def shared_input_groups(self):
+        return [group for layer in self.layers for group in (
+            [[layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]] + gated_mlp_group(layer.mlp))]
 
     def run_layers(self, tokens, cache, tap_ids, tape):
         h = self.embed(tokens)

@@ -16,7 +16,7 @@ from mlx_lm.models.gemma4_text import geglu
 
 from ..cache import SlidingWindowCache
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter
+from .base import TargetAdapter, gated_mlp_group
 
 
 def attention_inputs(layer):
@@ -74,6 +74,15 @@ class Gemma4Adapter(TargetAdapter):
     @property
     def args(self):
         return self.text_model.args
+
+    def shared_input_groups(self):
+        groups = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.has_kv:
+                groups.append([attn.q_proj, attn.k_proj] + ([] if attn.use_k_eq_v else [attn.v_proj]))
+            groups += gated_mlp_group(layer.mlp)
+        return groups
 
     def make_cache(self, max_rollback: int) -> list:
         first_shared = self.args.num_hidden_layers - self.args.num_kv_shared_layers

@@ -23,7 +23,7 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter
+from .base import TargetAdapter, gated_mlp_group
 
 
 class GatedDeltaRecord(NamedTuple):
@@ -105,6 +105,17 @@ class Qwen35Adapter(TargetAdapter):
 
     def make_cache(self, max_rollback: int) -> list:
         return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
+
+    def shared_input_groups(self):
+        groups = []
+        for layer in self.layers:
+            if layer.is_linear:
+                m = layer.linear_attn
+                groups.append([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+            else:
+                groups.append([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            groups += gated_mlp_group(layer.mlp)
+        return groups
 
     def run_layers(self, tokens, cache, tap_ids, tape):
         h = self.embed(tokens)

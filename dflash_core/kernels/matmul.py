@@ -7,12 +7,19 @@ its gated MLPs and `tied_lm_head(embedding, x)` for a tied head. On CUDA, 4-bit 
 (quantized_matmul_cuda.py), because MLX's CUDA quantized matmul streams them at a fraction of the
 card's bandwidth. Everything else, on every backend, is mlx-lm's own call, which is what tests
 compare the kernel against. bf16 weights keep MLX's GEMM: a kernel of ours for them did not beat
-it (docs/performance.md, "Weight streaming").
+it (docs/performance.md, "Weight streaming"). What does pay for bf16 on CUDA is one GEMM for the
+projections that share an input instead of one each (up to 2.5x for a verify's 16 rows, where MLX's
+GEMM handles a 32-row weight poorly): `stack_shared_input` puts their weights into one matrix at
+load, each layer's weight becoming a view of its rows, so memory does not grow and mlx-lm's own
+calls (prefill) read the same numbers.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +31,50 @@ from . import quantized_matmul_cuda
 # launch per weight instead of one per input.
 use_cuda_kernel = True
 fuse_shared_input = True
+
+
+class _Stack(NamedTuple):
+    weight: mx.array  # [sum of N, K]: the layers' weights, one after another
+    views: tuple  # each layer's weight as stacked, a view of `weight`
+    splits: list[int]  # where each layer's output columns start, after the first
+
+
+# Stacked groups by the ids of their layers; an entry goes when its first layer is collected.
+_stacks: dict[tuple[int, ...], _Stack] = {}
+
+
+def stack_shared_input(layers: list[nn.Module]) -> bool:
+    """On CUDA, store the weights of plain linear layers that share an input (same K and dtype)
+    as one matrix, each layer's `weight` a view of its rows, so that `linears` multiplies them in
+    one GEMM. Memory stays the same; every other call of the layers sees the same numbers."""
+    if not (use_cuda_kernel and backend() == "cuda" and len(layers) > 1):
+        return False
+    if not all(type(layer) is nn.Linear for layer in layers):  # quantized layers have the kernel
+        return False
+    weights = [layer.weight for layer in layers]
+    if len({(w.shape[1], w.dtype) for w in weights}) != 1:
+        return False
+    stacked = mx.concatenate(weights)
+    starts = list(itertools.accumulate(w.shape[0] for w in weights))
+    views, start = [], 0
+    for layer, w in zip(layers, weights):
+        layer.weight = stacked[start : start + w.shape[0]]
+        views.append(layer.weight)
+        start += w.shape[0]
+    mx.eval(stacked, views)
+    key = tuple(id(layer) for layer in layers)
+    _stacks[key] = _Stack(stacked, tuple(views), starts[:-1])
+    weakref.finalize(layers[0], _stacks.pop, key, None)
+    return True
+
+
+def _stacked_products(layers: list[nn.Module], x: mx.array):
+    """The layers' outputs from one GEMM, if they were stacked and still hold their views."""
+    stack = _stacks.get(tuple(id(layer) for layer in layers))
+    if stack is None or not all(view is layer.weight for view, layer in zip(stack.views, layers)):
+        return None
+    ys = mx.split(x @ stack.weight.T, stack.splits, axis=-1)
+    return [y + layer.bias if "bias" in layer else y for y, layer in zip(ys, layers)]
 
 
 def path_for(layer: nn.Module, x: mx.array) -> str:
@@ -64,7 +115,12 @@ def _quantized_products(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
 
 def linears(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
     """`[layer(x) for layer in layers]`, with the layers the kernel takes (by group size) in one
-    launch: a launch costs about what streaming a small weight does (q, k, v; gate and up)."""
+    launch, or bf16 layers stacked at load in one GEMM: a launch costs about what streaming a small
+    weight does (q, k, v; gate and up)."""
+    if fuse_shared_input and len(layers) > 1:
+        stacked = _stacked_products(layers, x)
+        if stacked is not None:
+            return stacked
     ys = [None] * len(layers)
     launches = {}
     for i, layer in enumerate(layers):
