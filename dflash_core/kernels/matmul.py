@@ -159,5 +159,6 @@ def gated_mlp(mlp: nn.Module, x: mx.array, activation) -> mx.array:
 def active_path() -> str:
     """Which implementation small-M weight products use here (for `dflash doctor`)."""
     if backend() == "cuda" and use_cuda_kernel:
-        return "dflash CUDA kernel for 4-bit affine weights and <= 16 rows; MLX otherwise"
+        return ("dflash CUDA kernel for 4-bit affine weights and <= 16 rows; MLX otherwise, with bf16 "
+                "projections that share an input stacked into one GEMM")
     return "MLX matmul"
