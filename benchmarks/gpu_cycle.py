@@ -13,7 +13,7 @@ with the drafts: this measures speed, not acceptance).
 (block attention, dflash_core/kernels/attention.py; GatedDeltaNet rollback from recorded step
 states; the 4-bit small-M matmul, dflash_core/kernels/matmul.py), with the rollback replaying the
 recurrence instead, with MLX's fused attention, the replay and MLX's quantized matmul, with only
-MLX's quantized matmul swapped back in, and with a 4-bit kernel launch or bf16 GEMM per weight
+MLX's own matmuls swapped back in (no 4-bit kernel, no stacked bf16 GEMM), and with a 4-bit kernel launch or bf16 GEMM per weight
 instead of one per shared input, all in the same process.
 """
 
@@ -189,7 +189,8 @@ def main() -> int:
     parser.add_argument("--paths", default="dflash",
                         help="comma list of: dflash (this project's CUDA paths), replay (GatedDeltaNet rollback "
                              "by replay instead of recorded step states), mlx (MLX's fused attention, replay and "
-                             "quantized matmul), mlx-qmm (dflash with MLX's quantized matmul), unfused (dflash with a "
+                             "quantized matmul), mlx-qmm (dflash with MLX's own matmuls: no 4-bit kernel, no stacked "
+                             "bf16 GEMM), unfused (dflash with a "
                              "4-bit launch or bf16 GEMM per weight, not one per shared input)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")

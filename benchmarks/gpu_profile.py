@@ -8,9 +8,8 @@ change every cycle (attention over a growing cache, GatedDeltaNet replays of var
 
 `--launches` instead compares a decode step and a verify forward whose projections that share an
 input go through one 4-bit kernel launch or one bf16 GEMM (weights stacked at load) against one
-per weight,
-the two interleaved in one process (this machine's noise moves a whole run by more than the
-difference).
+per weight, the two interleaved in one process (this machine's noise moves a whole run by more
+than the difference).
 
     python benchmarks/gpu_profile.py --model qwen3.5-9b --quant 4bit --contexts 1024,8192 --launches
 """

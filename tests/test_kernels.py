@@ -290,12 +290,12 @@ def test_projections_sharing_an_input_share_a_launch(monkeypatch):
 
 def test_stacked_projections_keep_memory_and_outputs(monkeypatch):
     """bf16 projections sharing an input become views of one matrix (no memory added; the same
-    weights) and `linears` hands each layer its own columns, bias included, from one GEMM."""
+    weights) and `linears` hands each layer its own columns from one GEMM."""
     import gc
 
     monkeypatch.setattr(small_m, "backend", lambda: "cuda")
     mx.random.seed(11)
-    layers = [nn.Linear(256, n, bias=n == 64) for n in (128, 64, 32)]
+    layers = [nn.Linear(256, n, bias=False) for n in (128, 64, 32)]
     for layer in layers:
         layer.set_dtype(mx.bfloat16)
     x = mx.random.normal((1, 5, 256)).astype(mx.bfloat16)
@@ -313,15 +313,30 @@ def test_stacked_projections_keep_memory_and_outputs(monkeypatch):
     assert small_m._stacked_products(layers, x) is not None  # the one-GEMM path is taken
     for got, want, layer in zip(small_m.linears(layers, x), expected, layers):
         assert got.shape == want.shape
-        _assert_close(got, want)
+        assert mx.array_equal(got, want)  # exact on this CPU: a column's dot products are the same
         assert mx.array_equal(layer(x), want)  # mlx-lm's own call reads the same weights
+    # Stacking the same layers again (a second adapter over one model) adds nothing either.
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    assert small_m.stack_shared_input(layers)
+    gc.collect()
+    mx.clear_cache()
+    assert mx.get_active_memory() <= before
+    assert all(mx.array_equal(got, want) for got, want in zip(small_m.linears(layers, x), expected))
     layers[1].weight = layers[1].weight + 0  # a weight replaced after stacking: no longer stacked
     assert small_m._stacked_products(layers, x) is None
+    assert tuple(id(layer) for layer in layers) not in small_m._stacks  # the old matrix is let go
     for got, layer in zip(small_m.linears(layers, x), layers):
         assert mx.array_equal(got, layer(x))
-    # Not stacked: quantized layers (the kernel's), inputs of different widths, other backends.
+    # Not stacked: quantized layers (the kernel's), a bias (added inside nn.Linear's GEMM), inputs
+    # of different widths or dtypes, other backends.
     assert not small_m.stack_shared_input([_quantized_linear(64, 256), _quantized_linear(64, 256)])
+    assert not small_m.stack_shared_input([nn.Linear(256, 64), nn.Linear(256, 64, bias=True)])
     assert not small_m.stack_shared_input([nn.Linear(256, 64), nn.Linear(128, 64)])
+    half = nn.Linear(256, 64)
+    half.set_dtype(mx.float16)
+    assert not small_m.stack_shared_input([nn.Linear(256, 64), half])
     monkeypatch.setattr(small_m, "backend", lambda: "cpu")
     assert not small_m.stack_shared_input([nn.Linear(256, 64), nn.Linear(256, 64)])
 

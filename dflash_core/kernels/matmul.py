@@ -46,10 +46,12 @@ _stacks: dict[tuple[int, ...], _Stack] = {}
 def stack_shared_input(layers: list[nn.Module]) -> bool:
     """On CUDA, store the weights of plain linear layers that share an input (same K and dtype)
     as one matrix, each layer's `weight` a view of its rows, so that `linears` multiplies them in
-    one GEMM. Memory stays the same; every other call of the layers sees the same numbers."""
+    one GEMM. Memory stays the same; every other call of the layers sees the same numbers. Layers
+    with a bias are left alone: nn.Linear adds it inside the GEMM (addmm), which rounds once."""
     if not (use_cuda_kernel and backend() == "cuda" and len(layers) > 1):
         return False
-    if not all(type(layer) is nn.Linear for layer in layers):  # quantized layers have the kernel
+    # Quantized layers have the kernel (one launch already); plain ones only, without a bias.
+    if not all(type(layer) is nn.Linear and "bias" not in layer for layer in layers):
         return False
     weights = [layer.weight for layer in layers]
     if len({(w.shape[1], w.dtype) for w in weights}) != 1:
@@ -70,11 +72,14 @@ def stack_shared_input(layers: list[nn.Module]) -> bool:
 
 def _stacked_products(layers: list[nn.Module], x: mx.array):
     """The layers' outputs from one GEMM, if they were stacked and still hold their views."""
-    stack = _stacks.get(tuple(id(layer) for layer in layers))
-    if stack is None or not all(view is layer.weight for view, layer in zip(stack.views, layers)):
+    key = tuple(id(layer) for layer in layers)
+    stack = _stacks.get(key)
+    if stack is None:
         return None
-    ys = mx.split(x @ stack.weight.T, stack.splits, axis=-1)
-    return [y + layer.bias if "bias" in layer else y for y, layer in zip(ys, layers)]
+    if not all(view is layer.weight for view, layer in zip(stack.views, layers)):
+        del _stacks[key]  # weights replaced since (new weights loaded): let the old matrix go
+        return None
+    return mx.split(x @ stack.weight.T, stack.splits, axis=-1)
 
 
 def path_for(layer: nn.Module, x: mx.array) -> str:
@@ -117,7 +122,7 @@ def linears(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
     """`[layer(x) for layer in layers]`, with the layers the kernel takes (by group size) in one
     launch, or bf16 layers stacked at load in one GEMM: a launch costs about what streaming a small
     weight does (q, k, v; gate and up)."""
-    if fuse_shared_input and len(layers) > 1:
+    if fuse_shared_input and use_cuda_kernel and len(layers) > 1 and backend() == "cuda":
         stacked = _stacked_products(layers, x)
         if stacked is not None:
             return stacked

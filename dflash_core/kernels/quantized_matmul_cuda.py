@@ -29,6 +29,7 @@ import mlx.core as mx
 
 GROUP_SIZES = (32, 64, 128)
 MAX_ROWS = 16
+WARP_TARGET = 1024  # warps wanted across the card (132 SMs on the H200) to keep loads in flight
 
 # The tensor-core MMA and the block's fixed-order sum of its warps' partials (into y as OutT, from
 # `__shared__ float partial[NW][ROWS][NT * 8]`), shared with the bf16 experiment of the same layout
@@ -238,8 +239,6 @@ def _part_selection(parts: int) -> str:
 
 def _input_names(parts: int) -> list[str]:
     return ["x"] + [f"{name}{i}" for i in range(parts) for name in ("w", "scales", "biases")]
-
-WARP_TARGET = 1024  # warps wanted across the card (132 SMs on the H200) to keep loads in flight
 
 
 @functools.cache
