@@ -46,14 +46,20 @@ def build_only(fn, iters=8) -> float:
     return statistics.median(times[2:]) * 1e3
 
 
-def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dict:
-    adapter = build_target(name, quant, layers, tiny)
-    drafter = build_drafter(name, adapter, tiny)
+def prefilled(adapter, drafter, context: int):
+    """The prefix-cache snapshot after prefilling `context` random tokens (with the drafter's
+    context when there is a drafter): each measurement restores it."""
     tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
     engine = Engine(adapter, tokenizer, drafter, prefill_chunk=4096, prefix_cache=PrefixCache(16 << 30))
     prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
     list(engine.generate(prompt, max_tokens=2, stop_token_ids=set()))
-    snapshot = engine.prefix_cache.lookup(prompt, need_context=True)
+    return engine.prefix_cache.lookup(prompt, need_context=drafter is not None)
+
+
+def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dict:
+    adapter = build_target(name, quant, layers, tiny)
+    drafter = build_drafter(name, adapter, tiny)
+    snapshot = prefilled(adapter, drafter, context)
     taps = drafter.config.target_layer_ids
     one = mx.array([[7]])
     block = mx.random.randint(0, adapter.vocab_size, (1, 16))
@@ -131,11 +137,7 @@ def launches(name: str, quant: str, context: int, rounds: int = 6, layers=None, 
     """Decode and verify-16 ms (medians over `rounds` alternations) with one launch per shared
     input (`fused`) and one per weight (`apart`)."""
     adapter = build_target(name, quant, layers, tiny)
-    tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
-    engine = Engine(adapter, tokenizer, None, prefill_chunk=4096, prefix_cache=PrefixCache(16 << 30))
-    prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
-    list(engine.generate(prompt, max_tokens=2, stop_token_ids=set()))
-    snapshot = engine.prefix_cache.lookup(prompt, need_context=False)
+    snapshot = prefilled(adapter, None, context)
     one, block = mx.array([[7]]), mx.random.randint(0, adapter.vocab_size, (1, 16))
     out = {"model": name, "quant": quant, "context": context, "rounds": rounds}
     for _ in range(rounds):

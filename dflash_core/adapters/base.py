@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.matmul import linear, stack_shared_input, tied_lm_head
+from ..kernels.matmul import is_gated_mlp, linear, stack_shared_input, tied_lm_head
 
 
 @dataclass
@@ -32,7 +32,7 @@ COMPILED_MAX_TOKENS = 16
 
 def gated_mlp_group(mlp: nn.Module) -> list[list[nn.Module]]:
     """[[gate, up]] for a gated MLP (what `gated_mlp` multiplies by one input), [] for others."""
-    return [[mlp.gate_proj, mlp.up_proj]] if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) else []
+    return [[mlp.gate_proj, mlp.up_proj]] if is_gated_mlp(mlp) else []
 
 
 class TargetAdapter:

@@ -33,6 +33,11 @@ use_cuda_kernel = True
 fuse_shared_input = True
 
 
+def _on_cuda() -> bool:
+    """Whether this module's CUDA paths (the 4-bit kernel, stacked GEMMs) are on here."""
+    return use_cuda_kernel and backend() == "cuda"
+
+
 class _Stack(NamedTuple):
     weight: mx.array  # [sum of N, K]: the layers' weights, one after another
     views: tuple  # each layer's weight as stacked, a view of `weight`
@@ -48,7 +53,7 @@ def stack_shared_input(layers: list[nn.Module]) -> bool:
     as one matrix, each layer's `weight` a view of its rows, so that `linears` multiplies them in
     one GEMM. Memory stays the same; every other call of the layers sees the same numbers. Layers
     with a bias are left alone: nn.Linear adds it inside the GEMM (addmm), which rounds once."""
-    if not (use_cuda_kernel and backend() == "cuda" and len(layers) > 1):
+    if not (_on_cuda() and len(layers) > 1):
         return False
     # Quantized layers have the kernel (one launch already); plain ones only, without a bias.
     if not all(type(layer) is nn.Linear and "bias" not in layer for layer in layers):
@@ -57,15 +62,13 @@ def stack_shared_input(layers: list[nn.Module]) -> bool:
     if len({(w.shape[1], w.dtype) for w in weights}) != 1:
         return False
     stacked = mx.concatenate(weights)
-    starts = list(itertools.accumulate(w.shape[0] for w in weights))
-    views, start = [], 0
-    for layer, w in zip(layers, weights):
-        layer.weight = stacked[start : start + w.shape[0]]
-        views.append(layer.weight)
-        start += w.shape[0]
+    starts = [0, *itertools.accumulate(w.shape[0] for w in weights)]
+    for layer, start, end in zip(layers, starts, starts[1:]):
+        layer.weight = stacked[start:end]
+    views = tuple(layer.weight for layer in layers)
     mx.eval(stacked, views)
     key = tuple(id(layer) for layer in layers)
-    _stacks[key] = _Stack(stacked, tuple(views), starts[:-1])
+    _stacks[key] = _Stack(stacked, views, starts[1:-1])
     weakref.finalize(layers[0], _stacks.pop, key, None)
     return True
 
@@ -84,7 +87,7 @@ def _stacked_products(layers: list[nn.Module], x: mx.array):
 
 def path_for(layer: nn.Module, x: mx.array) -> str:
     """'cuda' where `layer`'s product with `x` runs through our kernel, else 'mlx'."""
-    if not (use_cuda_kernel and backend() == "cuda" and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))):
+    if not (_on_cuda() and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))):
         return "mlx"
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     ok = "biases" in layer and quantized_matmul_cuda.supported(
@@ -122,7 +125,7 @@ def linears(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
     """`[layer(x) for layer in layers]`, with the layers the kernel takes (by group size) in one
     launch, or bf16 layers stacked at load in one GEMM: a launch costs about what streaming a small
     weight does (q, k, v; gate and up)."""
-    if fuse_shared_input and use_cuda_kernel and len(layers) > 1 and backend() == "cuda":
+    if fuse_shared_input and len(layers) > 1 and _on_cuda():
         stacked = _stacked_products(layers, x)
         if stacked is not None:
             return stacked
@@ -151,11 +154,16 @@ def tied_lm_head(embedding: nn.Module, x: mx.array) -> mx.array:
     return embedding.as_linear(x)
 
 
+def is_gated_mlp(mlp: nn.Module) -> bool:
+    """mlx-lm's gated MLP (gate, up and down projections), not an MoE block."""
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+
+
 def gated_mlp(mlp: nn.Module, x: mx.array, activation) -> mx.array:
     """mlx-lm's gated MLP `down(activation(gate(x), up(x)))` (activation: mlx-lm's own `swiglu` or
     `geglu`) with its projections through `linear`; other feed-forwards (MoE blocks) are the
     module's own call."""
-    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+    if not is_gated_mlp(mlp):
         return mlp(x)
     gate, up = linears([mlp.gate_proj, mlp.up_proj], x)
     return linear(mlp.down_proj, activation(gate, up))
@@ -163,7 +171,7 @@ def gated_mlp(mlp: nn.Module, x: mx.array, activation) -> mx.array:
 
 def active_path() -> str:
     """Which implementation small-M weight products use here (for `dflash doctor`)."""
-    if backend() == "cuda" and use_cuda_kernel:
+    if _on_cuda():
         return ("dflash CUDA kernel for 4-bit affine weights and <= 16 rows; MLX otherwise, with bf16 "
                 "projections that share an input stacked into one GEMM")
     return "MLX matmul"
