@@ -9,9 +9,11 @@ change every cycle (attention over a growing cache, GatedDeltaNet replays of var
 `--launches` instead compares a decode step and a verify forward whose projections that share an
 input go through one 4-bit kernel launch or one bf16 GEMM (weights stacked at load) against one
 per weight, the two interleaved in one process (this machine's noise moves a whole run by more
-than the difference).
+than the difference). `--attention` compares, the same way, verify attention through the block
+attention path (dflash_core/kernels/attention.py) against MLX's fused attention.
 
     python benchmarks/gpu_profile.py --model qwen3.5-9b --quant 4bit --contexts 1024,8192 --launches
+    python benchmarks/gpu_profile.py --model qwen3.5-9b --quant bf16 --contexts 1024,32768 --attention
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.kernels import attention as block_attention  # noqa: E402
 from dflash_core.kernels import gated_delta as gd  # noqa: E402
 from dflash_core.kernels import matmul as small_m  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
@@ -133,16 +136,24 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
     return {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}  # repeated runs
 
 
-def launches(name: str, quant: str, context: int, rounds: int = 6, layers=None, tiny=False) -> dict:
-    """Decode and verify-16 ms (medians over `rounds` alternations) with one launch per shared
-    input (`fused`) and one per weight (`apart`)."""
+# What an A/B flips: the module, its switch, and the labels of the switch on and off.
+SWITCHES = {
+    "launches": (small_m, "fuse_shared_input", "fused", "apart"),  # one launch per shared input or per weight
+    "attention": (block_attention, "use_stacked", "block", "mlx"),  # block attention or MLX's fused
+}
+
+
+def alternate(switch: str, name: str, quant: str, context: int, rounds: int = 6, layers=None, tiny=False) -> dict:
+    """Decode and verify-16 ms (medians over `rounds` alternations) with a switch of SWITCHES on
+    and off."""
+    module, attribute, on_label, off_label = SWITCHES[switch]
     adapter = build_target(name, quant, layers, tiny)
     snapshot = prefilled(adapter, None, context)
     one, block = mx.array([[7]]), mx.random.randint(0, adapter.vocab_size, (1, 16))
     out = {"model": name, "quant": quant, "context": context, "rounds": rounds}
     for _ in range(rounds):
-        for label, fused in (("fused", True), ("apart", False)):
-            small_m.fuse_shared_input = fused
+        for label, on in ((on_label, True), (off_label, False)):
+            setattr(module, attribute, on)
             adapter.clear_compiled()  # the switch is read when a block is traced
             cache, _ = snapshot.restore()
             out.setdefault(f"{label}_decode_ms", []).append(per_iteration(lambda: [adapter.forward(one, cache).logits]))
@@ -154,7 +165,7 @@ def launches(name: str, quant: str, context: int, rounds: int = 6, layers=None, 
                 return [v.logits]
 
             out.setdefault(f"{label}_verify16_ms", []).append(per_iteration(verify))
-    small_m.fuse_shared_input = True
+    setattr(module, attribute, True)
     adapter.clear_compiled()
     return {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}
 
@@ -165,13 +176,18 @@ def main() -> int:
     parser.add_argument("--quant", default="bf16")
     parser.add_argument("--contexts", default="1024,8192")
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--launches", action="store_true", help="one launch per shared input against one per weight")
+    ab = parser.add_mutually_exclusive_group()
+    ab.add_argument("--launches", action="store_true", help="one launch per shared input against one per weight")
+    ab.add_argument("--attention", action="store_true", help="block attention against MLX's fused attention")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
-        run = launches if args.launches else profile
-        rows.append(run(args.model, args.quant, context, tiny=args.tiny))
+        if args.launches or args.attention:
+            row = alternate("launches" if args.launches else "attention", args.model, args.quant, context, tiny=args.tiny)
+        else:
+            row = profile(args.model, args.quant, context, tiny=args.tiny)
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
         if args.out:
             args.out.write_text(json.dumps(rows, indent=2))

@@ -19,11 +19,13 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels.attention import attention
+from .kernels.matmul import gated_mlp, linear, linears, stack_shared_input
 
 log = logging.getLogger(__name__)
 
@@ -233,18 +235,19 @@ class DrafterAttention(nn.Module):
     def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """K/V of `x` at absolute positions offset.. (input_layernorm is not applied to context)."""
         B, L, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k, v = linears([self.k_proj, self.v_proj], x)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
     def __call__(self, x, context: tuple[mx.array, mx.array], start: int, mask) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.q_norm(linear(self.q_proj, x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         k, v = self.keys_values(x, start)
         ctx_k, ctx_v = context
         out = attention(q, [ctx_k, k], [ctx_v, v], self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class DrafterLayer(nn.Module):
@@ -257,7 +260,7 @@ class DrafterLayer(nn.Module):
 
     def __call__(self, h, context, start, mask):
         h = h + self.self_attn(self.input_layernorm(h), context, start, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu)
 
 
 class DFlashDrafter(nn.Module):
@@ -278,6 +281,14 @@ class DFlashDrafter(nn.Module):
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
+
+    def stack_shared_inputs(self) -> None:
+        """On CUDA, one matrix for each layer's k and v (the block and the context both multiply
+        them by one input) and for its MLP's gate and up (kernels/matmul.py). Call it once the
+        weights are loaded: new weights put in later (training) drop their stack by themselves."""
+        for layer in self.layers:
+            stack_shared_input([layer.self_attn.k_proj, layer.self_attn.v_proj])
+            stack_shared_input([layer.mlp.gate_proj, layer.mlp.up_proj])
 
     def add_context(self, taps: mx.array, cache: list[KVCache]) -> None:
         """Project target taps [1, n, n_taps*H] of the next n positions into every layer's context
@@ -380,6 +391,7 @@ def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None) -> DFlas
         model.set_dtype(dtype)
     model.eval()
     mx.eval(model.parameters())
+    model.stack_shared_inputs()
     return model
 
 

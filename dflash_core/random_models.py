@@ -87,6 +87,7 @@ def random_drafter(name: str, target: TargetAdapter, tiny: bool = False) -> DFla
     drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
     drafter.set_dtype(target.dtype)
     mx.eval(drafter.parameters())
+    drafter.stack_shared_inputs()
     return drafter
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -27,14 +29,16 @@ def test_gpu_cycle_runs_on_tiny_shapes(tmp_path):
         assert row["forced_3"]["tokens_per_cycle"] == 3.0  # the forced schedule really ran
 
 
-def test_gpu_profile_launches_runs_on_tiny_shapes(tmp_path):
-    out = tmp_path / "launches.json"
-    done = _run("benchmarks/gpu_profile.py", "--tiny", "--model", "qwen3-8b", "--quant", "4bit", "--contexts", "32",
-                "--launches", "--out", str(out))
+@pytest.mark.parametrize("flag, model, quant, labels", [("--launches", "qwen3-8b", "4bit", ("fused", "apart")),
+                                                    ("--attention", "qwen3.5-9b", "bf16", ("block", "mlx"))])
+def test_gpu_profile_alternations_run_on_tiny_shapes(tmp_path, flag, model, quant, labels):
+    out = tmp_path / "ab.json"
+    done = _run("benchmarks/gpu_profile.py", "--tiny", "--model", model, "--quant", quant, "--contexts", "32",
+                flag, "--out", str(out))
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(out.read_text())
     assert row["context"] == 32 and row["rounds"] == 6
-    assert all(row[f"{label}_{what}"] > 0 for label in ("fused", "apart") for what in ("decode_ms", "verify16_ms"))
+    assert all(row[f"{label}_{what}"] > 0 for label in labels for what in ("decode_ms", "verify16_ms"))
 
 
 def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):

@@ -240,3 +240,48 @@ def test_unknown_weights_are_refused(tiny_pair_factory):
     mx.save_safetensors(str(drafter / "model.safetensors"), weights)
     with pytest.raises(CheckpointError, match="unexpected"):
         load_drafter(drafter)
+
+
+def test_stacked_drafter_drafts_and_trains_the_same(monkeypatch):
+    """On CUDA each layer's k/v and gate/up are stacked into one matrix at load (kernels/matmul.py):
+    run here on the CPU, the block's hidden states are unchanged and training still reaches every
+    weight with the same gradients (the traced weights are new arrays, which bypass the stack)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from dflash_core.kernels import matmul as small_m
+
+    cfg = _config()
+    plain, stacked = _random_drafter(cfg), _random_drafter(cfg)
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
+    stacked.stack_shared_inputs()
+    for layer in stacked.layers:
+        for group in ([layer.self_attn.k_proj, layer.self_attn.v_proj], [layer.mlp.gate_proj, layer.mlp.up_proj]):
+            assert tuple(id(m) for m in group) in small_m._stacks
+    mx.random.seed(5)
+    taps = mx.random.normal((1, 6, 2 * H))
+    block = mx.random.normal((1, cfg.block_size, H))
+
+    def hidden(model):
+        cache = model.make_cache()
+        model.add_context(taps, cache)
+        return model.hidden(block, cache)
+
+    found = []
+    products = small_m._stacked_products
+
+    def recorded(layers, x):
+        ys = products(layers, x)
+        found.append(ys is not None)
+        return ys
+
+    monkeypatch.setattr(small_m, "_stacked_products", recorded)
+    want = hidden(plain)
+    assert found == [False] * 3 * cfg.num_hidden_layers  # context k/v, block k/v, gate/up per layer
+    found.clear()
+    assert mx.array_equal(hidden(stacked), want)
+    assert found == [True] * 3 * cfg.num_hidden_layers
+    grads = [dict(tree_flatten(nn.value_and_grad(m, lambda m=m: (hidden(m) ** 2).sum())()[1])) for m in (plain, stacked)]
+    for name in ("layers.0.self_attn.k_proj.weight", "layers.1.mlp.gate_proj.weight", "layers.2.mlp.up_proj.weight"):
+        assert mx.abs(grads[0][name]).max().item() > 0
+        assert mx.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5), name

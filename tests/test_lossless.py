@@ -69,13 +69,24 @@ def test_every_acceptance_length_is_lossless(engines, references, family):
     _check_every_acceptance_length(engines, references, family)
 
 
-def test_cuda_block_attention_path_is_lossless(engines, references, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_cuda_block_attention_path_is_lossless(engines, references, family, monkeypatch):
     """Verify and draft blocks attend through the stacked-GEMM path CUDA uses (kernels/attention.py),
-    run here on the CPU: the dense adapter's verify and the drafter's block both take it."""
+    run here on the CPU: the dense and Qwen3.5 adapters' verifies and the drafter's block take it."""
     monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
     assert block_attention.path_for(mx.zeros((1, 4, 16, 16)), mx.ones((16, 16), mx.bool_)) == "stacked"
-    test_random_drafter_is_lossless(engines, references, "qwen3")
-    _check_every_acceptance_length(engines, references, "qwen3")
+    taken = []
+    stacked = block_attention.stacked
+    monkeypatch.setattr(block_attention, "stacked", lambda q, *rest: taken.append(q.shape[2]) or stacked(q, *rest))
+    test_random_drafter_is_lossless(engines, references, family)
+    _check_every_acceptance_length(engines, references, family)
+    # A verify-sized forward of the target sends every attention layer through it.
+    target = engines[family].target
+    cache = target.make_cache(max_rollback=16)
+    target.forward(mx.array(references[family][0])[None], cache)
+    taken.clear()
+    mx.eval(target.forward(mx.arange(16)[None], cache).logits)
+    assert len(taken) == sum(not getattr(layer, "is_linear", False) for layer in target.layers) > 0
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"])

@@ -21,6 +21,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
+from ..kernels.attention import attention
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, gated_mlp_group
@@ -122,8 +123,10 @@ class Qwen35Adapter(TargetAdapter):
         B, S = tokens.shape
         small = S <= self.compile_max_tokens  # decode and verify: compiled blocks
         attention_cache = next(c for c, layer in zip(cache, self.layers) if not layer.is_linear)
-        offset = mx.array(attention_cache.offset)
+        start = attention_cache.offset
+        offset = mx.array(start)
         mask = create_attention_mask(h, attention_cache)
+        block_mask = None  # a verify's boolean mask over the whole KV buffer, shared by its layers
         tapped = {}
         # A verify (recorded, more than one token) keeps per-step states where that is cheap.
         step_states = tape is not None and S > 1 and records_step_states()
@@ -146,7 +149,15 @@ class Qwen35Adapter(TargetAdapter):
             elif small:
                 q, k, v, gate = self.compiled(("pre", i), lambda: gated_attention_inputs(layer))(h, offset)
                 k, v = layer_cache.update_and_fetch(k, v)
-                attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=mask)
+                if S > 1:
+                    # As in the dense adapter: the cache's whole buffer with its tail masked, so that
+                    # shapes repeat across cycles and CUDA takes the block attention path.
+                    k, v = layer_cache.keys, layer_cache.values
+                    if block_mask is None:
+                        block_mask = mx.arange(k.shape[2])[None] <= mx.arange(start, start + S)[:, None]
+                    attended = attention(q, [k], [v], layer.self_attn.scale, block_mask)
+                else:
+                    attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=mask)
                 h = self.compiled(("post", i), lambda: gated_attention_output_and_mlp(layer))(h, attended, gate)
             else:
                 h = layer(h, mask, layer_cache)
