@@ -59,3 +59,20 @@ def tiny_pair_factory(tmp_path_factory):
 def gemma3_text_pair(gemma3_pair):
     """The same pair under its model_type (tests that iterate over synthetic.FAMILIES)."""
     return gemma3_pair
+
+
+@pytest.fixture
+def stack_lookups(monkeypatch):
+    """A list that gets, for every multi-layer call of `linears` on the CUDA path, whether the layers
+    were found stacked (kernels/matmul.py), in call order."""
+    from dflash_core.kernels import matmul
+
+    found, products = [], matmul._stacked_products
+
+    def recorded(layers, x):
+        ys = products(layers, x)
+        found.append(ys is not None)
+        return ys
+
+    monkeypatch.setattr(matmul, "_stacked_products", recorded)
+    return found
