@@ -51,9 +51,10 @@ def build_only(fn, iters=8) -> float:
 
 def prefilled(adapter, drafter, context: int):
     """The prefix-cache snapshot after prefilling `context` random tokens (with the drafter's
-    context when there is a drafter): each measurement restores it."""
+    context when there is a drafter): each measurement restores it. Prefilled in the server's
+    2048-token chunks: Gemma-4-31B's 4096-token chunks run out of memory at 32K (performance.md)."""
     tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
-    engine = Engine(adapter, tokenizer, drafter, prefill_chunk=4096, prefix_cache=PrefixCache(16 << 30))
+    engine = Engine(adapter, tokenizer, drafter, prefill_chunk=2048, prefix_cache=PrefixCache(16 << 30))
     prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
     list(engine.generate(prompt, max_tokens=2, stop_token_ids=set()))
     return engine.prefix_cache.lookup(prompt, need_context=drafter is not None)

@@ -114,7 +114,7 @@ def test_gate_picks_a_path_for_this_backend():
 from dflash_core.kernels import attention as block_attention  # noqa: E402
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 64), (16, 4, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 64), (16, 4, 128), (8, 1, 512)])
 @pytest.mark.parametrize("queries", [2, 7, 16])
 def test_stacked_attention_matches_fused(heads, kv_heads, dim, queries):
     """Stacked query heads, key segments, and both mask shapes give MLX's fused attention."""
@@ -150,7 +150,8 @@ def test_attention_gate(monkeypatch):
     assert block_attention.path_for(q16[:, :, :1], mask[:1]) == "fused"  # decode: MLX's vector kernel
     assert block_attention.path_for(q16, None) == "fused"
     assert block_attention.path_for(q16, "causal") == "fused"
-    assert block_attention.path_for(mx.zeros((1, 8, 16, 512)), mask) == "fused"  # Gemma 4 global
+    assert block_attention.path_for(mx.zeros((1, 8, 16, 512)), mask) == "stacked"  # Gemma 4 global
+    assert block_attention.path_for(mx.zeros((1, 8, 16, 576)), mask) == "fused"
     additive = mx.where(mask, 0.0, -mx.inf)  # an additive mask would be misread as a boolean one
     assert block_attention.path_for(q16, additive) == "fused"
 

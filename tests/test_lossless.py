@@ -69,10 +69,11 @@ def test_every_acceptance_length_is_lossless(engines, references, family):
     _check_every_acceptance_length(engines, references, family)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4"])
 def test_cuda_block_attention_path_is_lossless(engines, references, family, monkeypatch):
     """Verify and draft blocks attend through the stacked-GEMM path CUDA uses (kernels/attention.py),
-    run here on the CPU: the dense and Qwen3.5 adapters' verifies and the drafter's block take it."""
+    run here on the CPU: the dense, Qwen3.5 and Gemma 4 adapters' verifies (Gemma 4: sliding and
+    global layers, shared K/V included) and the drafter's block take it."""
     monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
     assert block_attention.path_for(mx.zeros((1, 4, 16, 16)), mx.ones((16, 16), mx.bool_)) == "stacked"
     taken = []

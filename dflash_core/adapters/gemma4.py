@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import geglu
 
 from ..cache import SlidingWindowCache
+from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, gated_mlp_group
 
@@ -140,9 +141,14 @@ class Gemma4Adapter(TargetAdapter):
         return h, tapped
 
     def _compiled_layers(self, h, cache, masks, per_layer, tap_ids):
-        """Decode and verify: each layer as two compiled functions around the cache update."""
-        offset = mx.array(next(c for c in cache if c is not None).offset)
+        """Decode and verify: each layer as two compiled functions around the cache update.
+        A verify attends through the block attention (kernels/attention.py) with boolean masks:
+        sliding layers' ring already has one; global layers attend over their cache's whole buffer
+        with its tail masked, as in the dense adapter, so shapes repeat across cycles."""
+        start, n = next(c for c in cache if c is not None).offset, h.shape[1]
+        offset = mx.array(start)
         shared = [None] * len(self.layers)
+        buffer_masks = {}  # by buffer length
         tapped = {}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -150,11 +156,22 @@ class Gemma4Adapter(TargetAdapter):
             if attn.has_kv:
                 q, k, v = inputs
                 k, v = cache[i].update_and_fetch(k, v)
+                if n > 1 and isinstance(cache[i], KVCache):
+                    k, v = cache[i].keys, cache[i].values
                 shared[i] = (k, v)
             else:
                 (q,) = inputs
                 k, v = shared[i] = shared[self.inner.previous_kvs[i]]
-            attended = scaled_dot_product_attention(q, k, v, cache=cache[i], scale=attn.scale, mask=masks[layer.layer_type])
+            mask = masks[layer.layer_type]
+            if n > 1:
+                if not isinstance(mask, mx.array):  # a global layer ("causal"): the buffer's mask
+                    length = k.shape[2]
+                    if length not in buffer_masks:
+                        buffer_masks[length] = mx.arange(length)[None] <= mx.arange(start, start + n)[:, None]
+                    mask = buffer_masks[length]
+                attended = attention(q, [k], [v], attn.scale, mask)
+            else:
+                attended = scaled_dot_product_attention(q, k, v, cache=cache[i], scale=attn.scale, mask=mask)
             post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer))
             h = post(h, attended, *(() if per_layer[i] is None else (per_layer[i],)))
             if i in tap_ids:
