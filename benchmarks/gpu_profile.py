@@ -161,6 +161,9 @@ def alternate(switch: str, name: str, quant: str, context: int, rounds: int = 6,
             cache, _ = snapshot.restore()
 
             def verify():
+                # A full acceptance keeps all 16 (the rollback has nothing to undo), so each of the
+                # 13 timed and warm-up forwards adds 16 tokens: the context ends about 200 past the
+                # snapshot's, the same in both arms.
                 v = adapter.forward(block, cache, record=True)
                 adapter.rollback(cache, v.tape, keep=16)
                 return [v.logits]

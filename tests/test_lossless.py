@@ -76,10 +76,11 @@ def test_cuda_block_attention_path_is_lossless(engines, references, family, monk
     global layers, shared K/V included) and the drafter's block take it."""
     monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
     assert block_attention.path_for(mx.zeros((1, 4, 16, 16)), mx.ones((16, 16), mx.bool_)) == "stacked"
-    taken = []
+    taken = []  # the number of key segments of each call: the drafter's are its context and its block
     stacked = block_attention.stacked
-    monkeypatch.setattr(block_attention, "stacked", lambda q, *rest: taken.append(q.shape[2]) or stacked(q, *rest))
+    monkeypatch.setattr(block_attention, "stacked", lambda q, keys, *rest: taken.append(len(keys)) or stacked(q, keys, *rest))
     test_random_drafter_is_lossless(engines, references, family)
+    assert 2 in taken  # the real drafter's blocks went through it
     _check_every_acceptance_length(engines, references, family)
     # A verify-sized forward of the target sends every attention layer through it.
     target = engines[family].target
