@@ -49,6 +49,11 @@ def build_only(fn, iters=8) -> float:
     return statistics.median(times[2:]) * 1e3
 
 
+def medians(out: dict) -> dict:
+    """Each repeated measurement (a list) as its median; other entries as they are."""
+    return {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}
+
+
 def prefilled(adapter, drafter, context: int):
     """The prefix-cache snapshot after prefilling `context` random tokens (with the drafter's
     context when there is a drafter): each measurement restores it. Prefilled in the server's
@@ -134,7 +139,7 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
         return list(gd.gated_delta(qq[:, :t], qq[:, :t], vv[:, :t], g[:, :t], beta[:, :t], state))
 
     out["gdn_replay_6_7_ms"] = per_iteration(replay)
-    return {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}  # repeated runs
+    return medians(out)
 
 
 # What an A/B flips: the module, its switch, and the labels of the switch on and off.
@@ -171,7 +176,7 @@ def alternate(switch: str, name: str, quant: str, context: int, rounds: int = 6,
             out.setdefault(f"{label}_verify16_ms", []).append(per_iteration(verify))
     setattr(module, attribute, True)
     adapter.clear_compiled()
-    return {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in out.items()}
+    return medians(out)
 
 
 def main() -> int:

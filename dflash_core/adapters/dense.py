@@ -8,7 +8,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from ..kernels.attention import attention
+from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, gated_mlp_group
 
@@ -65,13 +65,10 @@ class DenseAdapter(TargetAdapter):
             q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer))(h, offset)
             k, v = layer_cache.update_and_fetch(k, v)
             if length > 1:
-                # Attend over the cache's whole buffer (it grows in steps of 256) with the tail
-                # masked: shapes then repeat across cycles (CUDA's cuDNN attention builds one
-                # graph per shape, and compiled blocks trace once per shape).
+                # The cache's whole buffer with its tail masked, so shapes repeat (buffer_mask).
                 k, v = layer_cache.keys, layer_cache.values
                 if mask is None:
-                    key_pos = mx.arange(k.shape[2])[None]
-                    mask = key_pos <= mx.arange(start, start + length)[:, None]
+                    mask = buffer_mask(k.shape[2], start, length)
                 attended = attention(q, [k], [v], layer.self_attn.scale, mask)
             else:
                 attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=None)

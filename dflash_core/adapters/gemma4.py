@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import geglu
 
 from ..cache import SlidingWindowCache
-from ..kernels.attention import attention
+from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, gated_mlp_group
 
@@ -167,7 +167,7 @@ class Gemma4Adapter(TargetAdapter):
                 if not isinstance(mask, mx.array):  # a global layer ("causal"): the buffer's mask
                     length = k.shape[2]
                     if length not in buffer_masks:
-                        buffer_masks[length] = mx.arange(length)[None] <= mx.arange(start, start + n)[:, None]
+                        buffer_masks[length] = buffer_mask(length, start, n)
                     mask = buffer_masks[length]
                 attended = attention(q, [k], [v], attn.scale, mask)
             else:

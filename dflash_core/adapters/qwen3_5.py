@@ -21,7 +21,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from ..kernels.attention import attention
+from ..kernels.attention import attention, buffer_mask
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, gated_mlp_group
@@ -154,7 +154,7 @@ class Qwen35Adapter(TargetAdapter):
                     # shapes repeat across cycles and CUDA takes the block attention path.
                     k, v = layer_cache.keys, layer_cache.values
                     if block_mask is None:
-                        block_mask = mx.arange(k.shape[2])[None] <= mx.arange(start, start + S)[:, None]
+                        block_mask = buffer_mask(k.shape[2], start, S)
                     attended = attention(q, [k], [v], layer.self_attn.scale, block_mask)
                 else:
                     attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=mask)

@@ -28,6 +28,14 @@ MAX_HEAD_DIM = 512
 use_stacked = True
 
 
+def buffer_mask(length: int, start: int, queries: int) -> mx.array:
+    """The boolean mask [queries, length] of queries at positions start.. over a KV cache's whole
+    buffer: each sees the keys up to its own position, never the buffer's unused or stale tail.
+    Adapters attend over the whole buffer (it grows in steps of 256) so that shapes repeat across
+    cycles: CUDA's cuDNN attention builds one graph per shape, compiled blocks trace once per shape."""
+    return mx.arange(length)[None] <= mx.arange(start, start + queries)[:, None]
+
+
 def path_for(q: mx.array, mask) -> str:
     L, D = q.shape[2], q.shape[3]
     boolean_mask = isinstance(mask, mx.array) and mask.dtype == mx.bool_  # not an additive one

@@ -85,25 +85,16 @@ _STEP_STATES_SETUP = """
 
 @functools.cache
 def _kernel(step_states: bool = False):
-    if not step_states:
-        return mx.fast.cuda_kernel(
-            name="dflash_gated_delta",
-            input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
-            output_names=["y", "state_out"],
-            source=_SOURCE,
-        )
-    edits = {"    float s[n_per_lane];": _STEP_STATES_SETUP + "    float s[n_per_lane];",
-             "      // per-step state (written here by the step-states variant)": _STEP_STATES}
-    source = _SOURCE
-    for anchor, text in edits.items():
-        assert source.count(anchor) == 1, anchor  # else `states` would be left unwritten
-        source = source.replace(anchor, text)
+    name, outputs, source = "dflash_gated_delta", ["y", "state_out"], _SOURCE
+    if step_states:
+        name, outputs = name + "_step_states", outputs + ["states"]
+        edits = {"    float s[n_per_lane];": _STEP_STATES_SETUP + "    float s[n_per_lane];",
+                 "      // per-step state (written here by the step-states variant)": _STEP_STATES}
+        for anchor, text in edits.items():
+            assert source.count(anchor) == 1, anchor  # else `states` would be left unwritten
+            source = source.replace(anchor, text)
     return mx.fast.cuda_kernel(
-        name="dflash_gated_delta_step_states",
-        input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
-        output_names=["y", "state_out", "states"],
-        source=source,
-    )
+        name=name, input_names=["q", "k", "v", "g", "beta", "state_in", "T"], output_names=outputs, source=source)
 
 
 def supported(q: mx.array, v: mx.array, g: mx.array) -> bool:
