@@ -15,6 +15,9 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_lm.models.base import scaled_dot_product_attention
+
+from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import is_gated_mlp, linear, stack_shared_input, tied_lm_head
 
 
@@ -28,6 +31,22 @@ class Forward:
 # Decode and verify forwards (at most this many tokens) run each layer as a few compiled
 # functions: building a graph of thousands of small ops on the host otherwise bounds a step.
 COMPILED_MAX_TOKENS = 16
+
+
+def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict) -> mx.array:
+    """Write k, v into an mlx-lm KVCache and attend. One query (decode): mlx-lm's attention over the
+    keys written so far. A block (verify): the cache's whole buffer with its tail masked
+    (`buffer_mask`, kept in `masks` by buffer length for the forward's other layers), which on CUDA
+    is the block attention."""
+    k, v = cache.update_and_fetch(k, v)
+    queries = q.shape[2]
+    if queries == 1:
+        return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=None)
+    k, v = cache.keys, cache.values
+    length = k.shape[2]
+    if length not in masks:
+        masks[length] = buffer_mask(length, start, queries)
+    return attention(q, [k], [v], scale, masks[length])
 
 
 def gated_mlp_group(mlp: nn.Module) -> list[list[nn.Module]]:

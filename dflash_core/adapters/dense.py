@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, gated_mlp_group
+from .base import TargetAdapter, cached_attention, gated_mlp_group
 
 
 def attention_inputs(layer):
@@ -58,20 +57,12 @@ class DenseAdapter(TargetAdapter):
                 if i in tap_ids:
                     tapped[i] = h
             return h, tapped
-        start, length = cache[0].offset, tokens.shape[1]
+        start = cache[0].offset
         offset = mx.array(start)
-        mask = None
+        masks = {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer))(h, offset)
-            k, v = layer_cache.update_and_fetch(k, v)
-            if length > 1:
-                # The cache's whole buffer with its tail masked, so shapes repeat (buffer_mask).
-                k, v = layer_cache.keys, layer_cache.values
-                if mask is None:
-                    mask = buffer_mask(k.shape[2], start, length)
-                attended = attention(q, [k], [v], layer.self_attn.scale, mask)
-            else:
-                attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=None)
+            attended = cached_attention(q, k, v, layer_cache, layer.self_attn.scale, start, masks)
             h = self.compiled(("post", i), lambda: attention_output_and_mlp(layer))(h, attended)
             if i in tap_ids:
                 tapped[i] = h

@@ -17,14 +17,13 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from ..kernels.attention import attention, buffer_mask
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, gated_mlp_group
+from .base import TargetAdapter, cached_attention, gated_mlp_group
 
 
 class GatedDeltaRecord(NamedTuple):
@@ -125,8 +124,8 @@ class Qwen35Adapter(TargetAdapter):
         attention_cache = next(c for c, layer in zip(cache, self.layers) if not layer.is_linear)
         start = attention_cache.offset
         offset = mx.array(start)
-        mask = create_attention_mask(h, attention_cache)
-        block_mask = None  # a verify's boolean mask over the whole KV buffer, shared by its layers
+        mask = None if small else create_attention_mask(h, attention_cache)  # prefill: mlx-lm's layers
+        masks = {}  # a verify's boolean masks over the whole KV buffer, shared by its layers
         tapped = {}
         # A verify (recorded, more than one token) keeps per-step states where that is cheap.
         step_states = tape is not None and S > 1 and records_step_states()
@@ -148,16 +147,7 @@ class Qwen35Adapter(TargetAdapter):
                     tape.append(GatedDeltaRecord(conv_input, state, steps, states))
             elif small:
                 q, k, v, gate = self.compiled(("pre", i), lambda: gated_attention_inputs(layer))(h, offset)
-                k, v = layer_cache.update_and_fetch(k, v)
-                if S > 1:
-                    # As in the dense adapter: the cache's whole buffer with its tail masked, so that
-                    # shapes repeat across cycles and CUDA takes the block attention path.
-                    k, v = layer_cache.keys, layer_cache.values
-                    if block_mask is None:
-                        block_mask = buffer_mask(k.shape[2], start, S)
-                    attended = attention(q, [k], [v], layer.self_attn.scale, block_mask)
-                else:
-                    attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=layer.self_attn.scale, mask=mask)
+                attended = cached_attention(q, k, v, layer_cache, layer.self_attn.scale, start, masks)
                 h = self.compiled(("post", i), lambda: gated_attention_output_and_mlp(layer))(h, attended, gate)
             else:
                 h = layer(h, mask, layer_cache)
