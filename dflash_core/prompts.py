@@ -23,7 +23,12 @@ def hf_tokenizer(tokenizer):
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages -> what chat templates expect: `developer` as `system`, tool-call arguments
-    as objects (templates iterate over them), earlier reasoning as `reasoning_content`."""
+    as objects (templates iterate over them), earlier reasoning as `reasoning_content`, and the
+    order every template accepts (see `_normalize_roles`)."""
+    return _normalize_roles(_template_fields(messages))
+
+
+def _template_fields(messages: list[dict]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         m = {k: v for k, v in m.items() if v is not None}
@@ -47,6 +52,32 @@ def template_messages(messages: list[dict]) -> list[dict]:
             m["tool_calls"] = calls
         out.append(m)
     return out
+
+
+def _normalize_roles(messages: list[dict]) -> list[dict]:
+    """Agent clients send conversations that strict templates refuse (Gemma's demands strict
+    user/model alternation, Qwen's a single leading system message): Codex sends two developer
+    and two user messages in a row, Claude Code system messages mid-conversation. Leading system
+    messages become one; a later one becomes a user message (the only role every template shows
+    anywhere); consecutive text messages of one role are joined by a blank line. Tool results and
+    messages that carry tool calls or reasoning stay whole, so templates render them as before."""
+    out: list[dict] = []
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "system" and any(p.get("role") != "system" for p in out):
+            m["role"] = "user"
+        last = out[-1] if out else None
+        if (last is not None and last["role"] == m["role"] and m["role"] in ("system", "user", "assistant")
+                and _plain_text(last) and _plain_text(m)):
+            last["content"] = "\n\n".join(c for c in (last["content"], m["content"]) if c)
+            continue
+        out.append(m)
+    return out
+
+
+def _plain_text(message: dict) -> bool:
+    """A message that is only its text content (nothing a merge would lose)."""
+    return isinstance(message.get("content"), str) and set(message) <= {"role", "content"}
 
 
 def render_chat(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None, **template_kwargs: Any) -> str:

@@ -30,6 +30,7 @@ class ServerSettings(Strict):
     queue_size: int = Field(64, ge=1, description="requests that may wait for a turn; more get 429")
     max_active: int = Field(8, ge=1, description="generations interleaved at once")
     request_timeout: Optional[float] = Field(600.0, gt=0, description="seconds a request may take")
+    stored_responses: int = Field(1000, ge=0, description="Responses API: stored responses kept in memory (LRU)")
 
 
 class DefaultSettings(Strict):

@@ -7,35 +7,21 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
-from starlette.background import BackgroundTask
 
 from dflash_core.settings import Settings
 
-from . import chat
+from . import chat, messages, responses
 from .errors import APIError, install_error_handlers
-from .generation import ChatResponder, ClientGone, CompletionResponder, Run, until_disconnect
-from .metrics import Metrics
-from .models import ModelPool, ServedModel
-from .output_text import ChatOutputParser
-from .scheduler import Scheduler
+from .generation import ChatResponder, CompletionResponder
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .serving import ServerState, respond, start_chat, start_run
 
 log = logging.getLogger(__name__)
-
-
-class ServerState:
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.scheduler = Scheduler(queue_size=settings.server.queue_size, max_active=settings.server.max_active)
-        self.pool = ModelPool(settings, self.scheduler)
-        self.metrics = Metrics(self.scheduler)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -92,18 +78,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        arrival = time.perf_counter()
-        chat.refuse_unsupported(body)
-        served = await state.pool.get(body.model)
-        try:
-            prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, settings.template_defaults(served.settings))
-            parser = ChatOutputParser(served.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
-                                      body.stop, prompt.starts_in_reasoning)
-            run = _start(state, served, body, prompt, _stop_tokens(served, body), arrival)
-        except BaseException:
-            state.pool.release(served)
-            raise
-        return await _respond(state, "chat", request, run, ChatResponder(run, body.model, parser), body)
+        started = await start_chat(state, body, time.perf_counter())
+        responder = ChatResponder(started.run, body.model, started.output)
+        return await respond(state, "chat", request, started.run, responder, stream=bool(body.stream),
+                             include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -112,92 +90,42 @@ def create_app(settings: Settings) -> FastAPI:
         served = await state.pool.get(body.model)
         try:
             prompt = chat.completion_prompt(body, served.engine.tokenizer, served.engine.target.vocab_size)
-            run = _start(state, served, body, prompt, None, arrival)
+            run = start_run(state, served, body, prompt, None, arrival)
         except BaseException:
             state.pool.release(served)
             raise
-        return await _respond(state, "completions", request, run, CompletionResponder(run, body.model, body.stop), body)
+        return await respond(state, "completions", request, run, CompletionResponder(run, body.model, body.stop),
+                             stream=bool(body.stream),
+                             include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
+    app.include_router(responses.router(state))
+    app.include_router(messages.router(state))
     return app
 
 
-def _stop_tokens(served: ServedModel, body: ChatCompletionRequest) -> Optional[set[int]]:
-    """Gemma 4 follows a tool call with <|tool_response>, which is the caller's turn, not ours."""
-    if not body.tools or served.tool_response_token is None:
-        return None
-    return served.engine.eos_token_ids | {served.tool_response_token}
-
-
-def _start(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, stop_tokens, arrival: float) -> Run:
-    """Queue the generation (the model stays acquired until _respond finishes)."""
-    defaults = state.settings.sampling_defaults(served.settings, served.loaded.generation_defaults)
-    max_tokens = chat.max_new_tokens(body, defaults)
-    chat.check_context(len(prompt.tokens), max_tokens, served.engine.max_context,
-                       "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
-    sampling = chat.sampling_params(body, defaults, served.engine.target.vocab_size)
-    run = Run(state.scheduler, served, prompt, max_tokens, sampling, stop_tokens,
-              state.settings.server.request_timeout, started=arrival)
-    run.submit()
-    if body.user:
-        log.info("request for %s from user %r", served.name, body.user)
-    return run
-
-
-async def _respond(state: ServerState, endpoint: str, request: Request, run: Run, responder, body):
-    metrics = state.metrics
-    finished = False
-
-    def finish() -> None:  # exactly once, however the response ends
-        nonlocal finished
-        if not finished:
-            finished = True
-            run.cancel()
-            run.record(metrics)
-            state.pool.release(run.served)
-
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def events():
-            try:
-                async for event in responder.stream(include_usage):
-                    yield event
-            except asyncio.CancelledError:  # the client went away: stop its generation now
-                metrics.cancelled.labels(endpoint=endpoint).inc()
-                raise
-            finally:
-                finish()
-
-        # The background task also runs when the client left before the stream even started.
-        return EventSourceResponse(events(), ping=15, background=BackgroundTask(finish))
-    try:
-        return await until_disconnect(request, responder.complete())
-    except ClientGone:
-        metrics.cancelled.labels(endpoint=endpoint).inc()
-        return Response(status_code=499)
-    finally:
-        finish()
-
-
-API_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+API_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+             "/v1/models", "/health", "/metrics"}
 
 
 class RequireKey:
-    """`Authorization: Bearer <key>` on every /v1 path (health and metrics stay open)."""
+    """The API key on every /v1 path (health and metrics stay open), sent as OpenAI clients do
+    (`Authorization: Bearer <key>`) or as Anthropic's do (`x-api-key: <key>`)."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
+        headers = dict(scope.get("headers") or [])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         # Bytes as sent: compare_digest refuses non-ASCII str, and a wrong key is a 401, not a 500.
-        if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
-            response = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                                type="authentication_error", code="invalid_api_key").response()
-            return await response(scope, receive, send)
+        bearer = scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
+        if not (bearer or secrets.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)):
+            error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key> or x-api-key: <key>)",
+                             type="authentication_error", code="invalid_api_key")
+            return await error.response(path)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -224,7 +152,8 @@ class InternalErrors:
             if started:  # a response is under way: nothing can replace it
                 raise
             log.exception("unexpected error")
-            response = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+            error = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+            response = error.response(scope.get("path", ""))
             await response(scope, receive, send)
 
 
@@ -240,7 +169,9 @@ class CountRequests:
         path = scope.get("path", "")
 
         # Known routes only: arbitrary paths would each add a time series for ever.
-        endpoint = path if path in API_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        endpoint = path if path in API_PATHS else next(
+            (route for prefix, route in (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{id}"))
+             if path.startswith(prefix)), "other")
 
         async def counting_send(message):
             if message["type"] == "http.response.start":

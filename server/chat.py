@@ -13,7 +13,8 @@ from dflash_core.sampling import SamplingError, SamplingParams
 
 from .errors import APIError, bad_request
 from .schemas import NEUTRAL_ONLY, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from .tool_calls import GEMMA4, QWEN_JSON, QWEN_XML, Markers, prompt_starts_in_reasoning
+from . import generic_tools
+from .tool_calls import GEMMA4, PLAIN, QWEN_JSON, QWEN_XML, Markers, prompt_starts_in_reasoning
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Prompt:
     tokens: list[int]
     starts_in_reasoning: bool = False
     forced_output: str = ""  # an opening the server wrote for the model (forced tool calls)
+    markers: Markers = PLAIN  # how the output marks reasoning and tool calls (chat only)
 
 
 def refuse_unsupported(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
@@ -54,8 +56,6 @@ def forced_tool_opening(markers: Markers, tool_choice) -> str:
 def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, template_defaults: dict) -> Prompt:
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     choice = request.tool_choice
-    if tools and not markers.has_tools:
-        raise bad_request("this model's chat template does not support tools", param="tools")
     if choice is not None and choice != "none" and not tools:
         raise bad_request("tool_choice requires tools", param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
@@ -65,8 +65,14 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
     if forced:
         kwargs["enable_thinking"] = False  # the answer starts with the call itself
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    shown_tools = tools if choice != "none" else None
+    uses_tools = bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    if uses_tools and not markers.has_tools:
+        # The template cannot show tools: write them (and earlier calls and results) as text.
+        markers = generic_tools.generic_markers(markers)
+        messages, shown_tools = generic_tools.render_messages(messages, shown_tools), None
     try:
-        text = render_chat(tokenizer, messages, tools if choice != "none" else None, **kwargs)
+        text = render_chat(tokenizer, messages, shown_tools, **kwargs)
     except MessageError as e:
         raise bad_request(str(e), param=e.param) from e
     except Exception as e:  # the template rejects this conversation (roles, order, ...)
@@ -74,7 +80,7 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
     opening = forced_tool_opening(markers, choice) if forced else ""
     tokens = encode_rendered(tokenizer, text + opening)
     return Prompt(text + opening, tokens, starts_in_reasoning=prompt_starts_in_reasoning(text + opening, markers),
-                  forced_output=opening)
+                  forced_output=opening, markers=markers)
 
 
 def completion_prompt(request: CompletionRequest, tokenizer, vocab_size: int) -> Prompt:
@@ -101,20 +107,19 @@ def max_new_tokens(request, defaults: dict) -> Optional[int]:
     return None  # until end of sequence or the context limit
 
 
-def check_context(prompt_tokens: int, max_tokens: Optional[int], max_context: Optional[int],
-                  param: str = "messages") -> None:
-    if max_context is None:
+def check_context(prompt_tokens: int, max_context: Optional[int], param: str = "messages") -> None:
+    """Only a prompt that leaves no room for one token is an error: a larger max_tokens than the
+    room left generates up to the context limit and ends with `length` (as llama-server and
+    Ollama do; agent clients send their model's output limit, not what is left of ours)."""
+    if max_context is None or prompt_tokens < max_context:
         return
-    wanted = prompt_tokens + (max_tokens or 1)
-    if wanted > max_context:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_context} tokens. However, you requested {wanted} "
-            f"tokens ({prompt_tokens} in the prompt, {max_tokens or 1} for the completion). Please reduce the "
-            "length of the prompt or of the completion.",
-            param=param,
-            code="context_length_exceeded",
-        )
+    raise APIError(
+        400,
+        f"This model's maximum context length is {max_context} tokens. However, the prompt has "
+        f"{prompt_tokens} tokens, leaving no room for the completion. Please reduce the length of the prompt.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")

@@ -161,25 +161,27 @@ def sse(data: Any) -> dict:
     return {"data": data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}
 
 
-# ------------------------------------------------------------------------- chat completions
+# ------------------------------------------------------------------------- chat output
 
 
-class ChatResponder:
-    def __init__(self, run: Run, model: str, parser: ChatOutputParser):
-        self.run, self.model, self.parser = run, model, parser
-        self.id, self.created = _id("chatcmpl"), int(time.time())
+HEARTBEAT = Delta()  # no output: a prefill chunk ended (streams may send a keep-alive)
+
+
+class ChatOutput:
+    """One chat generation read as parsed deltas; shared by chat completions, Responses and
+    Messages, which only shape what it yields."""
+
+    def __init__(self, run: Run, parser: ChatOutputParser):
+        self.run, self.parser = run, parser
         self.engine_finish = "stop"
 
-    def _chunk(self, delta: dict, finish_reason=None, **extra) -> dict:
-        return {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra,
-        }
-
-    async def _deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncIterator[Delta]:
         for delta in self.parser.feed_forced(self.run.prompt.forced_output):
             yield delta
         async for chunk in self.run.chunks():
+            if not chunk.token_ids and not chunk.finish_reason:
+                yield HEARTBEAT
+                continue
             for delta in self.parser.feed(chunk.text):
                 yield delta
             if self.parser.stop_matched is not None:
@@ -190,37 +192,60 @@ class ChatResponder:
         for delta in self.parser.finish():
             yield delta
 
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's: "tool_calls", "stop" (end of turn or a stop string) or "length"."""
+        return self.parser.finish_reason(self.engine_finish)
+
+    def usage(self) -> dict:
+        return self.run.usage(self.parser.stop_end)
+
+
+# ------------------------------------------------------------------------- chat completions
+
+
+class ChatResponder:
+    def __init__(self, run: Run, model: str, output: ChatOutput):
+        self.run, self.model, self.output = run, model, output
+        self.id, self.created = _id("chatcmpl"), int(time.time())
+
+    def _chunk(self, delta: dict, finish_reason=None, **extra) -> dict:
+        return {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra,
+        }
+
     async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
         yield sse(self._chunk({"role": "assistant", "content": ""}))
         try:
-            async for delta in self._deltas():
-                yield sse(self._chunk(_openai_delta(delta)))
+            async for delta in self.output.deltas():
+                if delta is not HEARTBEAT:
+                    yield sse(self._chunk(_openai_delta(delta)))
         except APIError as e:
             yield sse(e.body())
             yield sse("[DONE]")
             return
-        finish = self.parser.finish_reason(self.engine_finish)
-        yield sse(self._chunk({}, finish, dflash=self.run.report()))
+        yield sse(self._chunk({}, self.output.finish_reason, dflash=self.run.report()))
         if include_usage:
             yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                       "choices": [], "usage": self.run.usage(self.parser.stop_end), "dflash": self.run.report()})
+                       "choices": [], "usage": self.output.usage(), "dflash": self.run.report()})
         yield sse("[DONE]")
 
     async def complete(self) -> dict:
-        content, reasoning, _ = collect_deltas([delta async for delta in self._deltas()])
+        content, reasoning, _ = collect_deltas([delta async for delta in self.output.deltas()])
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
         if reasoning:
             message["reasoning_content"] = message["reasoning"] = reasoning
-        calls = [call.to_openai() for call in self.parser.tool_calls]
+        calls = [call.to_openai() for call in self.output.parser.tool_calls]
         if calls:
             message["tool_calls"] = calls
         elif message["content"] is None:
             message["content"] = ""
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": self.parser.finish_reason(self.engine_finish),
+            "choices": [{"index": 0, "message": message, "finish_reason": self.output.finish_reason,
                          "logprobs": None}],
-            "usage": self.run.usage(self.parser.stop_end), "dflash": self.run.report(),
+            "usage": self.output.usage(), "dflash": self.run.report(),
         }
 
 

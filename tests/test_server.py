@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
-from dataclasses import replace
 
 import httpx
 import openai
@@ -13,8 +12,7 @@ import pytest
 
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
 from live_server import LiveServer
-from scripted import scripted_engine
-from server.models import load_served
+from scripted_server import script, scripted_server
 
 KEY = "sk-test-key"
 WEATHER_TOOL = {
@@ -176,13 +174,12 @@ def _error(response, status, param=None, code=None):
         ({"model": "nope", "messages": MESSAGES}, 404, "model", "model_not_found"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages",
          "context_length_exceeded"),
-        ({"model": "tiny", "messages": MESSAGES, "max_tokens": 600}, 400, "messages", "context_length_exceeded"),
         ({"model": "tiny", "messages": MESSAGES, "tools": [{**WEATHER_TOOL, "function": {
             **WEATHER_TOOL["function"], "strict": True}}]}, 400, "tools[0].function.strict", None),
         ({"model": "tiny", "messages": MESSAGES, "store": True}, 400, "store", None),
     ],
     ids=["malformed-json", "wrong-type", "messages-not-list", "n2", "logprobs", "response-format", "unknown-field",
-         "top-p-zero", "logit-bias-range", "unknown-model", "prompt-too-long", "max-tokens-too-long", "strict-tools",
+         "top-p-zero", "logit-bias-range", "unknown-model", "prompt-too-long", "strict-tools",
          "store"],
 )
 def test_bad_requests(live, client, body, status, param, code):
@@ -239,6 +236,17 @@ def test_stop_string_usage_counts_only_what_was_generated_before_the_stop(script
     assert first.usage.total_tokens == first.usage.prompt_tokens + through_stop
     text = scripted.client.completions.create(model="scripted-qwen", prompt="hi", stop=["STOP"], temperature=0)
     assert text.choices[0].text == "</think>\n\nOne " and text.usage.completion_tokens == through_stop
+
+
+def test_max_tokens_past_the_context_generates_up_to_the_limit(live, client):
+    """Agent clients send their model's output limit; the room left bounds it (ends with length)."""
+    engine = live.state.pool._served["tiny"].engine
+    no_eos = {str(t): -100 for t in engine.eos_token_ids}  # so the random model runs to the limit
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=600, temperature=0,
+                                         logit_bias=no_eos)
+    assert out.choices[0].finish_reason == "length" and out.usage.total_tokens == 512
+    text = client.completions.create(model="tiny", prompt="word " * 50, max_tokens=10_000, logit_bias=no_eos)
+    assert text.choices[0].finish_reason == "length" and text.usage.total_tokens == 512
 
 
 def test_context_error_reports_token_counts(live):
@@ -309,23 +317,12 @@ def test_full_queue_answers_429(live, client):
 
 @pytest.fixture(scope="module")
 def scripted(qwen3_5_pair, gemma4_pair):
-    def prepare(state):
-        for name, pair in (("scripted-qwen", qwen3_5_pair), ("scripted-gemma", gemma4_pair)):
-            real = load_served(ModelSettings(name=name, target=str(pair[0]), drafter=None), 2048)
-            # The real tokenizer and chat template, a scripted engine in place of the model.
-            loaded = replace(real.loaded, engine=scripted_engine(real.engine.tokenizer), generation_defaults={})
-            state.pool.add(replace(real, loaded=loaded))
-
-    settings = Settings(models=[])
-    with LiveServer(settings, prepare=prepare) as server:
+    with scripted_server({"scripted-qwen": qwen3_5_pair, "scripted-gemma": gemma4_pair}) as server:
         server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         yield server
 
 
-def _script(server, name, text):
-    engine = server.state.pool._served[name].engine
-    engine.target.script = engine.tokenizer._tokenizer.encode(text, add_special_tokens=False)
-    return engine.target.script
+_script = script
 
 
 def _stream_chat(client, model, **kwargs):

@@ -1,0 +1,251 @@
+"""Anthropic's Messages API: `POST /v1/messages` (streamed and not) and `POST
+/v1/messages/count_tokens`. What Claude Code speaks.
+
+A request is translated into a chat completion request (`to_chat`) and generated through the same
+path as chat completions (`serving.start_chat`); `MessageBuilder` turns the parsed deltas into
+content blocks and, when streamed, into Anthropic's events. Errors use Anthropic's shape
+(`errors.APIError.anthropic_body`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+
+from . import chat
+from .errors import APIError, bad_request
+from .generation import HEARTBEAT, ChatOutput, Run
+from .messages_schemas import (
+    CountTokensRequest,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from .output_text import Delta
+from .schemas import ChatCompletionRequest
+from .serving import ServerState, respond, start_chat
+
+PING_EVERY = 5.0  # seconds between pings while a long prompt prefills
+
+
+def _text(content) -> str:
+    return content if isinstance(content, str) else "\n".join(b.text for b in content if isinstance(b, TextBlock))
+
+
+def chat_messages(body) -> list[dict]:
+    """Anthropic messages -> chat messages: tool_result blocks become tool messages (before the
+    user's text, as Anthropic requires them first), tool_use blocks the assistant's tool calls,
+    thinking blocks its reasoning_content."""
+    messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
+    for message in body.messages:
+        blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+        if message.role == "assistant":
+            out: dict[str, Any] = {"role": "assistant", "content": ""}
+            for block in blocks:
+                if isinstance(block, TextBlock):
+                    out["content"] += block.text
+                elif isinstance(block, ThinkingBlock):
+                    out["reasoning_content"] = out.get("reasoning_content", "") + block.thinking
+                elif isinstance(block, ToolUseBlock):
+                    out.setdefault("tool_calls", []).append(
+                        {"id": block.id, "type": "function",
+                         "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+                elif not isinstance(block, RedactedThinkingBlock):
+                    raise bad_request(f"a {block.type} block cannot be in an assistant message", param="messages")
+            messages.append(out)
+            continue
+        text = []
+        for block in blocks:
+            if isinstance(block, ToolResultBlock):
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+            elif isinstance(block, TextBlock):
+                text.append(block.text)
+            else:
+                raise bad_request(f"a {block.type} block cannot be in a {message.role} message", param="messages")
+        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            messages.append({"role": message.role, "content": "".join(text)})
+    return messages
+
+
+def _thinking(body) -> Optional[bool]:
+    thinking = body.thinking
+    if thinking is None:
+        return None
+    if thinking.type == "adaptive":
+        return not (body.output_config and body.output_config.effort == "low")
+    return thinking.type == "enabled"
+
+
+def _tool_choice(body):
+    choice = body.tool_choice
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise bad_request("tool_choice of type tool needs a name", param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}} for t in body.tools or ()]
+    thinking = _thinking(body)
+    fmt = body.output_config.format if body.output_config else None
+    request = {
+        "model": body.model, "messages": chat_messages(body), "tools": tools or None, "tool_choice": _tool_choice(body),
+        "max_tokens": max_tokens, "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None,
+    }
+    if isinstance(body, MessagesRequest):
+        request.update(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
+                       user=body.metadata.user_id if body.metadata else None)
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in request.items() if v is not None})
+    except ValueError as e:
+        raise bad_request(f"invalid request: {e}") from e
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class MessageBuilder:
+    """Parsed deltas -> content blocks, and the content_block_* events that build them."""
+
+    def __init__(self):
+        self.blocks: list[dict] = []
+        self._open: Optional[str] = None  # the type of the block being written
+
+    def feed(self, delta: Delta) -> list[dict]:
+        if delta.tool_call is not None:
+            call = delta.tool_call
+            if call.id is not None:
+                block = {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+                         "input": {}}
+                return self.close() + self._start(block)
+            self.blocks[-1]["_json"] = self.blocks[-1].get("_json", "") + call.arguments
+            return [self._delta({"type": "input_json_delta", "partial_json": call.arguments})]
+        kind, text = ("thinking", delta.reasoning) if delta.reasoning is not None else ("text", delta.content)
+        if not text:
+            return []
+        events = []
+        if self._open != kind:
+            empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+            events = self.close() + self._start(empty)
+        self.blocks[-1][kind] += text
+        name = "thinking_delta" if kind == "thinking" else "text_delta"
+        return events + [self._delta({"type": name, kind: text})]
+
+    def _start(self, block: dict) -> list[dict]:
+        self.blocks.append(block)
+        self._open = block["type"]
+        return [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
+
+    def _delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+
+    def close(self) -> list[dict]:
+        if self._open is None:
+            return []
+        block = self.blocks[-1]
+        if block["type"] == "tool_use":
+            block["input"] = json.loads(block.pop("_json", "") or "{}")
+        self._open = None
+        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+
+
+class MessagesResponder:
+    def __init__(self, body: MessagesRequest, run: Run, output: ChatOutput):
+        self.body, self.run, self.output = body, run, output
+        self.builder = MessageBuilder()
+        self.id = _id("msg")
+
+    def stop(self) -> tuple[str, Optional[str]]:
+        reason = self.output.finish_reason
+        if reason == "tool_calls":
+            return "tool_use", None
+        if reason == "length":
+            return "max_tokens", None
+        matched = self.output.parser.stop_matched
+        return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
+
+    def usage(self) -> dict:
+        usage = self.output.usage()
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        # Anthropic's input_tokens are the ones not read from the cache.
+        return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+    def message(self, content: list, stop_reason=None, stop_sequence=None, usage=None) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.body.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                "usage": usage or {"input_tokens": len(self.run.prompt.tokens), "output_tokens": 0,
+                                   "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
+        yield _sse({"type": "message_start", "message": self.message([])})
+        yield _sse({"type": "ping"})
+        last_event = time.monotonic()
+        try:
+            async for delta in self.output.deltas():
+                if delta is HEARTBEAT:
+                    if time.monotonic() - last_event >= PING_EVERY:
+                        last_event = time.monotonic()
+                        yield _sse({"type": "ping"})
+                    continue
+                for event in self.builder.feed(delta):
+                    last_event = time.monotonic()
+                    yield _sse(event)
+        except APIError as e:
+            yield _sse(e.anthropic_body())
+            return
+        for event in self.builder.close():
+            yield _sse(event)
+        reason, sequence = self.stop()
+        yield _sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": self.usage(), "dflash": self.run.report()})
+        yield _sse({"type": "message_stop"})
+
+    async def complete(self) -> dict:
+        async for delta in self.output.deltas():
+            if delta is not HEARTBEAT:
+                self.builder.feed(delta)
+        self.builder.close()
+        reason, sequence = self.stop()
+        return {**self.message(self.builder.blocks, reason, sequence, self.usage()), "dflash": self.run.report()}
+
+
+def _sse(event: dict) -> dict:
+    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
+
+
+def router(state: ServerState) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.post("/v1/messages")
+    async def create(body: MessagesRequest, request: Request):
+        started = await start_chat(state, to_chat(body, body.max_tokens), time.perf_counter())
+        responder = MessagesResponder(body, started.run, started.output)
+        return await respond(state, "messages", request, started.run, responder, stream=bool(body.stream))
+
+    @routes.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        request = to_chat(body)
+        chat.refuse_unsupported(request)
+        served = await state.pool.get(body.model)
+        try:
+            defaults = state.settings.template_defaults(served.settings)
+            prompt = chat.chat_prompt(request, served.engine.tokenizer, served.markers, defaults)
+        finally:
+            state.pool.release(served)
+        return {"input_tokens": len(prompt.tokens)}
+
+    return routes

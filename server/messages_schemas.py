@@ -1,0 +1,171 @@
+"""Request bodies of Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`),
+as Claude Code and the `anthropic` SDK send them.
+
+Unknown fields are a 400 in Anthropic's error shape. Fields accepted without changing what is
+generated say why next to them (README.md, "Messages API", lists them too).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from .schemas import StrictModel
+
+
+class CacheControl(StrictModel):
+    """Prompt caching is automatic and exact here (every prefix is a candidate): a breakpoint
+    asks for nothing more."""
+
+    type: Literal["ephemeral"]
+    ttl: Optional[str] = None
+    scope: Optional[str] = None
+
+
+class TextBlock(StrictModel):
+    type: Literal["text"]
+    text: str
+    cache_control: Optional[CacheControl] = None
+    citations: Optional[list[Any]] = None  # handed back from an earlier answer: we never cite
+
+    @field_validator("citations")
+    @classmethod
+    def _no_citations(cls, value):
+        if value:
+            raise ValueError("citations are not supported")
+        return value
+
+
+class ToolUseBlock(StrictModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: Optional[CacheControl] = None
+    caller: Optional[Any] = None  # who made the call (Claude Code hands back "direct"): the model did
+
+
+class ToolResultBlock(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[TextBlock], None] = None
+    is_error: Optional[bool] = None
+    cache_control: Optional[CacheControl] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            text = "\n".join(block.text for block in self.content)
+        else:
+            text = self.content or ""
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(StrictModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None  # we sign nothing; what we sent back is handed back
+
+
+class RedactedThinkingBlock(StrictModel):
+    """Encrypted reasoning from Anthropic's own models: no model here can read it, so it is
+    dropped from the prompt (as a model that does not think would ignore it)."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock]
+
+
+class Message(StrictModel):
+    # "system" mid-conversation: Claude Code's mid-conversation-system beta.
+    role: Literal["user", "assistant", "system"]
+    content: Union[str, list[ContentBlock]]
+
+
+class Tool(StrictModel):
+    type: Optional[Literal["custom"]] = None
+    name: str
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+    cache_control: Optional[CacheControl] = None
+    strict: Optional[bool] = None
+
+    @field_validator("strict")
+    @classmethod
+    def _no_strict_schemas(cls, value):
+        if value:
+            raise ValueError("strict tool schemas are not enforced by this server; omit strict or set it to false")
+        return value
+
+
+class ToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    # Calls are parsed as the model writes them, one or several; nothing else to switch.
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class Thinking(StrictModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    # max_tokens bounds thinking and answer together; the budget is not enforced separately.
+    budget_tokens: Optional[int] = Field(default=None, ge=1)
+    display: Optional[Literal["summarized", "omitted"]] = None
+
+
+class OutputFormat(StrictModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(StrictModel):
+    # With adaptive thinking, "low" turns thinking off; otherwise one thinking mode serves all.
+    effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None
+    format: Optional[OutputFormat] = None
+
+
+class ContextEdit(StrictModel):
+    # Which earlier thinking the model sees is the chat template's rule (Qwen shows only the
+    # current turn's): "keep" is accepted as the template applies it.
+    type: Literal["clear_thinking_20251015"]
+    keep: Any = None
+
+
+class ContextManagement(StrictModel):
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+
+class Metadata(StrictModel):
+    user_id: Optional[str] = None  # logged with the request
+
+
+class MessagesRequest(StrictModel):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: Union[str, list[TextBlock], None] = None
+    stop_sequences: Optional[list[str]] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    stream: Optional[bool] = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[Thinking] = None
+    metadata: Optional[Metadata] = None
+    output_config: Optional[OutputConfig] = None
+    context_management: Optional[ContextManagement] = None
+    service_tier: Optional[Literal["auto", "standard_only"]] = None  # one tier here
+    cache_control: Optional[CacheControl] = None  # automatic caching: what the prefix cache does
+
+
+class CountTokensRequest(StrictModel):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[Thinking] = None
+    output_config: Optional[OutputConfig] = None
+    context_management: Optional[ContextManagement] = None

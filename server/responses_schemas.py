@@ -1,0 +1,227 @@
+"""Request bodies of OpenAI's Responses API (`POST /v1/responses`), as Codex and the SDK send them.
+
+As everywhere in this server, an unknown field is a 400. Fields accepted without changing what
+is generated say why next to them (README.md, "Responses API", lists them too).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from .schemas import StrictModel
+
+
+class InputText(StrictModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: Optional[list[Any]] = None  # output_text handed back: citations we never make
+    logprobs: Optional[list[Any]] = None  # output_text handed back: what we reported, not input
+
+
+class MessageItem(StrictModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[InputText]]
+    id: Optional[str] = None  # an id of ours or the client's: identifies, asks nothing
+    status: Optional[str] = None  # the status we reported when it was output
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(StrictModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    namespace: Optional[str] = None
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class CustomToolCallItem(StrictModel):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    namespace: Optional[str] = None
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class OutputPart(StrictModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class FunctionCallOutputItem(StrictModel):
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str
+    output: Union[str, list[OutputPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningText(StrictModel):
+    type: Literal["summary_text", "reasoning_text"]
+    text: str
+
+
+class ReasoningItem(StrictModel):
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: Optional[list[ReasoningText]] = None
+    # Handed back by clients that asked for include=["reasoning.encrypted_content"]: we never
+    # encrypt (the reasoning text itself is in `content`), so only null is meaningful here.
+    encrypted_content: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        parts = self.content if self.content else self.summary
+        return "\n\n".join(p.text for p in parts)
+
+
+InputItem = Union[MessageItem, FunctionCallItem, CustomToolCallItem, FunctionCallOutputItem, ReasoningItem]
+
+
+class FunctionTool(StrictModel):
+    type: Literal["function"]
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+    defer_loading: Optional[bool] = None  # tool search is not offered: every tool is shown anyway
+
+    @field_validator("strict")
+    @classmethod
+    def _no_strict_schemas(cls, value):
+        if value:
+            raise ValueError("strict function schemas are not enforced by this server; omit strict or set it to false")
+        return value
+
+
+class CustomToolFormat(StrictModel):
+    type: Literal["text", "grammar"]
+    syntax: Optional[Literal["lark", "regex"]] = None
+    definition: Optional[str] = None
+
+
+class CustomTool(StrictModel):
+    """A free-form tool: the model writes its input as text (shown to the model as a function
+    with one string parameter, `input`)."""
+
+    type: Literal["custom"]
+    name: str
+    description: Optional[str] = None
+    format: Optional[CustomToolFormat] = None
+
+
+class NamespaceTool(StrictModel):
+    """A group of tools under one name (Codex's sub-agent tools): shown as its functions."""
+
+    type: Literal["namespace"]
+    name: str
+    description: Optional[str] = None
+    tools: list[Union[FunctionTool, CustomTool]]
+
+
+Tool = Union[FunctionTool, CustomTool, NamespaceTool]
+
+
+class NamedTool(StrictModel):
+    type: Literal["function", "custom"]
+    name: str
+
+
+class ReasoningConfig(StrictModel):
+    # none/minimal: thinking off; low..xhigh: on (open models have one thinking mode, not levels).
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    # The reasoning comes back whole as reasoning_text, which is more than any summary.
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
+class TextFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class TextConfig(StrictModel):
+    format: Optional[TextFormat] = None
+    # Only the default: open models have no verbosity control to map other values to.
+    verbosity: Optional[Literal["medium"]] = None
+
+
+class StreamOptions(StrictModel):
+    include_obfuscation: Optional[bool] = None  # we never pad events; accepted with either value
+
+
+# `include` values: what asks for output we give anyway, or for tools we do not have.
+INCLUDABLE = {
+    "reasoning.encrypted_content",  # the reasoning text is in the item's content, unencrypted
+    "message.output_text.logprobs",  # logprobs on output_text (with top_logprobs)
+    "message.input_image.image_url", "computer_call_output.output.image_url",
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "code_interpreter_call.outputs",  # tools this server does not run: nothing to include
+}
+
+
+class ResponsesRequest(StrictModel):
+    model: str
+    input: Union[str, list[InputItem]] = Field(default_factory=list)
+    instructions: Optional[str] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedTool, None] = None
+    parallel_tool_calls: Optional[bool] = None  # calls are parsed as the model writes them, one or many
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    reasoning: Optional[ReasoningConfig] = None
+    text: Optional[TextConfig] = None
+    store: Optional[bool] = None  # default true, as OpenAI's: kept in a bounded in-memory store
+    previous_response_id: Optional[str] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    prompt_cache_key: Optional[str] = None  # the prefix cache is automatic and exact: no key needed
+    prompt_cache_retention: Optional[str] = None  # likewise; entries live while memory allows
+    metadata: Optional[dict[str, str]] = None  # stored with the response and returned
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # logged with the request
+    safety_identifier: Optional[str] = None  # logged with the request
+    service_tier: Optional[str] = None  # one tier here; reported back as "default"
+    truncation: Optional[Literal["disabled"]] = None  # what this server does: a prompt too long is a 400
+    background: Optional[Literal[False]] = None
+    # Codex's thread and turn ids: correlation metadata for its own logs; asks nothing of the model.
+    client_metadata: Optional[dict[str, Any]] = None
+
+    @field_validator("include")
+    @classmethod
+    def _known_includes(cls, value):
+        for name in value or ():
+            if name not in INCLUDABLE:
+                raise ValueError(f"include value {name!r} is not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, value):
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value

@@ -1,0 +1,125 @@
+"""What every API surface shares: the server's state, starting a generation, answering with it.
+
+Chat completions, Responses and Messages all become a `ChatCompletionRequest` (the last two by
+translation in their own modules) and go through `start_chat`, so the prompt rendering, tool-call
+and reasoning parsing, sampling and limits are one code path; each surface only shapes the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from dflash_core.settings import Settings
+
+from . import chat
+from .generation import ChatOutput, ClientGone, Run, until_disconnect
+from .metrics import Metrics
+from .models import ModelPool, ServedModel
+from .output_text import ChatOutputParser
+from .response_store import ResponseStore
+from .scheduler import Scheduler
+from .schemas import ChatCompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+class ServerState:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.scheduler = Scheduler(queue_size=settings.server.queue_size, max_active=settings.server.max_active)
+        self.pool = ModelPool(settings, self.scheduler)
+        self.metrics = Metrics(self.scheduler)
+        self.responses = ResponseStore(settings.server.stored_responses)
+
+
+@dataclass
+class Started:
+    """A queued chat generation and how to read it."""
+
+    served: ServedModel
+    run: Run
+    output: ChatOutput
+
+
+def _stop_tokens(served: ServedModel, body: ChatCompletionRequest) -> Optional[set[int]]:
+    """Gemma 4 follows a tool call with <|tool_response>, which is the caller's turn, not ours."""
+    if not body.tools or served.tool_response_token is None:
+        return None
+    return served.engine.eos_token_ids | {served.tool_response_token}
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: float) -> Started:
+    """Check, render and queue a chat request (the model stays acquired until `respond` ends)."""
+    chat.refuse_unsupported(body)
+    served = await state.pool.get(body.model)
+    try:
+        defaults = state.settings.template_defaults(served.settings)
+        prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, defaults)
+        parser = ChatOutputParser(prompt.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
+                                  body.stop, prompt.starts_in_reasoning)
+        run = start_run(state, served, body, prompt, _stop_tokens(served, body), arrival)
+    except BaseException:
+        state.pool.release(served)
+        raise
+    return Started(served, run, ChatOutput(run, parser))
+
+
+def start_run(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, stop_tokens,
+              arrival: float) -> Run:
+    """Queue the generation (the model stays acquired until `respond` finishes)."""
+    defaults = state.settings.sampling_defaults(served.settings, served.loaded.generation_defaults)
+    max_tokens = chat.max_new_tokens(body, defaults)
+    chat.check_context(len(prompt.tokens), served.engine.max_context,
+                       "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+    sampling = chat.sampling_params(body, defaults, served.engine.target.vocab_size)
+    run = Run(state.scheduler, served, prompt, max_tokens, sampling, stop_tokens,
+              state.settings.server.request_timeout, started=arrival)
+    run.submit()
+    if body.user:
+        log.info("request for %s from user %r", served.name, body.user)
+    return run
+
+
+async def respond(state: ServerState, endpoint: str, request: Request, run: Run, responder, *, stream: bool,
+                  include_usage: bool = False):
+    """Answer with `responder.stream(include_usage)` (SSE) or `responder.complete()` (JSON);
+    whatever ends the response cancels the generation and releases the model exactly once."""
+    metrics: Metrics = state.metrics
+    finished = False
+
+    def finish() -> None:  # exactly once, however the response ends
+        nonlocal finished
+        if not finished:
+            finished = True
+            run.cancel()
+            run.record(metrics)
+            state.pool.release(run.served)
+
+    if stream:
+        async def events():
+            try:
+                async for event in responder.stream(include_usage):
+                    yield event
+            except asyncio.CancelledError:  # the client went away: stop its generation now
+                metrics.cancelled.labels(endpoint=endpoint).inc()
+                raise
+            finally:
+                finish()
+
+        # The background task also runs when the client left before the stream even started.
+        return EventSourceResponse(events(), ping=15, background=BackgroundTask(finish))
+    try:
+        return await until_disconnect(request, responder.complete())
+    except ClientGone:
+        metrics.cancelled.labels(endpoint=endpoint).inc()
+        return Response(status_code=499)
+    finally:
+        finish()
