@@ -1,0 +1,187 @@
+"""Anthropic's Messages API end to end: a real uvicorn server and the official anthropic SDK, its
+own types checking every event and message; raw httpx for headers and bad input."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+from anthropic.types import Message, RawMessageStreamEvent
+from pydantic import TypeAdapter
+
+from dflash_core.settings import ModelSettings, ServerSettings, Settings
+from live_server import LiveServer
+from scripted_server import script, scripted_server
+from server import chat
+from server.messages import to_chat
+from server.messages_schemas import MessagesRequest
+
+KEY = "sk-ant-test"
+EVENTS = TypeAdapter(RawMessageStreamEvent)
+WEATHER = {"name": "get_weather", "description": "Weather for a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+HI = [{"role": "user", "content": "Tell me about the sea."}]
+GREEDY = {"extra_body": {"temperature": 0}}  # the SDK no longer takes sampling arguments
+
+
+@pytest.fixture(scope="module")
+def live(qwen3_5_pair):
+    target, drafter = qwen3_5_pair
+    settings = Settings(server=ServerSettings(api_key=KEY), prefill_chunk=16,
+                        models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter), max_context=512)])
+    with LiveServer(settings) as server:
+        server.client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def scripted(qwen3_5_pair):
+    with scripted_server({"scripted": qwen3_5_pair}) as server:
+        server.client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        yield server
+
+
+def _raw_events(server, body, key=KEY) -> list[tuple[str, dict]]:
+    """(event name, data) pairs of a streamed request, read as bytes off the wire."""
+    import json
+
+    events = []
+    with httpx.stream("POST", server.url + "/v1/messages?beta=true", json={**body, "stream": True}, timeout=60,
+                      headers={"x-api-key": key, "anthropic-version": "2023-06-01",
+                               "anthropic-beta": "interleaved-thinking-2025-05-14"}) as response:
+        assert response.status_code == 200
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+    return events
+
+
+def test_create_equals_chat_completions(live):
+    chat_client = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0)
+    reference = chat_client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."}, *HI],
+                                                    max_tokens=20, temperature=0)
+    out = live.client.messages.create(model="tiny", system="Be brief.", messages=HI, max_tokens=20, **GREEDY)
+    Message.model_validate(out.model_dump())
+    thinking = "".join(b.thinking for b in out.content if b.type == "thinking")
+    text = "".join(b.text for b in out.content if b.type == "text")
+    assert text == (reference.choices[0].message.content or "")
+    assert thinking == (reference.choices[0].message.model_extra.get("reasoning_content") or "")
+    assert out.stop_reason == "max_tokens" and out.usage.output_tokens == 20
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == reference.usage.prompt_tokens
+
+
+def test_stream_events_are_anthropic_events_and_build_the_same_message(live):
+    whole = live.client.messages.create(model="tiny", messages=HI, max_tokens=24, **GREEDY)
+    events = _raw_events(live, {"model": "tiny", "messages": HI, "max_tokens": 24, "temperature": 0})
+    for name, data in events:
+        assert name == data["type"]
+        if name != "ping":
+            EVENTS.validate_python(data)
+    names = [n for n, _ in events if n != "ping"]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert "ping" in [n for n, _ in events]
+    starts = [d["index"] for n, d in events if n == "content_block_start"]
+    stops = [d["index"] for n, d in events if n == "content_block_stop"]
+    assert starts == stops == list(range(len(whole.content)))
+    with live.client.messages.stream(model="tiny", messages=HI, max_tokens=24, **GREEDY) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 24
+
+
+def test_pings_while_a_long_prompt_prefills(live):
+    long = [{"role": "user", "content": "word " * 120}]  # many 16-token prefill chunks
+    events = _raw_events(live, {"model": "tiny", "messages": long, "max_tokens": 2})
+    assert [n for n, _ in events][:2] == ["message_start", "ping"]
+
+
+def test_count_tokens_is_the_prompt_length(live):
+    counted = live.client.messages.count_tokens(model="tiny", system="Be brief.", messages=HI, tools=[WEATHER])
+    out = live.client.messages.create(model="tiny", system="Be brief.", messages=HI, tools=[WEATHER], max_tokens=1)
+    assert counted.input_tokens == out.usage.input_tokens + out.usage.cache_read_input_tokens > 10
+
+
+def test_both_key_headers_authenticate(live):
+    body = {"model": "tiny", "messages": HI, "max_tokens": 1}
+    for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}):
+        assert httpx.post(live.url + "/v1/messages", json=body, headers=headers, timeout=30).status_code == 200
+    wrong = httpx.post(live.url + "/v1/messages", json=body, headers={"x-api-key": "nope"}, timeout=30)
+    assert wrong.status_code == 401
+    assert wrong.json() == {"type": "error", "error": {"type": "authentication_error", "message": wrong.json()["error"]["message"]}}
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"model": "tiny", "messages": HI}, 400),  # max_tokens is required
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "frobnicate": 1}, 400),
+    ({"model": "tiny", "messages": "hi", "max_tokens": 5}, 400),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5}, 400),
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "w"}]}, 400),
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "tool_choice": {"type": "tool"}, "tools": [WEATHER]}, 400),
+    ({"model": "nope", "messages": HI, "max_tokens": 5}, 404),
+], ids=["no-max-tokens", "unknown-field", "messages-type", "image", "server-tool", "tool-without-name", "model"])
+def test_bad_input_is_anthropic_shaped(live, body, status):
+    response = httpx.post(live.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["type"] == "error" and set(error["error"]) == {"type", "message"} and error["error"]["message"]
+    assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert live.client.messages.create(model="tiny", messages=HI, max_tokens=2).usage.output_tokens == 2
+
+
+def test_tool_use_round_trip(scripted):
+    script(scripted, "scripted", "Checking.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+           "</parameter>\n</function>\n</tool_call>")
+    out = scripted.client.messages.create(model="scripted", messages=[{"role": "user", "content": "Weather?"}],
+                                          tools=[WEATHER], max_tokens=200)
+    assert [b.type for b in out.content] == ["thinking", "tool_use"]
+    assert out.content[0].thinking == "Checking." and out.stop_reason == "tool_use"
+    use = out.content[1]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"} and use.id.startswith("toolu_")
+    with scripted.client.messages.stream(model="scripted", messages=[{"role": "user", "content": "Weather?"}],
+                                         tools=[WEATHER], max_tokens=200) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[1].input == {"city": "Paris"} and streamed.stop_reason == "tool_use"
+
+    script(scripted, "scripted", "</think>\n\nSunny.")
+    follow = [{"role": "user", "content": "Weather?"},
+              {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                            "content": [{"type": "text", "text": "sunny"}]}]}]
+    answer = scripted.client.messages.create(model="scripted", messages=follow, tools=[WEATHER], max_tokens=50)
+    assert answer.content[0].text == "Sunny." and answer.stop_reason == "end_turn"
+
+
+def test_blocks_render_as_one_conversation(scripted):
+    served = scripted.state.pool._served["scripted"]
+    body = MessagesRequest.model_validate({
+        "model": "scripted", "max_tokens": 10, "tools": [WEATHER], "thinking": {"type": "disabled"},
+        "system": [{"type": "text", "text": "Use tools.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": "Weather?"},
+                     {"role": "assistant", "content": [{"type": "thinking", "thinking": "Need it.", "signature": ""},
+                                                       {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                        "input": {"city": "Oslo"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "snow",
+                                                   "is_error": True}, {"type": "text", "text": "Thanks"}]},
+                     {"role": "system", "content": "Mid-conversation note."}]})
+    prompt = chat.chat_prompt(to_chat(body), served.engine.tokenizer, served.markers, {})
+    text = prompt.text
+    # (the earlier thinking is the template's to show or not: this one shows only the current turn's)
+    assert text.index("Use tools.") < text.index("Weather?") < text.index("Oslo")
+    assert "<tool_response>\nError: snow\n</tool_response>" in text
+    assert text.index("snow") < text.index("Thanks") < text.index("Mid-conversation note.")
+    assert text.endswith("<think>\n\n</think>\n\n")  # thinking disabled
+
+
+def test_stop_sequences_and_stop_reasons(scripted):
+    script(scripted, "scripted", "</think>\n\nOne two STOP three.")
+    out = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50, stop_sequences=["STOP"])
+    assert out.content[0].text == "One two " and out.stop_reason == "stop_sequence" and out.stop_sequence == "STOP"
+    short = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=3)
+    assert short.stop_reason == "max_tokens"
+    beta = scripted.client.beta.messages.create(model="scripted", messages=HI, max_tokens=50,
+                                                betas=["interleaved-thinking-2025-05-14"])
+    assert beta.stop_reason == "end_turn"
