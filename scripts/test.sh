@@ -8,4 +8,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".[test,demo]"
+# The real agent CLIs that tests/test_agent_clis.py drives (npm, pinned in tests/agent_clis.py;
+# about 1 GB in .agent-clis/, installed once per version set).
+if command -v npm >/dev/null 2>&1; then
+  clis="$(.venv/bin/python -c 'import sys; sys.path.insert(0, "tests"); from agent_clis import VERSIONS; print(*VERSIONS.values())')"
+  if [ "$(cat .agent-clis/installed 2>/dev/null)" != "$clis" ]; then
+    # shellcheck disable=SC2086  # one argument per package
+    npm install --prefix .agent-clis --no-audit --no-fund --loglevel=error $clis >/dev/null
+    echo "$clis" > .agent-clis/installed
+  fi
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -12,10 +12,35 @@ import uvicorn
 from server.app import create_app
 
 
+class RecordRequests:
+    """ASGI middleware keeping (method, path, body) of every request, for tests that check what a
+    client sent (an agent CLI handing a tool's output back, say)."""
+
+    def __init__(self, app, requests: list):
+        self.app, self.requests = app, requests
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks = []
+
+        async def recording_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    self.requests.append((scope["method"], scope["path"], b"".join(chunks)))
+            return message
+
+        await self.app(scope, recording_receive, send)
+
+
 class LiveServer:
     def __init__(self, settings, prepare=None):
         self.app = create_app(settings)
         self.state = self.app.state.dflash
+        self.requests: list[tuple[str, str, bytes]] = []  # what clients sent, in order
+        self.app.add_middleware(RecordRequests, requests=self.requests)
         if prepare is not None:
             prepare(self.state)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

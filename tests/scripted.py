@@ -93,3 +93,33 @@ def scripted_engine(tokenizer, speculative: bool = True) -> Engine:
     eos = sorted(tokenizer.eos_token_ids)[0]
     target = ScriptedTarget(len(hf), eos)
     return Engine(target, tokenizer, ScriptedDrafter(target) if speculative else None, prefill_chunk=1 << 20)
+
+
+@dataclass
+class _RoutedPosition(_Position):
+    script: Optional[list[int]] = None
+
+
+class RoutedTarget(ScriptedTarget):
+    """A scripted target whose script is chosen per generation from its prompt: `route(prompt
+    tokens) -> script`. Target-alone only (the drafter would need the script too)."""
+
+    def __init__(self, vocab_size: int, eos: int, route):
+        super().__init__(vocab_size, eos)
+        self.route = route
+
+    def make_cache(self, max_rollback: int):
+        return [_RoutedPosition()]
+
+    def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
+        position = cache[0]
+        if position.script is None:
+            position.script = self.route(tokens[0].tolist())
+        self.script = position.script  # generations run one step at a time on the worker
+        return super().forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
+
+
+def routed_engine(tokenizer, route) -> Engine:
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    target = RoutedTarget(len(hf), sorted(tokenizer.eos_token_ids)[0], route)
+    return Engine(target, tokenizer, None, prefill_chunk=1 << 20)
