@@ -1,16 +1,17 @@
 """The DFlash decode loop and its target-alone twin, over the same adapters and the same sampler.
 
 `Engine.generate` is the streaming API: an iterator of `GenerationChunk`s (token ids and the text
-they complete), the last one carrying the finish reason and `GenerationStats`. Each `next()` does a
-bounded amount of device work (one prefill chunk or one cycle), so a scheduler can interleave many
-generations fairly, and closing the iterator cancels the generation and frees its caches.
+they complete, optionally their log-probabilities), the last one carrying the finish reason and
+`GenerationStats`. Each `next()` does a bounded amount of device work (one prefill chunk or one
+cycle), so a scheduler can interleave many generations fairly, and closing the iterator cancels the
+generation and frees its caches. A grammar (grammar.py) constrains both loops alike.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -18,7 +19,9 @@ from .adapters import TargetAdapter
 from .cache import cache_arrays
 from .detokenize import IncrementalDetokenizer
 from .drafter import DFlashDrafter
+from .grammar import CompiledGrammar, Constraint, GrammarSpec, compile_grammar, tokenizer_info
 from .prefix_cache import PrefixCache
+from .prompts import hf_tokenizer
 from .sampling import Sampler, SamplingParams
 
 
@@ -75,17 +78,66 @@ class GenerationStats:
         return out
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability and the `k` most likely tokens at its position, by
+    descending log-probability (ties by token id)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class GenerationChunk:
     token_ids: list[int]
     text: str
-    finish_reason: Optional[str] = None  # "stop" (an end-of-sequence token) or "length"
+    # "stop" (an end-of-sequence token, or a grammar complete with no stop token to end on) or "length"
+    finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None  # the statistics as of this chunk, final on the last one
     stop_token_id: Optional[int] = None  # the end-of-sequence token that ended it (not in token_ids)
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token id, when asked for
 
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (reported to clients as a 400)."""
+
+
+class LogprobScorer:
+    """Log-probabilities of chosen tokens and their top-k alternatives, computed on the device from
+    the target's raw logits and queued with the choices, so the host reads them with the choices.
+    With k None it does nothing: `queue` gives () and `read` None."""
+
+    def __init__(self, k: Optional[int], vocab_size: int):
+        self.k = None if k is None else min(k, vocab_size)
+
+    def queue(self, logits: mx.array, chosen: mx.array) -> tuple:
+        """Device arrays for rows [T, V] of logits and their chosen tokens int32 [T], evaluating."""
+        if self.k is None:
+            return ()
+        x = logits.astype(mx.float32)
+        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        out = (mx.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0],)
+        if self.k:
+            ids = mx.argpartition(-logprobs, self.k - 1, axis=-1)[:, : self.k]
+            out += (ids, mx.take_along_axis(logprobs, ids, axis=-1))
+        mx.async_eval(*out)
+        return out
+
+    def read(self, queued: tuple, tokens: list[int]) -> Optional[list[TokenLogprob]]:
+        """One TokenLogprob per token, token j read from row j."""
+        if self.k is None:
+            return None
+        chosen = queued[0].tolist()
+        ids, values = (queued[1].tolist(), queued[2].tolist()) if self.k else ([], [])
+        out = []
+        for j, token in enumerate(tokens):
+            top = sorted(zip(ids[j], values[j]), key=lambda p: (-p[1], p[0])) if self.k else []
+            out.append(TokenLogprob(token, chosen[j], top))
+        return out
 
 
 def accepted_length(drafts: Sequence[int], choices: Sequence[int]) -> int:
@@ -129,10 +181,19 @@ class Engine:
         self.prefix_cache = prefix_cache
         # Caches keep room to roll back one block in every mode, so snapshots fit every request.
         self.max_rollback = drafter.block_size if drafter is not None else 16
+        self._grammar_tokenizer = None
 
     @property
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
+
+    @property
+    def grammar_tokenizer(self):
+        """llguidance's view of the vocabulary, built on the first grammar (it takes a while for
+        large vocabularies) and kept: pass it to `grammar.compile_grammar`."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = tokenizer_info(hf_tokenizer(self.tokenizer), self.target.vocab_size)
+        return self._grammar_tokenizer
 
     def generate(
         self,
@@ -142,7 +203,21 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         speculative: bool = True,
         stop_token_ids: Optional[set[int]] = None,
+        logprobs: Optional[int] = None,
+        grammar: Union[GrammarSpec, CompiledGrammar, None] = None,
     ) -> Iterator[GenerationChunk]:
+        """Stream the generation of up to `max_tokens` tokens after `prompt_tokens`.
+
+        `logprobs`: None (off) or k in 0..20: each chunk's `logprobs` gives, for each token, its
+        log-probability and the k most likely tokens, from log_softmax of the target's raw logits at
+        that position: before logit_bias, penalties, temperature, top-k/top-p/min-p and the grammar
+        (what OpenAI and vLLM report by default), so a token sampled at a temperature or forced by a
+        grammar may be unlikely, or outside the top k.
+        `grammar`: the output must match it: a GrammarSpec (GrammarError here if it is unusable) or
+        what `grammar.compile_grammar(spec, engine.grammar_tokenizer)` made of one, to validate it
+        before queuing. The output ends with a stop token once the grammar is complete, or right
+        there if the request has no stop tokens (finish "stop", no stop_token_id).
+        """
         if not prompt_tokens:
             raise RequestError("the prompt is empty")
         if max_tokens is not None and max_tokens < 1:
@@ -151,6 +226,8 @@ class Engine:
         if not all(0 <= t < vocab for t in prompt_tokens):  # the model would read garbage embeddings
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         sampling.validate(self.target.vocab_size)
+        if logprobs is not None and (isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
         budget = max_tokens if max_tokens is not None else 1 << 62
         if self.max_context is not None:
             budget = min(budget, self.max_context - len(prompt_tokens))
@@ -166,9 +243,17 @@ class Engine:
             stats.block_size = self.drafter.block_size
             stats.accepted_by_position = [0] * (self.drafter.block_size - 1)
         eos = self.eos_token_ids if stop_token_ids is None else set(stop_token_ids)
-        return self._stream(list(prompt_tokens), budget, sampling, stats, eos)
+        constraint = None
+        if grammar is not None:
+            if isinstance(grammar, GrammarSpec):
+                grammar = compile_grammar(grammar, self.grammar_tokenizer)
+            elif grammar.tokenizer.vocab_size < vocab:
+                raise RequestError(f"the grammar was compiled for a vocabulary of {grammar.tokenizer.vocab_size} tokens, not {vocab}")
+            constraint = Constraint(grammar, vocab, eos)
+        scorer = LogprobScorer(logprobs, vocab)
+        return self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint)
 
-    def _stream(self, prompt, budget, sampling, stats, eos) -> Iterator[GenerationChunk]:
+    def _stream(self, prompt, budget, sampling, stats, eos, scorer, constraint) -> Iterator[GenerationChunk]:
         start = time.perf_counter()
         hit = self.prefix_cache.lookup(prompt, need_context=stats.speculative) if self.prefix_cache else None
         if hit is not None:
@@ -180,16 +265,17 @@ class Engine:
             state = DecodeState(self.target.make_cache(max_rollback=self.max_rollback), context, [])
         sampler = Sampler(sampling, self.target.vocab_size, prompt)
         if stats.speculative:
-            steps = self._speculative(prompt, sampler, stats, state, hit)
+            steps = self._speculative(prompt, sampler, stats, state, hit, scorer, constraint)
         else:
-            steps = self._target_only(prompt, sampler, state, hit)
+            steps = self._target_only(prompt, sampler, state, hit, scorer, constraint)
+        no_logprobs = None if scorer.k is None else []
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         produced: list[int] = []  # every token the loop committed, before any cut
         decode_start = None
         try:
-            for ids in steps:
+            for ids, logprobs in steps:
                 if not ids:  # a prefill chunk: give the caller a chance to interleave
-                    yield GenerationChunk([], "", stats=stats.copy())
+                    yield GenerationChunk([], "", stats=stats.copy(), logprobs=no_logprobs)
                     continue
                 # The first commit is the prefill's token; each later speculative one is a cycle.
                 drafts_in_cycle = len(ids) - 1 if stats.speculative and produced else None
@@ -200,11 +286,15 @@ class Engine:
                     stats.prefill_seconds = now - start
                 ids = ids[: budget - stats.generated_tokens]
                 finish = "length" if stats.generated_tokens + len(ids) >= budget else None
+                end = constraint.end if constraint is not None else None  # a complete grammar, no stop token
+                if end is not None and stats.generated_tokens + len(ids) >= end:
+                    ids, finish = ids[: end - stats.generated_tokens], "stop"
                 stop_token = None
                 for i, token in enumerate(ids):
                     if token in eos:
                         ids, finish, stop_token = ids[:i], "stop", token
                         break
+                logprobs = logprobs[: len(ids)] if logprobs is not None else None
                 if drafts_in_cycle is not None:
                     # Count the drafts handed out (or ending the output as its stop token), not
                     # those a max_tokens or stop-token cut threw away.
@@ -213,10 +303,11 @@ class Engine:
                 text = detokenizer.add(ids)
                 stats.decode_seconds = time.perf_counter() - decode_start
                 if finish:
-                    self._remember_generation(state, prompt, produced, stats.generated_tokens + (finish == "stop"))
-                    yield GenerationChunk(ids, text + detokenizer.flush(), finish, stats.copy(), stop_token)
+                    kept = stats.generated_tokens + (stop_token is not None)
+                    self._remember_generation(state, prompt, produced, kept)
+                    yield GenerationChunk(ids, text + detokenizer.flush(), finish, stats.copy(), stop_token, logprobs)
                     return
-                yield GenerationChunk(ids, text, stats=stats.copy())
+                yield GenerationChunk(ids, text, stats=stats.copy(), logprobs=logprobs)
         finally:
             steps.close()
 
@@ -261,28 +352,36 @@ class Engine:
                 self.prefix_cache.insert(state.fed, state.cache, state.context, shared=end == first, extends=hit)
             if end < len(prompt):
                 mx.eval(out.logits, cache_arrays(state.cache))  # bound the graph and the memory of one chunk
-                yield []
+                yield [], None
             begin = end
         logits = out.logits[0]
         if self.prefix_cache is not None:
             self.prefix_cache.insert(state.fed, state.cache, state.context, logits=logits[0], extends=hit)
         return logits
 
-    def _target_only(self, prompt, sampler: Sampler, state: DecodeState, hit) -> Iterator[list[int]]:
+    def _target_only(self, prompt, sampler: Sampler, state: DecodeState, hit, scorer: LogprobScorer,
+                     constraint: Optional[Constraint]) -> Iterator[tuple[list[int], Optional[list[TokenLogprob]]]]:
         logits = yield from self._prefill(prompt, state, (), hit)
-        token = sampler.choose(logits, None, 0)
+        token = sampler.choose(logits, None, 0, constraint.masks() if constraint else None)
+        scored = scorer.queue(logits, token)
         index = 0
         while True:
             sampler.commit(token)
+            logits = self.target.forward(token[None], state.cache).logits[0]
+            if constraint is not None:  # the next mask needs this token: read it while the step runs
+                mx.async_eval(logits)
+                constraint.commit(token.tolist())
             # Queue the next step before reading this token: the device never waits for the host.
-            next_token = sampler.choose(self.target.forward(token[None], state.cache).logits[0], None, index + 1)
+            next_token = sampler.choose(logits, None, index + 1, constraint.masks() if constraint else None)
             mx.async_eval(next_token)
+            next_scored = scorer.queue(logits, next_token)
             committed = token.tolist()
             state.fed += committed
-            yield committed
-            token, index = next_token, index + 1
+            yield committed, scorer.read(scored, committed)
+            token, scored, index = next_token, next_scored, index + 1
 
-    def _speculative(self, prompt, sampler: Sampler, stats: GenerationStats, state: DecodeState, hit):
+    def _speculative(self, prompt, sampler: Sampler, stats: GenerationStats, state: DecodeState, hit,
+                     scorer: LogprobScorer, constraint: Optional[Constraint]):
         target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
         tap_ids, block = drafter.config.target_layer_ids, drafter.block_size
 
@@ -291,18 +390,26 @@ class Engine:
             proposals = drafter.propose(bonus, target, context)
             mx.async_eval(proposals)  # the draft runs while the verify graph is built
             verify = target.forward(mx.concatenate([bonus, proposals])[None], cache, tap_ids, record=True)
-            choices = sampler.choose(verify.logits[0], proposals, index + 1)
+            allowed = None
+            if constraint is not None:  # each row's mask follows the drafts before it: read them
+                mx.async_eval(verify.logits, verify.taps)  # the verify runs while the host builds masks
+                allowed = constraint.masks(proposals.tolist())
+            choices = sampler.choose(verify.logits[0], proposals, index + 1, allowed)
             mx.async_eval(choices, verify.taps)
             state.pending = verify.tape
-            return proposals, verify, choices
+            return proposals, verify, choices, scorer.queue(verify.logits[0], choices)
 
         logits = yield from self._prefill(prompt, state, tap_ids, hit)
-        bonus = sampler.choose(logits, None, 0)
+        bonus = sampler.choose(logits, None, 0, constraint.masks() if constraint else None)
+        scored = scorer.queue(logits, bonus)
         sampler.commit(bonus)
         index = 0  # generated-token index of the bonus token
         last = bonus.tolist()  # the first token goes out before the first cycle is queued
-        proposals, verify, choices = launch(bonus, index)
-        yield last
+        logprobs = scorer.read(scored, last)
+        if constraint is not None:
+            constraint.commit(last)
+        proposals, verify, choices, scored = launch(bonus, index)
+        yield last, logprobs
         while True:
             host = mx.concatenate([proposals, choices]).tolist()  # the one blocking read per cycle
             drafts, picks = host[: block - 1], host[block - 1 :]
@@ -312,9 +419,12 @@ class Engine:
             drafter.add_context(verify.taps[:, : accepted + 1], context)
             state.fed += last + drafts[:accepted]
             committed = drafts[:accepted] + [picks[accepted]]
+            logprobs = scorer.read(scored, committed)  # row j chose committed token j
             sampler.commit(mx.array(committed, dtype=mx.int32))
+            if constraint is not None:
+                constraint.commit(committed)
             index += accepted + 1
             # The next cycle is on the device before the host hands these tokens out.
-            proposals, verify, choices = launch(choices[accepted : accepted + 1], index)
+            proposals, verify, choices, scored = launch(choices[accepted : accepted + 1], index)
             last = committed[-1:]
-            yield committed
+            yield committed, logprobs

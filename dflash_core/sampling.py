@@ -7,9 +7,10 @@ never on how tokens were grouped into forwards. Accepting a draft token exactly 
 target's own choice (point-mass rejection sampling) therefore reproduces target-alone decoding token
 for token for a given seed, at any temperature, and samples the target's distribution exactly.
 
-Order of logit processing (as vLLM): logit_bias, repetition penalty (prompt + output), presence and
-frequency penalties (output), temperature, top-k, top-p, min-p; then Gumbel-max sampling, which draws
-exactly from softmax of the processed logits.
+Order of logit processing (as vLLM): the grammar's mask, logit_bias, repetition penalty (prompt +
+output), presence and frequency penalties (output), temperature, top-k, top-p, min-p; then Gumbel-max
+sampling, which draws exactly from softmax of the processed logits. The mask comes first, so top-k,
+top-p and min-p pick among the tokens the grammar allows.
 """
 
 from __future__ import annotations
@@ -105,14 +106,18 @@ class Sampler:
         if self._counts is not None:
             self._counts = self._counts.at[tokens].add(1.0)
 
-    def choose(self, logits: mx.array, drafts: Optional[mx.array], first_index: int) -> mx.array:
+    def choose(self, logits: mx.array, drafts: Optional[mx.array], first_index: int,
+               allowed: Optional[mx.array] = None) -> mx.array:
         """The target's choice for each row of `logits` [T, V] -> int32 [T].
 
         Row 0 follows the committed history; row i > 0 also follows drafts[:i] (int32 [T-1]).
         `first_index` is the index, among generated tokens, of the token row 0 chooses.
+        `allowed` (bool [T, V], from a grammar) masks out the tokens each row may not choose.
         """
         p = self.params
         x = logits.astype(mx.float32)
+        if allowed is not None:
+            x = mx.where(allowed, x, -mx.inf)
         if self._bias is not None:
             x = x + self._bias
         if self._seen is not None or self._counts is not None:
