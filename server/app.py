@@ -90,7 +90,7 @@ def create_app(settings: Settings) -> FastAPI:
         served = await state.pool.get(body.model)
         try:
             prompt = chat.completion_prompt(body, served.engine.tokenizer, served.engine.target.vocab_size)
-            run = start_run(state, served, body, prompt, None, arrival)
+            run = start_run(state, served, body, prompt, None, arrival, logprobs=body.logprobs)
         except BaseException:
             state.pool.release(served)
             raise

@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from dflash_core.grammar import GrammarSpec
 from dflash_core.prompts import MessageError, encode_rendered, hf_tokenizer, render_chat
 from dflash_core.sampling import SamplingError, SamplingParams
 
 from .errors import APIError, bad_request
 from .schemas import NEUTRAL_ONLY, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from . import generic_tools
+from . import generic_tools, structured
 from .tool_calls import GEMMA4, PLAIN, QWEN_JSON, QWEN_XML, Markers, prompt_starts_in_reasoning
 
 
@@ -24,6 +25,7 @@ class Prompt:
     starts_in_reasoning: bool = False
     forced_output: str = ""  # an opening the server wrote for the model (forced tool calls)
     markers: Markers = PLAIN  # how the output marks reasoning and tool calls (chat only)
+    grammar: Optional[GrammarSpec] = None  # what the output must match (structured output)
 
 
 def refuse_unsupported(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
@@ -34,11 +36,8 @@ def refuse_unsupported(request: Union[ChatCompletionRequest, CompletionRequest])
             raise bad_request(f"{message} (got {name}={value!r})", param=name)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-    response_format = getattr(request, "response_format", None)
-    if response_format is not None and response_format.type != "text":
-        raise bad_request(
-            f"response_format {response_format.type!r} is not supported yet (only 'text')", param="response_format"
-        )
+    if getattr(request, "top_logprobs", None) is not None and not getattr(request, "logprobs", None):
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def forced_tool_opening(markers: Markers, tool_choice) -> str:
@@ -79,8 +78,22 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
         raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
     opening = forced_tool_opening(markers, choice) if forced else ""
     tokens = encode_rendered(tokenizer, text + opening)
-    return Prompt(text + opening, tokens, starts_in_reasoning=prompt_starts_in_reasoning(text + opening, markers),
-                  forced_output=opening, markers=markers)
+    in_reasoning = prompt_starts_in_reasoning(text + opening, markers)
+    return Prompt(text + opening, tokens, starts_in_reasoning=in_reasoning, forced_output=opening, markers=markers,
+                  grammar=output_grammar(request, tokenizer, markers, opening, in_reasoning, shown_tools or tools))
+
+
+def output_grammar(request: ChatCompletionRequest, tokenizer, markers: Markers, opening: str, in_reasoning: bool,
+                   tools) -> Optional[GrammarSpec]:
+    """What the output must match: the response format's JSON, or strict tools' calls."""
+    literals = structured.Literals(hf_tokenizer(tokenizer).get_added_vocab())
+    answer = structured.response_format_grammar(request.response_format, markers, in_reasoning, literals)
+    calls = None
+    if request.tool_choice != "none":
+        calls = structured.strict_tools_grammar(tools or [], markers, opening, in_reasoning, literals)
+    if answer is not None and (calls is not None or opening):
+        raise bad_request("response_format cannot be combined with strict or forced tool calls", param="response_format")
+    return answer or calls
 
 
 def completion_prompt(request: CompletionRequest, tokenizer, vocab_size: int) -> Prompt:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from dflash_core.engine import GenerationChunk, GenerationStats, RequestError
+from dflash_core.grammar import CompiledGrammar, GrammarError
 from dflash_core.prompts import hf_tokenizer
 from dflash_core.sampling import SamplingError, SamplingParams
 
@@ -37,6 +38,8 @@ class Run:
     stop_token_ids: Optional[set[int]] = None
     timeout: Optional[float] = None
     started: float = field(default_factory=time.perf_counter)  # the request's arrival
+    logprobs: Optional[int] = None  # top-k logprobs per token (None: none)
+    grammar: Optional[CompiledGrammar] = None  # what the output must match
     first_token_at: Optional[float] = None
     stats: Optional[GenerationStats] = None
     job: Optional[Job] = None
@@ -50,6 +53,8 @@ class Run:
                 max_tokens=self.max_tokens,
                 sampling=self.sampling,
                 stop_token_ids=self.stop_token_ids,
+                logprobs=self.logprobs,
+                grammar=self.grammar,
             ),
             loop=asyncio.get_running_loop(),
         )
@@ -78,7 +83,7 @@ class Run:
                 if item is None:
                     return
                 if isinstance(item, BaseException):
-                    if isinstance(item, (RequestError, SamplingError)):  # the engine's own input checks
+                    if isinstance(item, (RequestError, SamplingError, GrammarError)):  # the engine's own input checks
                         raise APIError(400, str(item)) from item
                     raise APIError(500, f"generation failed: {type(item).__name__}: {item}", type="server_error") from item
                 self.stats = item.stats

@@ -96,7 +96,8 @@ def _tool_choice(body):
 
 def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema}} for t in body.tools or ()]
+                                               "parameters": t.input_schema, "strict": t.strict}}
+             for t in body.tools or ()]
     thinking = _thinking(body)
     fmt = body.output_config.format if body.output_config else None
     request = {

@@ -92,12 +92,6 @@ class Tool(StrictModel):
     cache_control: Optional[CacheControl] = None
     strict: Optional[bool] = None
 
-    @field_validator("strict")
-    @classmethod
-    def _no_strict_schemas(cls, value):
-        if value:
-            raise ValueError("strict tool schemas are not enforced by this server; omit strict or set it to false")
-        return value
 
 
 class ToolChoice(StrictModel):

@@ -71,6 +71,8 @@ def _function_entry(name: str, tool) -> dict:
     entry = {"name": name, "parameters": tool.parameters or {"type": "object", "properties": {}}}
     if tool.description:
         entry["description"] = tool.description
+    if tool.strict:
+        entry["strict"] = True
     return {"type": "function", "function": entry}
 
 

@@ -98,12 +98,6 @@ class FunctionTool(StrictModel):
     strict: Optional[bool] = None
     defer_loading: Optional[bool] = None  # tool search is not offered: every tool is shown anyway
 
-    @field_validator("strict")
-    @classmethod
-    def _no_strict_schemas(cls, value):
-        if value:
-            raise ValueError("strict function schemas are not enforced by this server; omit strict or set it to false")
-        return value
 
 
 class CustomToolFormat(StrictModel):

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API.
 
 Unknown fields are refused (400), never silently ignored. A few OpenAI fields are accepted only
-with the value that changes nothing (`n: 1`, `logprobs: false`, ...): see `NEUTRAL_ONLY`.
+with the value that changes nothing (`n: 1`, `echo: false`, ...): see `NEUTRAL_ONLY`.
 """
 
 from __future__ import annotations
@@ -65,14 +65,7 @@ class FunctionDefinition(StrictModel):
     name: str
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
-
-    @field_validator("strict")
-    @classmethod
-    def _no_strict_schemas(cls, value):
-        if value:
-            raise ValueError("strict function schemas are not enforced by this server; omit strict or set it to false")
-        return value
+    strict: Optional[bool] = None  # true: calls are constrained to the schema (server/structured.py)
 
 
 class Tool(StrictModel):
@@ -93,8 +86,16 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(StrictModel):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None  # the schema is always enforced (a grammar), strict or not
+
+
 class ResponseFormat(StrictModel):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
 
 
 StopField = Union[str, list[str], None]
@@ -118,8 +119,6 @@ class SamplingFields(StrictModel):
     user: Optional[str] = None
     # Accepted only with their neutral value (see NEUTRAL_ONLY).
     n: Optional[int] = None
-    logprobs: Optional[Any] = None
-    top_logprobs: Optional[int] = None
 
     @field_validator("stop")
     @classmethod
@@ -131,6 +130,8 @@ class SamplingFields(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
@@ -142,6 +143,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -150,8 +152,6 @@ class CompletionRequest(SamplingFields):
 # field -> (neutral values, what to say when another value is sent)
 NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
     "n": ((None, 1), "only n=1 is supported"),
-    "logprobs": ((None, False), "logprobs are not supported yet"),
-    "top_logprobs": ((None, 0), "logprobs are not supported yet"),
     "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
     "best_of": ((None, 1), "only best_of=1 is supported"),

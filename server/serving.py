@@ -17,9 +17,11 @@ from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
+from dflash_core.grammar import CompiledGrammar, GrammarError, GrammarSpec, compile_grammar
 from dflash_core.settings import Settings
 
 from . import chat
+from .errors import bad_request
 from .generation import ChatOutput, ClientGone, Run, until_disconnect
 from .metrics import Metrics
 from .models import ModelPool, ServedModel
@@ -65,15 +67,28 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: f
         prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, defaults)
         parser = ChatOutputParser(prompt.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
                                   body.stop, prompt.starts_in_reasoning)
-        run = start_run(state, served, body, prompt, _stop_tokens(served, body), arrival)
+        grammar = await _compiled(served, prompt.grammar, "response_format" if body.response_format else "tools")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        run = start_run(state, served, body, prompt, _stop_tokens(served, body), arrival, logprobs, grammar)
     except BaseException:
         state.pool.release(served)
         raise
     return Started(served, run, ChatOutput(run, parser))
 
 
-def start_run(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, stop_tokens,
-              arrival: float) -> Run:
+async def _compiled(served: ServedModel, spec: Optional[GrammarSpec], param: str) -> Optional[CompiledGrammar]:
+    """The grammar checked against the model's vocabulary, off the event loop (llguidance reads a
+    large vocabulary once per model, and a schema can take a moment to compile)."""
+    if spec is None:
+        return None
+    try:
+        return await asyncio.to_thread(lambda: compile_grammar(spec, served.engine.grammar_tokenizer))
+    except GrammarError as e:
+        raise bad_request(str(e), param=param) from e
+
+
+def start_run(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, stop_tokens, arrival: float,
+              logprobs: Optional[int] = None, grammar: Optional[CompiledGrammar] = None) -> Run:
     """Queue the generation (the model stays acquired until `respond` finishes)."""
     defaults = state.settings.sampling_defaults(served.settings, served.loaded.generation_defaults)
     max_tokens = chat.max_new_tokens(body, defaults)
@@ -81,7 +96,7 @@ def start_run(state: ServerState, served: ServedModel, body, prompt: chat.Prompt
                        "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
     sampling = chat.sampling_params(body, defaults, served.engine.target.vocab_size)
     run = Run(state.scheduler, served, prompt, max_tokens, sampling, stop_tokens,
-              state.settings.server.request_timeout, started=arrival)
+              state.settings.server.request_timeout, started=arrival, logprobs=logprobs, grammar=grammar)
     run.submit()
     if body.user:
         log.info("request for %s from user %r", served.name, body.user)

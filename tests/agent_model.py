@@ -27,6 +27,7 @@ weights: speculation stays lossless, it only accepts little.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx_lm.utils import load_model, load_tokenizer, save_model
 
-from dflash_core.synthetic import _corpus, build_drafter, build_target, train_tokenizer
+from dflash_core.synthetic import _WORDS, _corpus, build_drafter, build_target, train_tokenizer
 
 WINDOW = 64
 LAYERS = 2
@@ -128,12 +129,23 @@ def train_agent_target(out_dir, examples: Sequence[Example], *, tail: Optional[i
     return out
 
 
-def default_filler(tokenizer, seed: int = 0, turns: int = 80) -> list[int]:
-    """Random corpus text (prose, code, numbers, JSON, multi-byte) as alternating chat turns, so
-    the filler also holds the turn markup that the CLIs' long histories are full of."""
+def default_filler(tokenizer, seed: int = 0, turns: int = 120) -> list[int]:
+    """Random text of the kinds agent prompts are made of (prose, markdown, JSON tool schemas,
+    the synthetic corpus' code, numbers and multi-byte text) as alternating chat turns, so the
+    filler also holds the turn markup that the CLIs' long histories are full of."""
     rng = random.Random(seed + 1)
-    lines = _corpus(seed=rng.randrange(1 << 30), lines=6 * turns)
-    messages = [{"role": ("user", "assistant")[i % 2], "content": "\n".join(lines[6 * i:6 * i + 6])}
+    corpus = _corpus(seed=rng.randrange(1 << 30), lines=4 * turns)
+    words = lambda k: " ".join(rng.choice(_WORDS) for _ in range(k))
+    kinds = [
+        lambda: "\n".join(words(rng.randint(5, 25)).capitalize() + "." for _ in range(4)),
+        lambda: "\n".join(f"## {words(2).title()}\n- {words(8)}\n- `{words(1)}`" for _ in range(3)),
+        lambda: json.dumps({"type": "function", "function": {
+            "name": "_".join(rng.sample(_WORDS, 2)), "description": words(12),
+            "parameters": {"type": "object", "properties": {w: {"type": "string"} for w in rng.sample(_WORDS, 2)}}}},
+            indent=rng.choice([None, 2])),
+        lambda: "\n".join(rng.sample(corpus, 4)),
+    ]
+    messages = [{"role": ("user", "assistant")[i % 2], "content": rng.choice(kinds)()}
                 for i in range(turns)]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     return list(tokenizer.encode(text, add_special_tokens=False))[1:]  # without the leading <bos>
