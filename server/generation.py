@@ -16,6 +16,7 @@ from dflash_core.sampling import SamplingError, SamplingParams
 
 from .chat import Prompt
 from .errors import APIError
+from .logprobs import TokenText, chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .models import ServedModel
 from .output_text import ChatOutputParser, Delta, StopMatcher, collect_deltas, delta_to_openai
@@ -44,6 +45,9 @@ class Run:
     stats: Optional[GenerationStats] = None
     job: Optional[Job] = None
     generated: list[int] = field(default_factory=list)  # every token the engine handed out
+    token_logprobs: list = field(default_factory=list)  # their TokenLogprobs, when asked for
+    logprobs_released: int = 0  # of those, how many have passed the stop strings
+    logprobs_sent: int = 0
 
     def submit(self) -> None:
         engine = self.served.engine
@@ -88,6 +92,7 @@ class Run:
                     raise APIError(500, f"generation failed: {type(item).__name__}: {item}", type="server_error") from item
                 self.stats = item.stats
                 self.generated += item.token_ids
+                self.token_logprobs += item.logprobs or ()
                 if item.token_ids and self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
                 yield item
@@ -95,6 +100,21 @@ class Run:
                     return
         finally:
             self.cancel()  # a no-op after a normal end; frees the worker on any early exit
+
+    def release_logprobs(self, stop_end: Optional[int]) -> None:
+        """Called once a chunk's text went through the stop strings: its tokens' logprobs may go
+        out, after a stop string (`stop_end`) only those of the tokens through it, as `usage`
+        counts them."""
+        if self.logprobs is not None:
+            self.logprobs_released = len(self.generated) if stop_end is None else self.tokens_through(stop_end)
+
+    def take_logprobs(self) -> Optional[list]:
+        """The released logprobs not handed out yet (None when not asked for)."""
+        if self.logprobs is None:
+            return None
+        out = self.token_logprobs[self.logprobs_sent:self.logprobs_released]
+        self.logprobs_sent = max(self.logprobs_sent, self.logprobs_released)
+        return out
 
     def tokens_through(self, chars: int) -> int:
         """The fewest generated tokens whose text reaches `chars` characters (decoded as the
@@ -187,7 +207,9 @@ class ChatOutput:
             if not chunk.token_ids and not chunk.finish_reason:
                 yield HEARTBEAT
                 continue
-            for delta in self.parser.feed(chunk.text):
+            deltas = self.parser.feed(chunk.text)
+            self.run.release_logprobs(self.parser.stop_end)
+            for delta in deltas:
                 yield delta
             if self.parser.stop_matched is not None:
                 self.run.cancel()  # the worker drops it at its next turn, within one cycle
@@ -206,6 +228,7 @@ class ChatOutput:
         return self.run.usage(self.parser.stop_end)
 
 
+
 # ------------------------------------------------------------------------- chat completions
 
 
@@ -213,11 +236,13 @@ class ChatResponder:
     def __init__(self, run: Run, model: str, output: ChatOutput):
         self.run, self.model, self.output = run, model, output
         self.id, self.created = _id("chatcmpl"), int(time.time())
+        self.token_text = TokenText(run.served.engine.tokenizer)
 
     def _chunk(self, delta: dict, finish_reason=None, **extra) -> dict:
+        logprobs = chat_logprobs(self.token_text, self.run.take_logprobs())
         return {
             "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}], **extra,
         }
 
     async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
@@ -230,6 +255,7 @@ class ChatResponder:
             yield sse(e.body())
             yield sse("[DONE]")
             return
+        # The last chunk carries the logprobs of tokens whose text was held back until the end.
         yield sse(self._chunk({}, self.output.finish_reason, dflash=self.run.report()))
         if include_usage:
             yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -249,7 +275,7 @@ class ChatResponder:
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": [{"index": 0, "message": message, "finish_reason": self.output.finish_reason,
-                         "logprobs": None}],
+                         "logprobs": chat_logprobs(self.token_text, self.run.take_logprobs())}],
             "usage": self.output.usage(), "dflash": self.run.report(),
         }
 
@@ -269,16 +295,22 @@ class CompletionResponder:
         self.run, self.model, self.matcher = run, model, StopMatcher(stop)
         self.id, self.created = _id("cmpl"), int(time.time())
         self.engine_finish = "stop"
+        self.token_text = TokenText(run.served.engine.tokenizer)
+        self.offset = 0  # characters of logprob tokens handed out
 
     def _body(self, text: str, finish_reason=None, **extra) -> dict:
+        logprobs = completion_logprobs(self.token_text, self.run.take_logprobs(), self.offset)
+        if logprobs is not None:
+            self.offset += sum(map(len, logprobs["tokens"]))
         return {
             "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}], **extra,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}], **extra,
         }
 
     async def _texts(self) -> AsyncIterator[str]:
         async for chunk in self.run.chunks():
             text = self.matcher.feed(chunk.text)
+            self.run.release_logprobs(self.matcher.matched_end)
             if text:
                 yield text
             if self.matcher.matched is not None:

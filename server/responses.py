@@ -14,12 +14,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Sequence
 
 from fastapi import APIRouter, Request
 
 from .errors import APIError, bad_request
 from .generation import HEARTBEAT, ChatOutput, Run
+from .logprobs import TokenText, entry
 from .output_text import Delta
 from .responses_schemas import (
     CustomTool,
@@ -186,7 +187,8 @@ class ResponseBuilder:
     def _where(self) -> dict:
         return {"item_id": self._open["id"], "output_index": len(self.output) - 1}
 
-    def feed(self, delta: Delta) -> list[dict]:
+    def feed(self, delta: Delta, logprobs: Sequence[dict] = ()) -> list[dict]:
+        """Events for one delta; `logprobs`: output_text entries of the tokens behind it."""
         if delta.tool_call is not None:
             if delta.tool_call.id is not None:  # a new call: name and id come first
                 return self.close() + self._open_call(delta.tool_call.id, delta.tool_call.name)
@@ -199,7 +201,10 @@ class ResponseBuilder:
         part = self._open["content"][0]
         part["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind == "message":
+            part["logprobs"] += logprobs
+            extra = {"logprobs": list(logprobs)}
         return events + [self.event(name, **self._where(), content_index=0, delta=text, **extra)]
 
     def _open_text(self, kind: str) -> list[dict]:
@@ -252,7 +257,7 @@ class ResponseBuilder:
         if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
             done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-            extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+            extra = {} if item["type"] == "reasoning" else {"logprobs": part["logprobs"]}
             events += [self.event(done, **where, content_index=0, text=part["text"], **extra),
                        self.event("response.content_part.done", **where, content_index=0, part=dict(part))]
         elif item["type"] == "function_call":
@@ -297,6 +302,13 @@ class ResponsesResponder:
         self.conversation = conversation
         self.builder = ResponseBuilder(names)
         self.id, self.created = _id("resp"), int(time.time())
+        self.token_text = TokenText(run.served.engine.tokenizer)
+
+    def _feed(self, delta: Delta) -> list[dict]:
+        # Logprobs go with the answer's text: those of the tokens before it (reasoning, markup)
+        # wait for the first text, as they are part of what produced it.
+        taken = self.run.take_logprobs() if delta.content else None
+        return self.builder.feed(delta, [entry(self.token_text, lp) for lp in taken or ()])
 
     def response(self, status: str, error: Optional[APIError] = None) -> dict:
         body = self.body
@@ -354,7 +366,7 @@ class ResponsesResponder:
         try:
             async for delta in self.output.deltas():
                 if delta is not HEARTBEAT:
-                    for event in b.feed(delta):
+                    for event in self._feed(delta):
                         yield _sse(event)
         except APIError as e:
             for event in b.close():
@@ -370,7 +382,7 @@ class ResponsesResponder:
     async def complete(self) -> dict:
         async for delta in self.output.deltas():
             if delta is not HEARTBEAT:
-                self.builder.feed(delta)
+                self._feed(delta)
         self.builder.close()
         return self._finish("completed")
 

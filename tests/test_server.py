@@ -166,21 +166,22 @@ def _error(response, status, param=None, code=None):
         ({"model": "tiny", "messages": MESSAGES, "temperature": "hot"}, 400, "temperature", None),
         ({"model": "tiny", "messages": "hello"}, 400, "messages", None),
         ({"model": "tiny", "messages": MESSAGES, "n": 2}, 400, "n", None),
-        ({"model": "tiny", "messages": MESSAGES, "logprobs": True}, 400, "logprobs", None),
-        ({"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+        ({"model": "tiny", "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", None),
+        ({"model": "tiny", "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+        ({"model": "tiny", "messages": MESSAGES, "response_format": {"type": "xml"}}, 400, "response_format.type", None),
+        ({"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "strang"}}}}, 400, "response_format", None),
         ({"model": "tiny", "messages": MESSAGES, "frobnicate": 1}, 400, "frobnicate", None),
         ({"model": "tiny", "messages": MESSAGES, "top_p": 0}, 400, "top_p", None),
         ({"model": "tiny", "messages": MESSAGES, "logit_bias": {"99999999": 1}}, 400, "logit_bias", None),
         ({"model": "nope", "messages": MESSAGES}, 404, "model", "model_not_found"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages",
          "context_length_exceeded"),
-        ({"model": "tiny", "messages": MESSAGES, "tools": [{**WEATHER_TOOL, "function": {
-            **WEATHER_TOOL["function"], "strict": True}}]}, 400, "tools[0].function.strict", None),
         ({"model": "tiny", "messages": MESSAGES, "store": True}, 400, "store", None),
     ],
-    ids=["malformed-json", "wrong-type", "messages-not-list", "n2", "logprobs", "response-format", "unknown-field",
-         "top-p-zero", "logit-bias-range", "unknown-model", "prompt-too-long", "strict-tools",
-         "store"],
+    ids=["malformed-json", "wrong-type", "messages-not-list", "n2", "top-logprobs-alone", "top-logprobs-21",
+         "response-format-type", "bad-schema", "unknown-field", "top-p-zero", "logit-bias-range", "unknown-model",
+         "prompt-too-long", "store"],
 )
 def test_bad_requests(live, client, body, status, param, code):
     _error(_post(live, "/v1/chat/completions", body), status, param, code)
@@ -207,8 +208,7 @@ def test_an_unexpected_error_is_a_counted_json_500(live, client, monkeypatch):
     _still_serving(live, client)
 
 
-def test_completions_logprobs_zero_is_refused_and_store_false_accepted(live, client):
-    _error(_post(live, "/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 0}), 400, "logprobs")
+def test_store_false_accepted(live, client):
     ok = _post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "store": False})
     assert ok.status_code == 200
 

@@ -1,0 +1,157 @@
+"""Structured output and logprobs through the three API surfaces, on a random tiny model served with
+and without its drafter: the speculative answer must be the target-alone answer, token for token."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from dflash_core.settings import ModelSettings, Settings
+from live_server import LiveServer
+from scripted_server import script, scripted_server
+
+# Compact JSON (llguidance's own schema option) so the random model cannot pad with whitespace.
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                           "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["city", "days"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+MESSAGES = [{"role": "user", "content": "Weather in a city, as JSON."}]
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "gemma4"])
+def live(request, qwen3_5_pair, gemma4_pair):
+    target, drafter = {"qwen3_5": qwen3_5_pair, "gemma4": gemma4_pair}[request.param]
+    settings = Settings(models=[
+        ModelSettings(name="spec", target=str(target), drafter=str(drafter), max_context=1024),
+        ModelSettings(name="alone", target=str(target), drafter=None, max_context=1024)])
+    with LiveServer(settings) as server:
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        server.family = request.param
+        yield server
+
+
+def _both(live, **kwargs):
+    return [live.client.chat.completions.create(model=m, messages=MESSAGES, **kwargs) for m in ("spec", "alone")]
+
+
+def _lp(choice):
+    return [(e.token, round(e.logprob, 4), [(t.token, round(t.logprob, 4)) for t in e.top_logprobs])
+            for e in choice.logprobs.content]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 7}], ids=["greedy", "seeded"])
+def test_json_schema_is_lossless_and_valid(live, sampling):
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    spec, alone = _both(live, response_format=fmt, max_tokens=60, extra_body=NO_THINKING, **sampling)
+    assert spec.choices[0].message.content == alone.choices[0].message.content
+    assert spec.model_extra["dflash"]["speculative"] and not alone.model_extra["dflash"]["speculative"]
+    assert spec.choices[0].finish_reason == "stop"
+    answer = json.loads(spec.choices[0].message.content)
+    assert answer["city"] in ("Paris", "Oslo", "Lima") and 0 <= answer["days"] <= 9 and set(answer) == {"city", "days"}
+
+
+def test_json_object_after_reasoning(live):
+    """With thinking on, the JSON comes after the reasoning block, which stays free."""
+    spec, alone = _both(live, response_format={"type": "json_object"}, max_tokens=120, temperature=0)
+    assert spec.choices[0].message.content == alone.choices[0].message.content
+    content = spec.choices[0].message.content
+    if spec.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:  # the random model may think for all its tokens: then no JSON has begun
+        assert content.strip() == "" or content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_strict_tool_calls_match_their_schema(live, choice):
+    if live.family == "gemma4":
+        with pytest.raises(openai.BadRequestError, match="gemma4"):
+            live.client.chat.completions.create(model="spec", messages=MESSAGES, tools=[WEATHER], tool_choice=choice)
+        return
+    spec, alone = _both(live, tools=[WEATHER], tool_choice=choice, max_tokens=80, temperature=0)
+    assert spec.choices[0].message.tool_calls[0].function.arguments == alone.choices[0].message.tool_calls[0].function.arguments
+    arguments = json.loads(spec.choices[0].message.tool_calls[0].function.arguments)
+    assert arguments["city"] in ("Paris", "Oslo") and 1 <= arguments["days"] <= 5
+
+
+def test_chat_logprobs_equal_target_alone_and_stream_alike(live):
+    spec, alone = _both(live, logprobs=True, top_logprobs=3, max_tokens=20, temperature=0)
+    assert _lp(spec.choices[0]) == _lp(alone.choices[0])
+    entries = spec.choices[0].logprobs.content
+    assert len(entries) == spec.usage.completion_tokens == 20
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)
+    assert all(abs(e.logprob - e.top_logprobs[0].logprob) < 1e-6 for e in entries)  # greedy: the top token
+    chunks = list(live.client.chat.completions.create(model="spec", messages=MESSAGES, logprobs=True, top_logprobs=3,
+                                                      max_tokens=20, temperature=0, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+
+
+def test_completions_logprobs(live):
+    out = live.client.completions.create(model="spec", prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=2)
+    alone = live.client.completions.create(model="alone", prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert [round(v, 4) for v in lp.token_logprobs] == [round(v, 4) for v in alone.choices[0].logprobs.token_logprobs]
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_responses_text_format_and_logprobs(live):
+    body = dict(input="Weather as JSON.", max_output_tokens=60, temperature=0, reasoning={"effort": "none"},
+                text={"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA}},
+                include=["message.output_text.logprobs"], top_logprobs=2)
+    spec = live.client.responses.create(model="spec", **body)
+    alone = live.client.responses.create(model="alone", **body)
+    assert spec.output_text == alone.output_text and json.loads(spec.output_text)["city"] in ("Paris", "Oslo", "Lima")
+    part = next(i for i in spec.output if i.type == "message").content[0]
+    assert len(part.logprobs) == spec.usage.output_tokens and all(len(e.top_logprobs) == 2 for e in part.logprobs)
+
+
+def test_messages_output_format(live):
+    client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+    out = [client.messages.create(model=m, max_tokens=60, messages=MESSAGES, thinking={"type": "disabled"},
+                                  output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+                                  extra_body={"temperature": 0}) for m in ("spec", "alone")]
+    assert out[0].content[0].text == out[1].content[0].text
+    assert json.loads(out[0].content[0].text)["days"] in range(10)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strang"}}}}),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}}}),
+    ("/v1/messages", {"max_tokens": 5, "messages": MESSAGES,
+                      "output_config": {"format": {"type": "json_schema", "schema": {"type": "strang"}}}}),
+], ids=["chat", "responses", "messages"])
+def test_a_schema_that_does_not_compile_is_a_400(live, path, body):
+    response = httpx.post(live.url + path, json={"model": "spec", **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "strang" in error["message"] or "type" in error["message"]
+    assert live.client.completions.create(model="spec", prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_logprobs_stop_with_the_stop_string(qwen3_5_pair):
+    with scripted_server({"s": qwen3_5_pair}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        script(server, "s", "</think>\n\nOne two STOP three four five six seven.")
+        for stream in (False, True):
+            out = client.chat.completions.create(model="s", messages=MESSAGES, stop="STOP", logprobs=True,
+                                                 stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+            if stream:
+                chunks = list(out)
+                entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+                usage = chunks[-1].usage
+            else:
+                entries, usage = out.choices[0].logprobs.content, out.usage
+            assert len(entries) == usage.completion_tokens
+            assert "STOP" in "".join(e.token for e in entries) and "three" not in "".join(e.token for e in entries)
