@@ -185,3 +185,22 @@ def test_stop_sequences_and_stop_reasons(scripted):
     beta = scripted.client.beta.messages.create(model="scripted", messages=HI, max_tokens=50,
                                                 betas=["interleaved-thinking-2025-05-14"])
     assert beta.stop_reason == "end_turn"
+
+
+def test_a_failing_generation_ends_the_stream_with_an_error_event(scripted):
+    target = scripted.state.pool._served["scripted"].engine.target
+    script(scripted, "scripted", "</think>\n\n" + "word " * 200)
+    target.fail_after, target.forwards = 3, 0
+    try:
+        events = _raw_events(scripted, {"model": "scripted", "messages": HI, "max_tokens": 500}, key="unused")
+    finally:
+        target.fail_after = None
+    assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "api_error"
+    assert "planted failure" in events[-1][1]["error"]["message"]
+    assert scripted.client.messages.create(model="scripted", messages=HI, max_tokens=2).usage.output_tokens == 2
+
+
+def test_count_tokens_bad_input_is_anthropic_shaped(live):
+    response = httpx.post(live.url + "/v1/messages/count_tokens", json={"model": "tiny", "messages": []},
+                          headers={"x-api-key": KEY})
+    assert response.status_code == 400 and response.json()["type"] == "error"

@@ -222,3 +222,16 @@ def test_bad_input_is_a_400_in_openai_shape(live, body, param):
 def test_unknown_response_id_is_a_404(live):
     response = httpx.get(live.url + "/v1/responses/resp_nope", headers={"Authorization": f"Bearer {KEY}"})
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_failing_generation_ends_the_stream_with_response_failed(scripted):
+    target = scripted.state.pool._served["scripted"].engine.target
+    script(scripted, "scripted", "</think>\n\n" + "word " * 200)
+    target.fail_after, target.forwards = 3, 0
+    try:
+        events = list(scripted.client.responses.create(model="scripted", input="go", stream=True))
+    finally:
+        target.fail_after = None
+    assert events[-1].type == "response.failed" and "planted failure" in events[-1].response.error.message
+    EVENTS.validate_python(events[-1].model_dump())
+    assert scripted.client.responses.create(model="scripted", input="go", max_output_tokens=2).usage.output_tokens == 2
