@@ -90,7 +90,8 @@ def output_grammar(request: ChatCompletionRequest, tokenizer, markers: Markers, 
     answer = structured.response_format_grammar(request.response_format, markers, in_reasoning, literals)
     calls = None
     if request.tool_choice != "none":
-        calls = structured.strict_tools_grammar(tools or [], markers, opening, in_reasoning, literals)
+        named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
+        calls = structured.strict_tools_grammar(tools or [], markers, opening, in_reasoning, literals, named)
     if answer is not None and (calls is not None or opening):
         raise bad_request("response_format cannot be combined with strict or forced tool calls", param="response_format")
     return answer or calls

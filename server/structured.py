@@ -6,8 +6,8 @@
   opened a reasoning block.
 - `strict` function tools: every tool call the model writes has arguments that match its schema,
   in the tool-call form of the model's template: JSON (`<tool_call>{"name", "arguments"}`, Qwen's
-  JSON templates and the generic tools prompt) or Qwen's XML parameters. Text outside calls is free.
-  Gemma 4's form is not covered (its values are not JSON), a 400 says so.
+  JSON templates and the generic tools prompt), Qwen's XML parameters, or Gemma 4's `call:NAME{...}`.
+  Text outside calls is free.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional
 from dflash_core.grammar import GrammarSpec
 
 from .errors import bad_request
-from .tool_calls import QWEN_JSON, QWEN_XML, Markers
+from .tool_calls import GEMMA4, QWEN_JSON, QWEN_XML, Markers
 
 HEADER = "%llguidance {}\n"
 
@@ -27,9 +27,10 @@ class Literals:
     """Lark for literal text. A template's added tokens (<think>, <tool_call>, <|im_end|>...) are
     single tokens that llguidance matches only as `<token>` references, never as text."""
 
-    def __init__(self, added_tokens):
+    def __init__(self, added_tokens: dict[str, int]):
         # Longest first, so a token that contains another is found whole.
         self.added = sorted((t for t in added_tokens if t), key=len, reverse=True)
+        self.ids = dict(added_tokens)
 
     def is_token(self, text: str) -> bool:
         return text in self.added
@@ -43,14 +44,14 @@ class Literals:
                 break
             if at:
                 parts.append(json.dumps(rest[:at]))
-            parts.append(token)
+            parts.append(f"<[{self.ids[token]}]>")  # by id: a name like <|"|> would not parse
             rest = rest[at + len(token):]
         return " ".join(parts) or '""'
 
     def until(self, name: str, marker: str) -> str:
         """A rule `name` matching any text through the first `marker`."""
         if self.is_token(marker):  # free text cannot contain the token: no laziness needed
-            return f"{name}: /(.|\\n)*/ {marker}"
+            return f"{name}: /(.|\\n)*/ {self(marker)}"
         return f"{name}[lazy]: /(.|\\n)*/ {json.dumps(marker)}"
 
 
@@ -81,86 +82,137 @@ def response_format_grammar(response_format, markers: Markers, starts_in_reasoni
 # --------------------------------------------------------------------------- strict tools
 
 
-def _json_call_schema(name: str, parameters: dict) -> dict:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+class _Rules:
+    """Lark rules under construction, with fresh names."""
+
+    def __init__(self, lit: Literals):
+        self.lit, self.lines, self.count = lit, [], 0
+        self.has_any = False  # the rule for any Gemma value, written once when needed
+
+    def add(self, body: str, lazy: bool = False) -> str:
+        self.count += 1
+        name = f"r{self.count}"
+        self.lines.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
+        return name
 
 
-def _xml_params(rule: str, parameters: dict, lit: Literals) -> list[str]:
+def _xml_params(rules: _Rules, parameters: dict) -> str:
     """Qwen's XML form: one <parameter=P> block per property, in the schema's order (required ones
     always, the others optional); string values raw up to the closing tag, others as JSON."""
-    properties = parameters.get("properties") or {}
+    lit, parts = rules.lit, []
     required = set(parameters.get("required") or ())
-    rules, parts = [], []
-    for j, (prop, schema) in enumerate(properties.items()):
-        head = lit(f"<parameter={prop}>\n")
-        close = lit("\n</parameter>\n")
+    for prop, schema in (parameters.get("properties") or {}).items():
+        head, close = lit(f"<parameter={prop}>\n"), lit("\n</parameter>\n")
         schema = schema if isinstance(schema, dict) else {}
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if choices is not None and all(isinstance(c, str) for c in choices):  # raw strings, no quotes
-            rules.append(f"{rule}_p{j}: {head} ({' | '.join(lit(c) for c in choices)}) {close}")
-        elif schema.get("type") == "string" and "pattern" in schema:
-            if "/" in schema["pattern"]:
-                raise bad_request(f"the pattern of parameter {prop!r} cannot contain '/' in this model's tool form",
-                                  param="tools")
-            rules.append(f"{rule}_p{j}: {head} /{schema['pattern']}/ {close}")
-        elif schema.get("type") == "string":  # raw text up to the closing tag
-            rules.append(lit.until(f"{rule}_v{j}", "\n</parameter>\n"))
-            rules.append(f"{rule}_p{j}: {head} {rule}_v{j}")
+            value = f"({' | '.join(lit(c) for c in choices)}) {close}"
+        elif schema.get("type") == "string" and "pattern" not in schema:  # raw text up to the closing tag
+            value = rules.add(f"/(.|\\n)*/ {close}", lazy=not lit.is_token("</parameter>"))
         else:
-            rules.append(f"{rule}_p{j}: {head} %json {json.dumps(schema)} {close}")
-        parts.append(f"{rule}_p{j}" + ("" if prop in required else "?"))
-    rules.append(f"{rule}_params: {' '.join(parts)}" if parts else f'{rule}_params: ""')
-    return rules
+            value = f"%json {json.dumps(schema)} {close}"
+        parts.append(rules.add(f"{head} {value}") + ("" if prop in required else "?"))
+    return " ".join(parts) or '""'
+
+
+def _gemma_value(rules: _Rules, schema: Any) -> str:
+    """Gemma 4's argument syntax (its template's `gval`): strings between <|"|> tokens, keys bare
+    and sorted, numbers, booleans and null as JSON. Keywords beyond type, properties, required,
+    items, enum, const (and an integer's minimum and maximum, when less than 256 apart) allow any
+    value of that type or place."""
+    lit = rules.lit
+    quote = lit('<|"|>')
+    schema = schema if isinstance(schema, dict) else {}
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if choices is not None:
+        return "(" + " | ".join(f"{quote} {lit(c)} {quote}" if isinstance(c, str) else lit(json.dumps(c))
+                                for c in choices) + ")"
+    kind = schema.get("type")
+    if kind == "string":
+        return f"{quote} /(.|\\n)*/ {quote}"
+    if kind == "integer":
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if isinstance(low, int) and isinstance(high, int) and 0 <= high - low < 256:  # a small range: each value
+            return "(" + " | ".join(lit(str(v)) for v in range(low, high + 1)) + ")"
+        return "/-?(0|[1-9][0-9]{0,18})/"  # an int64 at most; bounds beyond a small range are not enforced
+    if kind == "number":
+        return "/-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?/"
+    if kind == "boolean":
+        return '("true" | "false")'
+    if kind == "null":
+        return '"null"'
+    if kind == "array" and "items" in schema:
+        item = rules.add(_gemma_value(rules, schema["items"]))
+        return f'"[" ({item} ("," {item})*)? "]"'
+    if kind == "object" and "properties" in schema:
+        return '"{" ' + _gemma_members(rules, schema) + ' "}"'
+    return _gemma_any(rules)
+
+
+def _gemma_members(rules: _Rules, schema: dict) -> str:
+    """key:value pairs in sorted key order (the template's dictsort), separated by commas, the
+    required ones always there."""
+    props = sorted((schema.get("properties") or {}).items())
+    required = set(schema.get("required") or ())
+    after = {}  # (index, is_first) -> rule for the members from index on
+    for i in range(len(props), -1, -1):
+        for first in (True, False):
+            if i == len(props):
+                after[i, first] = '""'
+                continue
+            key, value = props[i]
+            pair = ("" if first else '"," ') + f'{rules.lit(key + ":")} {_gemma_value(rules, value)}'
+            taken = rules.add(f"{pair} {after[i + 1, False]}")
+            after[i, first] = taken if key in required else rules.add(f"{taken} | {after[i + 1, first]}")
+    return after[0, True]
+
+
+def _gemma_any(rules: _Rules) -> str:
+    if not rules.has_any:
+        rules.has_any = True
+        quote = rules.lit('<|"|>')
+        rules.lines.append(
+            f'gany: {quote} /(.|\\n)*/ {quote} | /-?[0-9][0-9.eE+-]*/ | "true" | "false" | "null"'
+            ' | "[" (gany ("," gany)*)? "]" | "{" (/[A-Za-z_][A-Za-z0-9_-]*/ ":" gany ("," /[A-Za-z_][A-Za-z0-9_-]*/ ":" gany)*)? "}"')
+    return "gany"
+
+
+def _call_parts(rules: _Rules, markers: Markers, function: dict) -> tuple[str, str, str]:
+    """(text after the start marker that names the call, Lark for its arguments, text that ends it)."""
+    name = function["name"]
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    end = markers.tool_end
+    if markers.tool_format == QWEN_JSON:
+        return f'\n{{"name": "{name}", "arguments": ', f"%json {json.dumps(parameters)}", f"}}\n{end}"
+    if markers.tool_format == QWEN_XML:
+        return f"\n<function={name}>\n", _xml_params(rules, parameters), f"</function>\n{end}"
+    return f"call:{name}{{", _gemma_members(rules, parameters), f"}}{end}"
 
 
 def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: str, starts_in_reasoning: bool,
-                         lit: Literals) -> Optional[GrammarSpec]:
-    """The grammar for requests with strict function tools, or None when none is strict."""
+                         lit: Literals, named: Optional[str] = None) -> Optional[GrammarSpec]:
+    """The grammar for requests with strict function tools, or None when none is strict.
+    `forced_opening`: what the server wrote of a call (tool_choice required or `named`)."""
     strict = [t["function"] for t in tools or () if t["function"].get("strict")]
     if not strict:
         return None
-    if markers.tool_format not in (QWEN_JSON, QWEN_XML):
-        raise bad_request(f"strict tool schemas are enforced for the JSON and Qwen XML tool-call forms; this model "
-                          f"writes the {markers.tool_format} form", param="tools")
+    if markers.tool_format not in (QWEN_JSON, QWEN_XML, GEMMA4):
+        raise bad_request("this model's template has no tool-call form to enforce strict schemas in", param="tools")
     if len(strict) != len(tools):
         raise bad_request("strict must be the same for every tool of a request", param="tools")
-    rules, bodies = [], []
-    for i, function in enumerate(strict):
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        if markers.tool_format == QWEN_JSON:
-            rules.append(f"body{i}: %json {json.dumps(_json_call_schema(function['name'], parameters))} "
-                         f"{lit(chr(10) + markers.tool_end)}")
-        else:
-            rules += _xml_params(f"f{i}", parameters, lit)
-            rules.append(f"body{i}: {lit('<function=' + function['name'] + '>' + chr(10))} f{i}_params "
-                         f"{lit('</function>' + chr(10) + markers.tool_end)}")
-        bodies.append(f"body{i}")
-    start_marker = markers.tool_start + "\n"
-    rules += [
-        "TEXT: /(.|\\n)*/",
-        lit.until("trigger", markers.tool_start),
-        f"call: trigger \"\\n\" ({' | '.join(bodies)})",
-        "rest: call* TEXT",
-    ]
+    rules = _Rules(lit)
+    calls = [(f["name"], *_call_parts(rules, markers, f)) for f in strict]
+    bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for _, head, core, tail in calls]
+    rules.lines += ["TEXT: /(.|\\n)*/", lit.until("trigger", markers.tool_start),
+                    f"call: trigger ({' | '.join(bodies)})", "rest: call* TEXT"]
     if not forced_opening:
         think = _reasoning_prefix(lit, markers, starts_in_reasoning)
         start = "start: think rest" if think else "start: rest"
-        return GrammarSpec("lark", HEADER + "\n".join([start, *rules, think]))
-    # The server wrote the opening of a call: the model continues it (a named function's opening
-    # also names it), then may go on as in `auto`.
-    names = {f["name"]: i for i, f in enumerate(strict)}
-    continued = forced_opening[len(start_marker):] if forced_opening.startswith(start_marker) else None
-    if continued == "":
-        first = f"({' | '.join(bodies)})"
-    else:
-        name = next((n for n in names if continued in (f'<function={n}>\n', f'{{"name": "{n}", "arguments": ')), None)
-        if name is None:
-            raise bad_request("tool_choice cannot be combined with strict tools for this model", param="tool_choice")
-        i = names[name]
-        if markers.tool_format == QWEN_JSON:
-            parameters = strict[i].get("parameters") or {"type": "object", "properties": {}}
-            first = f"%json {json.dumps(parameters)} {lit('}' + chr(10) + markers.tool_end)}"
-        else:
-            first = f"f{i}_params {lit('</function>' + chr(10) + markers.tool_end)}"
-    return GrammarSpec("lark", HEADER + "\n".join([f"start: {first} rest", *rules]))
+        return GrammarSpec("lark", HEADER + "\n".join([start, *rules.lines, think]))
+    # The server wrote the opening of a call: the model continues it, then may go on as in `auto`.
+    written = forced_opening[len(markers.tool_start):]
+    firsts = [f"{lit(head[len(written):])} {core} {lit(tail)}" for name, head, core, tail in calls
+              if head.startswith(written) and name == (named or name)]
+    if not firsts:
+        raise bad_request("tool_choice names no strict tool", param="tool_choice")
+    return GrammarSpec("lark", HEADER + "\n".join([f"start: ({' | '.join(firsts)}) rest", *rules.lines]))

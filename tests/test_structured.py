@@ -1,0 +1,82 @@
+"""The grammars of server/structured.py accept what each tool-call form writes for a valid call and
+refuse invalid arguments, checked with llguidance over the fixtures' real tokenizers."""
+
+from __future__ import annotations
+
+import llguidance
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from dflash_core.grammar import compile_grammar, tokenizer_info
+from dflash_core.prompts import hf_tokenizer
+from server.schemas import ResponseFormat
+from server.structured import Literals, response_format_grammar, strict_tools_grammar
+from server.tool_calls import GEMMA4_MARKERS, QWEN_JSON_MARKERS, QWEN_XML_MARKERS
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "required": ["city", "days"],
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                   "unit": {"enum": ["c", "f"]}, "tags": {"type": "array", "items": {"type": "string"}}}}}}
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen3_5_pair):
+    return hf_tokenizer(load_tokenizer(qwen3_5_pair[0]))
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma4_pair):
+    return hf_tokenizer(load_tokenizer(gemma4_pair[0]))
+
+
+def _matches(hf, spec, text) -> bool:
+    info = tokenizer_info(hf, len(hf))
+    matcher = llguidance.LLMatcher(info, compile_grammar(spec, info).text, log_level=0)
+    ids = hf.encode(text, add_special_tokens=False)
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <centre>\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>")
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+GEMMA_CALL = '<|tool_call>call:get_weather{city:<|"|>Lima {x}<|"|>,days:3,tags:[<|"|>a<|"|>,<|"|>b<|"|>]}<tool_call|>'
+
+
+@pytest.mark.parametrize("form, markers, call, wrong", [
+    ("xml", QWEN_XML_MARKERS, XML_CALL, XML_CALL.replace("\n3\n", "\nthree\n")),
+    ("xml-unit", QWEN_XML_MARKERS, XML_CALL, XML_CALL.replace("\nc\n", "\nk\n")),
+    ("json", QWEN_JSON_MARKERS, JSON_CALL, JSON_CALL.replace('"city"', '"town"')),
+    ("gemma", GEMMA4_MARKERS, GEMMA_CALL, GEMMA_CALL.replace("days:3,", "")),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 12 else None)
+def test_auto_allows_text_and_valid_calls_only(qwen, gemma, form, markers, call, wrong):
+    hf = gemma if markers is GEMMA4_MARKERS else qwen
+    reasoning = "" if markers is GEMMA4_MARKERS else "Let me see.\n</think>\n\n"
+    spec = strict_tools_grammar([WEATHER], markers, "", bool(reasoning), Literals(hf.get_added_vocab()))
+    assert _matches(hf, spec, reasoning + "I will call it. " + call + "\nDone.")
+    assert _matches(hf, spec, reasoning + "No call needed.")
+    assert not _matches(hf, spec, reasoning + wrong)
+
+
+@pytest.mark.parametrize("markers, opening, rest", [
+    (QWEN_XML_MARKERS, "<tool_call>\n", XML_CALL[len("<tool_call>\n"):]),
+    (QWEN_XML_MARKERS, "<tool_call>\n<function=get_weather>\n", XML_CALL[len("<tool_call>\n<function=get_weather>\n"):]),
+    (QWEN_JSON_MARKERS, '<tool_call>\n{"name": "get_weather", "arguments": ', JSON_CALL.split('"arguments": ')[1]),
+    (GEMMA4_MARKERS, "<|tool_call>call:get_weather", GEMMA_CALL[len("<|tool_call>call:get_weather"):]),
+], ids=["xml-required", "xml-named", "json-named", "gemma-named"])
+def test_a_forced_opening_is_continued(qwen, gemma, markers, opening, rest):
+    hf = gemma if markers is GEMMA4_MARKERS else qwen
+    spec = strict_tools_grammar([WEATHER], markers, opening, False, Literals(hf.get_added_vocab()), "get_weather")
+    assert _matches(hf, spec, rest)
+    assert not _matches(hf, spec, "Some text first. " + rest)
+
+
+def test_no_strict_tool_no_grammar(qwen):
+    loose = {"type": "function", "function": {**WEATHER["function"], "strict": False}}
+    assert strict_tools_grammar([loose], QWEN_XML_MARKERS, "", False, Literals(qwen.get_added_vocab())) is None
+
+
+def test_json_answer_after_reasoning(qwen):
+    spec = response_format_grammar(ResponseFormat(type="json_object"), QWEN_XML_MARKERS, True,
+                                   Literals(qwen.get_added_vocab()))
+    assert _matches(qwen, spec, 'Thinking {about} it.\n</think>\n\n{"a": [1, 2]}')
+    assert not _matches(qwen, spec, "Thinking.\n</think>\n\nno json")
