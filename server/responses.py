@@ -27,7 +27,6 @@ from .responses_schemas import (
     CustomToolCallItem,
     FunctionCallItem,
     FunctionCallOutputItem,
-    FunctionTool,
     MessageItem,
     NamedTool,
     NamespaceTool,

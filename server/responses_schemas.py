@@ -205,6 +205,19 @@ class ResponsesRequest(StrictModel):
     # Codex's thread and turn ids: correlation metadata for its own logs; asks nothing of the model.
     client_metadata: Optional[dict[str, Any]] = None
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _only_tools_the_model_calls(cls, value):
+        """Hosted tools (web_search, file_search, ...) run on OpenAI's side; nothing here would
+        run them, so they are refused by name rather than left to a union's error."""
+        for tool in value if isinstance(value, list) else ():
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind is not None and kind not in ("function", "custom", "namespace"):
+                hint = ' (Codex: set web_search = "disabled" in config.toml)' if kind.startswith("web_search") else ""
+                raise ValueError(f"tool type {kind!r} runs on OpenAI's servers and is not available here; "
+                                 f"only function, custom and namespace tools are{hint}")
+        return value
+
     @field_validator("include")
     @classmethod
     def _known_includes(cls, value):
