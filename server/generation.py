@@ -208,10 +208,10 @@ class ChatOutput:
                 yield HEARTBEAT
                 continue
             deltas = self.parser.feed(chunk.text)
-            self.run.release_logprobs(self.parser.stop_end)
+            self.run.release_logprobs(self.parser.end)
             for delta in deltas:
                 yield delta
-            if self.parser.stop_matched is not None:
+            if self.parser.end is not None:  # a stop string, or the one call allowed
                 self.run.cancel()  # the worker drops it at its next turn, within one cycle
                 break
             if chunk.finish_reason:
@@ -225,7 +225,7 @@ class ChatOutput:
         return self.parser.finish_reason(self.engine_finish)
 
     def usage(self) -> dict:
-        return self.run.usage(self.parser.stop_end)
+        return self.run.usage(self.parser.end)
 
 
 

@@ -102,6 +102,7 @@ def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
     fmt = body.output_config.format if body.output_config else None
     request = {
         "model": body.model, "messages": chat_messages(body), "tools": tools or None, "tool_choice": _tool_choice(body),
+        "parallel_tool_calls": False if body.tool_choice and body.tool_choice.disable_parallel_tool_use else None,
         "max_tokens": max_tokens, "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
         "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None,
     }

@@ -97,8 +97,7 @@ class Tool(StrictModel):
 class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
-    # Calls are parsed as the model writes them, one or several; nothing else to switch.
-    disable_parallel_tool_use: Optional[bool] = None
+    disable_parallel_tool_use: Optional[bool] = None  # true: the output ends with its first call
 
 
 class Thinking(StrictModel):

@@ -197,9 +197,13 @@ class ChatOutputParser:
         tool_choice: Any = None,
         stop: Union[str, Sequence[str], None] = None,
         starts_in_reasoning: bool = False,
+        single_call: bool = False,
     ) -> None:
         self.markers = markers
         self._stop = StopMatcher(stop)
+        self._single_call = single_call  # parallel_tool_calls false: the output ends with its first call
+        self._model_chars = 0  # model text past the stop strings, into _buf
+        self.call_end: Optional[int] = None  # single_call: characters of model text through that call
         self._tools = plain_tools(tools)
         self._tools_on = markers.has_tools and tools_enabled(self._tools, tool_choice)
         in_reasoning = starts_in_reasoning and markers.has_reasoning
@@ -225,6 +229,12 @@ class ChatOutputParser:
         """Characters of model text through the end of the matched stop string."""
         return self._stop.matched_end
 
+    @property
+    def end(self) -> Optional[int]:
+        """Where the output was cut (a stop string, or the only call allowed), in characters of
+        model text; None when the model ended it."""
+        return self.stop_end if self.stop_end is not None else self.call_end
+
     def finish_reason(self, engine_reason: str) -> str:
         """OpenAI finish_reason: "tool_calls" if a call was parsed, "stop" after a stop string."""
         if self.tool_calls:
@@ -247,7 +257,9 @@ class ChatOutputParser:
         if self._done:
             return []
         out = _Out()
-        self._buf += self._stop.feed(text)
+        released = self._stop.feed(text)
+        self._model_chars += len(released)
+        self._buf += released
         if self._stop.matched is not None:
             self._end(out)
         else:
@@ -258,7 +270,9 @@ class ChatOutputParser:
         if self._done:
             return []
         out = _Out()
-        self._buf += self._stop.finish()
+        released = self._stop.finish()
+        self._model_chars += len(released)
+        self._buf += released
         self._end(out)
         return out.deltas
 
@@ -357,11 +371,15 @@ class ChatOutputParser:
         if not calls:
             self._emit(out, self._tool_ws + (m.tool_start or "") + body + end)
             return True
-        for call in calls:
+        for call in calls[:1] if self._single_call else calls:
             index = len(self.tool_calls)
             self.tool_calls.append(call)
             out.tool(ToolCallDelta(index=index, id=call.id, name=call.name, arguments=""))
             out.tool(ToolCallDelta(index=index, arguments=call.arguments))
+        if self._single_call:  # nothing after the call is output
+            self.call_end = self._model_chars - len(self._buf)
+            self._buf, self._pending_ws, self._done = "", "", True
+            return False
         self._strip_leading = True  # the "\n" between or after calls
         return True
 

@@ -153,6 +153,7 @@ def to_chat(body: ResponsesRequest, history: list[dict], names: ToolNames) -> tu
     logprobs = bool(body.include and "message.output_text.logprobs" in body.include)
     request = {
         "model": body.model, "messages": messages, "tools": names.functions or None, "tool_choice": choice,
+        "parallel_tool_calls": body.parallel_tool_calls,
         "max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed, "stop": body.stop,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,

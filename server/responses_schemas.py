@@ -175,7 +175,7 @@ class ResponsesRequest(StrictModel):
     instructions: Optional[str] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedTool, None] = None
-    parallel_tool_calls: Optional[bool] = None  # calls are parsed as the model writes them, one or many
+    parallel_tool_calls: Optional[bool] = None  # false: the output ends with its first call
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = None
     top_p: Optional[float] = None

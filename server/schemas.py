@@ -135,7 +135,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = None  # false: the output ends with its first call
     chat_template_kwargs: Optional[dict[str, Any]] = None
     response_format: Optional[ResponseFormat] = None
     store: Optional[bool] = None
@@ -155,6 +155,5 @@ NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
     "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
-    "parallel_tool_calls": ((None, True), "parallel_tool_calls=false is not supported"),
     "store": ((None, False), "stored completions are not supported"),
 }

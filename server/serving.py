@@ -66,7 +66,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: f
         defaults = state.settings.template_defaults(served.settings)
         prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, defaults)
         parser = ChatOutputParser(prompt.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
-                                  body.stop, prompt.starts_in_reasoning)
+                                  body.stop, prompt.starts_in_reasoning, single_call=body.parallel_tool_calls is False)
         grammar = await _compiled(served, prompt.grammar, "response_format" if body.response_format else "tools")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         run = start_run(state, served, body, prompt, _stop_tokens(served, body), arrival, logprobs, grammar)

@@ -519,3 +519,31 @@ def test_an_exception_fails_only_its_request(scripted):
     while scripted.state.scheduler.active and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scripted.state.scheduler.active == 0
+
+
+TWO_CALLS = ("</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+             "</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+             "</tool_call>")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_ends_with_the_first_call(scripted, stream):
+    script_ids = _script(scripted, "scripted-qwen", TWO_CALLS)
+    kwargs = dict(model="scripted-qwen", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL],
+                  temperature=0)
+    both = scripted.client.chat.completions.create(**kwargs)
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Oslo"]
+    if stream:
+        chunks = list(scripted.client.chat.completions.create(**kwargs, parallel_tool_calls=False, stream=True,
+                                                              stream_options={"include_usage": True}))
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or []) if tc.id]
+        usage, finish = chunks[-1].usage, [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        one = scripted.client.chat.completions.create(**kwargs, parallel_tool_calls=False)
+        calls, usage, finish = one.choices[0].message.tool_calls, one.usage, [one.choices[0].finish_reason]
+    assert len(calls) == 1 and finish == ["tool_calls"]
+    # Usage counts the tokens through the first call, as the target alone would have stopped there.
+    decode = scripted.state.pool._served["scripted-qwen"].engine.tokenizer._tokenizer.decode
+    first_end = TWO_CALLS.index("</tool_call>") + len("</tool_call>")
+    through = next(k for k in range(1, len(script_ids) + 1) if len(decode(script_ids[:k])) >= first_end)
+    assert usage.completion_tokens == through < both.usage.completion_tokens
