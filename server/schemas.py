@@ -12,7 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields and wrong JSON types (`"10"` or `true` for a number, `"yes"` for a boolean)
+    are a 400: nothing is coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(StrictModel):

@@ -547,3 +547,22 @@ def test_parallel_tool_calls_false_ends_with_the_first_call(scripted, stream):
     first_end = TWO_CALLS.index("</tool_call>") + len("</tool_call>")
     through = next(k for k in range(1, len(script_ids) + 1) if len(decode(script_ids[:k])) >= first_end)
     assert usage.completion_tokens == through < both.usage.completion_tokens
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": "10"}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "temperature": True}, "temperature"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "stream": "yes"}, "stream"),
+    ("/v1/completions", {"model": "tiny", "prompt": [True]}, "prompt"),
+    ("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": "10"}, "max_output_tokens"),
+    ("/v1/responses", {"model": "tiny", "input": "x", "stream": 1}, "stream"),
+    ("/v1/messages", {"model": "tiny", "messages": MESSAGES, "max_tokens": "10"}, None),
+], ids=["max-tokens-string", "max-tokens-bool", "temperature-bool", "stream-string", "prompt-bools",
+        "responses-max", "responses-stream", "messages-max"])
+def test_wrong_json_types_are_a_400(live, client, path, body, param):
+    response = _post(live, path, body)
+    assert response.status_code == 400, response.text
+    if param is not None:
+        assert response.json()["error"]["param"].startswith(param)
+    _still_serving(live, client)
