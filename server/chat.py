@@ -28,7 +28,32 @@ class Prompt:
     grammar: Optional[GrammarSpec] = None  # what the output must match (structured output)
 
 
+def _surrogate_at(value, path: str = "") -> Optional[str]:
+    """The path of the first string holding a lone UTF-16 surrogate ("\\ud800" in JSON): valid
+    JSON, but no text, so no tokenizer can encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or None
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _surrogate_at(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
+        if found:
+            return found
+    return None
+
+
+def refuse_surrogates(body) -> None:
+    """A 400 naming the field of `body` (any API's request) that holds a lone surrogate."""
+    where = _surrogate_at(body.model_dump(exclude_none=True, by_alias=True))
+    if where is not None:
+        raise bad_request(f"{where} holds a lone UTF-16 surrogate, which is not text", param=where)
+
+
 def refuse_unsupported(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
+    refuse_surrogates(request)
     for name, (neutral, message) in NEUTRAL_ONLY.items():
         value = getattr(request, name, None)
         # Compare types too: 0 == False, but logprobs=0 asks for something.

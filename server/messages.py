@@ -234,12 +234,14 @@ def router(state: ServerState) -> APIRouter:
 
     @routes.post("/v1/messages")
     async def create(body: MessagesRequest, request: Request):
+        chat.refuse_surrogates(body)
         started = await start_chat(state, to_chat(body, body.max_tokens), time.perf_counter())
         responder = MessagesResponder(body, started.run, started.output)
         return await respond(state, "messages", request, started.run, responder, stream=bool(body.stream))
 
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
+        chat.refuse_surrogates(body)
         request = to_chat(body)
         chat.refuse_unsupported(request)
         served = await state.pool.get(body.model)

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 from fastapi import APIRouter, Request
 
+from . import chat
 from .errors import APIError, bad_request
 from .generation import HEARTBEAT, ChatOutput, Run
 from .logprobs import TokenText, entry
@@ -400,6 +401,7 @@ def router(state: ServerState) -> APIRouter:
     @routes.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
         arrival = time.perf_counter()
+        chat.refuse_surrogates(body)
         history = []
         if body.previous_response_id:
             history = state.responses.get(body.previous_response_id, param="previous_response_id")["conversation"]

@@ -566,3 +566,19 @@ def test_wrong_json_types_are_a_400(live, client, path, body, param):
     if param is not None:
         assert response.json()["error"]["param"].startswith(param)
     _still_serving(live, client)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages[0].content"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
+    ("/v1/responses", '{"model": "tiny", "input": "x\\udfff"}', "input"),
+    ("/v1/messages", '{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages[0].content"),
+], ids=["chat", "completions", "responses", "messages"])
+def test_a_lone_surrogate_is_a_400_naming_the_field(live, client, path, body, param):
+    response = _post(live, path, body.encode())
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]  # Anthropic's shape has no param: the message names it
+    assert error.get("param", param) == param and error["message"].startswith(param)
+    _still_serving(live, client)
