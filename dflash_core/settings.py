@@ -31,6 +31,7 @@ class ServerSettings(Strict):
     max_active: int = Field(8, ge=1, description="generations interleaved at once")
     request_timeout: Optional[float] = Field(600.0, gt=0, description="seconds a request may take")
     stored_responses: int = Field(1000, ge=0, description="Responses API: stored responses kept in memory (LRU)")
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
 
 
 class DefaultSettings(Strict):

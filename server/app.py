@@ -40,6 +40,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(InternalErrors)  # first added, so inside the counter and CORS
     if settings.server.api_key:  # before the body is read: a bad key is a 401 whatever the body
         app.add_middleware(RequireKey, key=settings.server.api_key)
+    # Outside the key check, so an oversized body is refused before anything reads it.
+    app.add_middleware(LimitBody, limit=settings.server.max_request_bytes)
     app.add_middleware(CountRequests, counter=state.metrics.requests)
     install_error_handlers(app)
     if settings.server.cors_origins:
@@ -89,7 +91,8 @@ def create_app(settings: Settings) -> FastAPI:
         chat.refuse_unsupported(body)
         served = await state.pool.get(body.model)
         try:
-            prompt = chat.completion_prompt(body, served.engine.tokenizer, served.engine.target.vocab_size)
+            prompt = await asyncio.to_thread(chat.completion_prompt, body, served.engine.tokenizer,
+                                             served.engine.target.vocab_size)
             run = start_run(state, served, body, prompt, None, arrival, logprobs=body.logprobs)
         except BaseException:
             state.pool.release(served)
@@ -127,6 +130,49 @@ class RequireKey:
                              type="authentication_error", code="invalid_api_key")
             return await error.response(path)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class LimitBody:
+    """Bodies over `limit` bytes are a 413 in the API's error shape: by Content-Length before
+    anything is read, else once the received body passes the limit (it is read here, then handed
+    on whole)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _too_large(self, path: str):
+        return APIError(413, f"the request body is larger than {self.limit} bytes (server.max_request_bytes)",
+                        code="request_too_large").response(path)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large(path)(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(path)(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnects, as the app expects them
+
+        await self.app(scope, replay, send)
 
 
 class InternalErrors:

@@ -84,7 +84,8 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
         raise bad_request("tool_choice requires tools", param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t["function"]["name"] for t in tools}:
         raise bad_request(f"tool_choice names an unknown function {choice.function.name!r}", param="tool_choice")
-    kwargs = {**template_defaults, **(request.chat_template_kwargs or {})}
+    asked = request.chat_template_kwargs.model_dump(exclude_none=True) if request.chat_template_kwargs else {}
+    kwargs = {**template_defaults, **asked}
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
     if forced:
         kwargs["enable_thinking"] = False  # the answer starts with the call itself

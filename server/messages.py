@@ -9,6 +9,7 @@ content blocks and, when streamed, into Anthropic's events. Errors use Anthropic
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -247,7 +248,7 @@ def router(state: ServerState) -> APIRouter:
         served = await state.pool.get(body.model)
         try:
             defaults = state.settings.template_defaults(served.settings)
-            prompt = chat.chat_prompt(request, served.engine.tokenizer, served.markers, defaults)
+            prompt = await asyncio.to_thread(chat.chat_prompt, request, served.engine.tokenizer, served.markers, defaults)
         finally:
             state.pool.release(served)
         return {"input_tokens": len(prompt.tokens)}

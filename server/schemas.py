@@ -101,6 +101,13 @@ class ResponseFormat(StrictModel):
     json_schema: Optional[JSONSchemaFormat] = None
 
 
+class ChatTemplateKwargs(StrictModel):
+    """The chat-template arguments a request may set. Known and typed only: a template sent by a
+    client, or arguments of unknown meaning, would run arbitrary Jinja on the server."""
+
+    enable_thinking: Optional[bool] = None
+
+
 StopField = Union[str, list[str], None]
 
 
@@ -139,7 +146,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None  # false: the output ends with its first call
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None
     response_format: Optional[ResponseFormat] = None
     store: Optional[bool] = None
 

@@ -64,7 +64,9 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: f
     served = await state.pool.get(body.model)
     try:
         defaults = state.settings.template_defaults(served.settings)
-        prompt = chat.chat_prompt(body, served.engine.tokenizer, served.markers, defaults)
+        # Off the event loop: a long conversation takes a while to render and tokenize, and every
+        # other stream and /health would wait for it.
+        prompt = await asyncio.to_thread(chat.chat_prompt, body, served.engine.tokenizer, served.markers, defaults)
         parser = ChatOutputParser(prompt.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
                                   body.stop, prompt.starts_in_reasoning, single_call=body.parallel_tool_calls is False)
         grammar = await _compiled(served, prompt.grammar, "response_format" if body.response_format else "tools")
@@ -90,6 +92,9 @@ async def _compiled(served: ServedModel, spec: Optional[GrammarSpec], param: str
 def start_run(state: ServerState, served: ServedModel, body, prompt: chat.Prompt, stop_tokens, arrival: float,
               logprobs: Optional[int] = None, grammar: Optional[CompiledGrammar] = None) -> Run:
     """Queue the generation (the model stays acquired until `respond` finishes)."""
+    if not prompt.tokens:  # before it takes a queue slot
+        raise bad_request("the prompt is empty once rendered", param="messages" if isinstance(body, ChatCompletionRequest)
+                          else "prompt")
     defaults = state.settings.sampling_defaults(served.settings, served.loaded.generation_defaults)
     max_tokens = chat.max_new_tokens(body, defaults)
     chat.check_context(len(prompt.tokens), served.engine.max_context,

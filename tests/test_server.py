@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import json
 import time
 
@@ -582,3 +583,52 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(live, client, path, body, pa
     error = response.json()["error"]  # Anthropic's shape has no param: the message names it
     assert error.get("param", param) == param and error["message"].startswith(param)
     _still_serving(live, client)
+
+
+def test_an_oversized_body_is_a_413_in_the_apis_shape(qwen3_5_pair):
+    target, drafter = qwen3_5_pair
+    settings = Settings(server=ServerSettings(max_request_bytes=4096),
+                        models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter), max_context=512)])
+    with LiveServer(settings) as server:
+        big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}
+        assert httpx.post(server.url + "/v1/chat/completions", json=big).json()["error"]["code"] == "request_too_large"
+        chunks = (b'{"model": "tiny", "prompt": "' + b"y" * 1000, *[b"y" * 1000] * 4, b'"}')
+        streamed = httpx.post(server.url + "/v1/completions", content=iter(chunks))  # no Content-Length
+        assert streamed.status_code == 413
+        anthropic_shape = httpx.post(server.url + "/v1/messages", json={**big, "max_tokens": 2})
+        assert anthropic_shape.status_code == 413 and anthropic_shape.json()["error"]["type"] == "request_too_large"
+        small = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert small.status_code == 200
+
+
+def test_tokenizing_a_large_prompt_does_not_freeze_the_server(live, client):
+    """The prompt is rendered and tokenized off the event loop: /health answers meanwhile."""
+    stop = threading.Event()
+    slowest = []
+
+    def poll():
+        while not stop.is_set():
+            started = time.perf_counter()
+            assert httpx.get(live.url + "/health", timeout=30).status_code == 200
+            slowest.append(time.perf_counter() - started)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        started = time.perf_counter()
+        response = _post(live, "/v1/chat/completions",
+                         {"model": "tiny", "messages": [{"role": "user", "content": "café naïve 日本語 " * 200_000}]})
+        took = time.perf_counter() - started
+    finally:
+        stop.set()
+        watcher.join()
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert took > 1.0  # long enough that a blocked loop would show
+    assert max(slowest) < took / 3, (max(slowest), took)
+
+
+def test_client_template_arguments_are_refused(live, client):
+    body = {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{% for i in range(9) %}x{% endfor %}"}}
+    _error(_post(live, "/v1/chat/completions", body), 400, "chat_template_kwargs.chat_template")
+    ok = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    assert _post(live, "/v1/chat/completions", ok).status_code == 200
