@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ class Run:
             self.scheduler.submit(self.job)
         except QueueFullError as e:
             raise APIError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": "1"}) from e
+                           code="queue_full",
+                           headers={"Retry-After": str(math.ceil(self.scheduler.estimated_wait()))}) from e
         except SchedulerStopped as e:
             raise APIError(503, str(e), type="server_error", headers={"Retry-After": "5"}) from e
 

@@ -58,6 +58,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self.failure: Optional[str] = None  # set if the worker thread itself died
+        self._finished: collections.deque[float] = collections.deque(maxlen=64)  # when generations ended
         self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
 
     # ---------------------------------------------------------------- called from the server
@@ -103,6 +104,16 @@ class Scheduler:
             self._tasks.append((task, fail))
             self._wake.notify()
         return future
+
+    def estimated_wait(self) -> float:
+        """Seconds until the queue has room again, from the rate at which generations finished
+        lately (1 s when there is no history yet)."""
+        with self._wake:
+            finished, waiting = list(self._finished), len(self._waiting)
+        if len(finished) < 2 or finished[-1] <= finished[0]:
+            return 1.0
+        rate = (len(finished) - 1) / (finished[-1] - finished[0])  # generations a second
+        return max(1.0, (waiting - self.queue_size + 1 + len(self._active)) / rate)
 
     @property
     def waiting(self) -> int:
@@ -183,6 +194,7 @@ class Scheduler:
             job.steps = None
         if job in self._active:
             self._active.remove(job)
+            self._finished.append(time.perf_counter())
         job._deliver(end)
 
 

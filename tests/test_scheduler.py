@@ -48,3 +48,20 @@ def test_stop_answers_queued_calls():
             await asyncio.wait_for(scheduler.call(lambda: "loaded"), 10)
 
     asyncio.run(scenario())
+
+
+def test_retry_after_follows_the_measured_service_rate():
+    scheduler = Scheduler(queue_size=4, max_active=1)
+    assert scheduler.estimated_wait() == 1.0  # no history yet
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(4):  # waiting jobs (the worker is not started)
+            scheduler.submit(Job(start=lambda: iter(()), loop=loop))
+        # Generations finished two a second lately: four waiting need (4 - 4 + 1) / 2 s at least.
+        scheduler._finished.extend([10.0, 10.5, 11.0, 11.5, 12.0])
+        assert scheduler.estimated_wait() == 1.0
+        scheduler._finished.clear()
+        scheduler._finished.extend([10.0, 20.0, 30.0])  # one every 10 s: 10 s until a slot frees
+        assert scheduler.estimated_wait() == pytest.approx(10.0)
+    finally:
+        loop.close()
