@@ -178,7 +178,9 @@ def add_serve(sub) -> None:
     p.add_argument("--name", help="model name clients send with --target (default: the target's name)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--api-key", help="require Authorization: Bearer KEY")
+    p.add_argument("--api-key", help="require the key (Authorization: Bearer KEY or x-api-key: KEY)")
+    p.add_argument("--allow-no-key", action="store_const", const=True, default=None,
+                   help="listen on a non-loopback --host without an API key (anyone who can reach it can use it)")
     p.set_defaults(func=run_serve)
 
 
@@ -188,12 +190,20 @@ def run_serve(args) -> int:
     from server.app import create_app
 
     settings = settings_from_args(args)
-    updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key)) if v is not None}
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
+                                 ("allow_no_key", args.allow_no_key)) if v is not None}
     try:  # validated as config.yaml's values are (a port out of range is an error, not a traceback)
         server = ServerSettings.model_validate({**settings.server.model_dump(), **updates})
     except ValidationError as e:
         first = e.errors()[0]
         raise ConfigError(f"--{'-'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    if not server.loopback:
+        if not server.api_key and not server.allow_no_key:
+            raise ConfigError(f"refusing to listen on {server.host} without an API key: any machine that reaches it "
+                              "could use it. Set --api-key (server.api_key), or --allow-no-key (server.allow_no_key)")
+        logging.getLogger("dflash").warning(
+            "listening on %s:%d: reachable from other machines, %s", server.host, server.port,
+            "API key required" if server.api_key else "WITHOUT an API key (--allow-no-key)")
     settings = settings.model_copy(update={"server": server})
     settings.apply_backend_settings()
     uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port, log_level="info")

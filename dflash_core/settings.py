@@ -22,6 +22,12 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and localhost (the names a loopback-bound server answers to)."""
+    host = host.strip("[]").lower()
+    return host in ("localhost", "::1") or host.endswith(".localhost") or host.startswith("127.")
+
+
 class ServerSettings(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -32,6 +38,15 @@ class ServerSettings(Strict):
     request_timeout: Optional[float] = Field(600.0, gt=0, description="seconds a request may take")
     stored_responses: int = Field(1000, ge=0, description="Responses API: stored responses kept in memory (LRU)")
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+    # Bound to a loopback address, only loopback host names are answered (a web page's DNS
+    # rebinding cannot reach the server); these are accepted too.
+    allowed_hosts: list[str] = Field(default_factory=list)
+    allow_no_key: bool = Field(False, description="listen on a non-loopback address without an api_key")
+    open_metrics: bool = Field(False, description="with an api_key, /metrics answers without it")
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
 
 
 class DefaultSettings(Strict):

@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dflash_core.settings import Settings
+from dflash_core.settings import Settings, is_loopback
 
 from . import chat, messages, responses
 from .errors import APIError, install_error_handlers
@@ -39,7 +39,9 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.dflash = state
     app.add_middleware(InternalErrors)  # first added, so inside the counter and CORS
     if settings.server.api_key:  # before the body is read: a bad key is a 401 whatever the body
-        app.add_middleware(RequireKey, key=settings.server.api_key)
+        app.add_middleware(RequireKey, key=settings.server.api_key, open_metrics=settings.server.open_metrics)
+    if settings.server.loopback:
+        app.add_middleware(LoopbackHosts, extra=settings.server.allowed_hosts)
     # Outside the key check, so an oversized body is refused before anything reads it.
     app.add_middleware(LimitBody, limit=settings.server.max_request_bytes)
     app.add_middleware(CountRequests, counter=state.metrics.requests)
@@ -111,15 +113,22 @@ API_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/me
 
 
 class RequireKey:
-    """The API key on every /v1 path (health and metrics stay open), sent as OpenAI clients do
+    """The API key on every /v1 path, on the API docs (/docs, /redoc, /openapi.json) and on
+    /metrics unless `open_metrics` (/health stays open), sent as OpenAI clients do
     (`Authorization: Bearer <key>`) or as Anthropic's do (`x-api-key: <key>`)."""
 
-    def __init__(self, app, key: str):
+    PROTECTED = ("/docs", "/redoc", "/openapi.json")
+
+    def __init__(self, app, key: str, open_metrics: bool = False):
         self.app, self.key = app, key.encode()
+        self.protected = self.PROTECTED + (() if open_metrics else ("/metrics",))
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith("/v1/") or any(path == p or path.startswith(p + "/") for p in self.protected)
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1/"):
+        if scope["type"] != "http" or not self._guarded(path):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
@@ -129,6 +138,29 @@ class RequireKey:
             error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key> or x-api-key: <key>)",
                              type="authentication_error", code="invalid_api_key")
             return await error.response(path)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class LoopbackHosts:
+    """Bound to loopback, answer only requests whose Host is a loopback name (or one of `extra`):
+    a web page that rebinds its own DNS name to 127.0.0.1 cannot reach a keyless local server."""
+
+    def __init__(self, app, extra=()):
+        self.app, self.extra = app, {h.lower() for h in extra}
+
+    def _allowed(self, host: bytes) -> bool:
+        text = host.decode("latin-1").lower()
+        name = text[1:].partition("]")[0] if text.startswith("[") else text.rpartition(":")[0] if ":" in text else text
+        return is_loopback(name) or name in self.extra or text in self.extra
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        host = dict(scope.get("headers") or []).get(b"host", b"")
+        if not self._allowed(host):
+            error = APIError(421, f"Host {host.decode('latin-1')!r} is not this server's: it listens on a loopback "
+                                  "address (add the name to server.allowed_hosts to accept it)", code="invalid_host")
+            return await error.response(scope.get("path", ""))(scope, receive, send)
         await self.app(scope, receive, send)
 
 

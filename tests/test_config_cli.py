@@ -294,3 +294,10 @@ def test_model_sampling_defaults_are_typed(tmp_path):
     path.write_text(yaml.safe_dump({"models": [{"name": "a", "target": "x", "sampling": {"top_kk": 20}}]}))
     with pytest.raises(ConfigError, match="models.0.sampling.top_kk"):
         load_settings(path)
+
+
+def test_serve_refuses_a_public_address_without_a_key(capsys):
+    from dflash_core.cli import main
+
+    assert main(["serve", "--host", "0.0.0.0", "--target", "nowhere"]) == 2
+    assert "without an API key" in capsys.readouterr().err

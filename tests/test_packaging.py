@@ -303,8 +303,14 @@ def test_cpu_image_install_and_entrypoint_outside_docker(tmp_path, qwen3_pair):
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     env = {**image.env, "HF_HUB_OFFLINE": "1"}
+    model_flags = ["--target", str(target), "--drafter", str(drafter), "--port", str(port)]
+    # The image listens on every interface: without a key it refuses to start, saying why.
+    refused = subprocess.run(entrypoint + model_flags, env=env, cwd=image.workdir, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "without an API key" in refused.stderr, refused.stderr
+    key = {"Authorization": "Bearer sk-docker"}
     with open(log, "w") as out:
-        proc = subprocess.Popen(entrypoint + ["--target", str(target), "--drafter", str(drafter), "--port", str(port)],
+        proc = subprocess.Popen(entrypoint + model_flags + ["--api-key", "sk-docker"],
                                 env=env, cwd=image.workdir, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_healthy(url, proc, log)
@@ -312,8 +318,8 @@ def test_cpu_image_install_and_entrypoint_outside_docker(tmp_path, qwen3_pair):
         health = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=30)
         assert health.returncode == 0, health.stderr
 
-        (model,) = [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
-        response = httpx.post(url + "/v1/completions", timeout=120, json={
+        (model,) = [m["id"] for m in httpx.get(url + "/v1/models", headers=key, timeout=10).json()["data"]]
+        response = httpx.post(url + "/v1/completions", headers=key, timeout=120, json={
             "model": model, "prompt": "The river", "max_tokens": 8, "temperature": 0})
         assert response.status_code == 200, response.text
         body = response.json()
@@ -327,7 +333,8 @@ def test_cpu_image_install_and_entrypoint_outside_docker(tmp_path, qwen3_pair):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert "Uvicorn running on http://0.0.0.0:" in log.read_text()
+    text = log.read_text()
+    assert "Uvicorn running on http://0.0.0.0:" in text and "reachable from other machines, API key required" in text
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the image is Linux: mlx-cuda-13 exists only for Linux")

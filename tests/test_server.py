@@ -16,6 +16,7 @@ from live_server import LiveServer
 from scripted_server import script, scripted_server
 
 KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -109,7 +110,7 @@ def test_models_health_metrics(live, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(live.url + "/health").json()["status"] == "ok"
     client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0)
-    text = httpx.get(live.url + "/metrics").text
+    text = httpx.get(live.url + "/metrics", headers=AUTH).text
     for name in ("dflash_requests_total", "dflash_queue_depth", "dflash_active_requests", "dflash_generated_tokens_total",
                  "dflash_time_to_first_token_seconds_bucket", "dflash_inter_token_latency_seconds_bucket",
                  "dflash_spec_cycles_total", "dflash_spec_draft_tokens_accepted_total", "dflash_prefill_tokens_per_second"):
@@ -143,7 +144,7 @@ def test_disconnect_frees_the_worker(live, client):
     start = time.monotonic()
     out = client.completions.create(model="tiny", prompt="next", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3 and time.monotonic() - start < 5
-    assert 'dflash_cancelled_requests_total{endpoint="completions"} 1.0' in httpx.get(live.url + "/metrics").text
+    assert 'dflash_cancelled_requests_total{endpoint="completions"} 1.0' in httpx.get(live.url + "/metrics", headers=AUTH).text
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -204,7 +205,7 @@ def test_an_unexpected_error_is_a_counted_json_500(live, client, monkeypatch):
     error = _error(_post(live, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES}), 500)
     assert error["type"] == "server_error" and "planted bug" in error["message"]
     monkeypatch.undo()
-    metrics = httpx.get(live.url + "/metrics").text
+    metrics = httpx.get(live.url + "/metrics", headers=AUTH).text
     assert 'dflash_requests_total{endpoint="/v1/chat/completions",status="500"}' in metrics
     _still_serving(live, client)
 
@@ -632,3 +633,30 @@ def test_client_template_arguments_are_refused(live, client):
     _error(_post(live, "/v1/chat/completions", body), 400, "chat_template_kwargs.chat_template")
     ok = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
     assert _post(live, "/v1/chat/completions", ok).status_code == 200
+
+
+def test_metrics_and_docs_need_the_key_health_does_not(live):
+    for path in ("/metrics", "/docs", "/openapi.json", "/redoc"):
+        assert httpx.get(live.url + path).status_code == 401, path
+        assert httpx.get(live.url + path, headers=AUTH).status_code == 200, path
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("host, status", [
+    ("127.0.0.1:8000", 200), ("localhost", 200), ("[::1]:8000", 200), ("app.localhost", 200),
+    ("evil.example:8000", 421), ("192.168.1.5", 421), ("attacker.com", 421),
+], ids=lambda v: str(v))
+def test_a_loopback_server_answers_only_loopback_host_names(live, host, status):
+    """DNS rebinding: a page on attacker.com that resolves to 127.0.0.1 sends Host: attacker.com."""
+    response = httpx.get(live.url + "/v1/models", headers={**AUTH, "Host": host})
+    assert response.status_code == status, response.text
+    if status == 421:
+        assert response.json()["error"]["code"] == "invalid_host"
+
+
+def test_allowed_hosts_extend_the_loopback_names(qwen3_5_pair):
+    settings = Settings(server=ServerSettings(allowed_hosts=["dflash.lan"]),
+                        models=[ModelSettings(name="tiny", target=str(qwen3_5_pair[0]), drafter=None)])
+    with LiveServer(settings) as server:
+        assert httpx.get(server.url + "/health", headers={"Host": "dflash.lan:8000"}).status_code == 200
+        assert httpx.get(server.url + "/health", headers={"Host": "other.lan"}).status_code == 421
