@@ -185,9 +185,8 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     from server.app import create_app
+    from server.process import serve
 
     settings = settings_from_args(args)
     updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
@@ -206,7 +205,7 @@ def run_serve(args) -> int:
             "API key required" if server.api_key else "WITHOUT an API key (--allow-no-key)")
     settings = settings.model_copy(update={"server": server})
     settings.apply_backend_settings()
-    uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port, log_level="info")
+    serve(create_app(settings), settings.server.host, settings.server.port, settings.server.shutdown_timeout)
     return 0
 
 

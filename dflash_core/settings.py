@@ -43,6 +43,7 @@ class ServerSettings(Strict):
     allowed_hosts: list[str] = Field(default_factory=list)
     allow_no_key: bool = Field(False, description="listen on a non-loopback address without an api_key")
     open_metrics: bool = Field(False, description="with an api_key, /metrics answers without it")
+    shutdown_timeout: float = Field(30.0, ge=0, description="seconds running requests may take to finish at SIGTERM")
 
     @property
     def loopback(self) -> bool:

@@ -44,6 +44,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_middleware(LoopbackHosts, extra=settings.server.allowed_hosts)
     # Outside the key check, so an oversized body is refused before anything reads it.
     app.add_middleware(LimitBody, limit=settings.server.max_request_bytes)
+    app.add_middleware(RefuseWhileDraining, state=state)
     app.add_middleware(CountRequests, counter=state.metrics.requests)
     install_error_handlers(app)
     if settings.server.cors_origins:
@@ -52,6 +53,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if state.scheduler.failure:
             return JSONResponse({"status": "error", "error": state.scheduler.failure}, status_code=503)
         if state.pool.loading_errors:
@@ -205,6 +208,20 @@ class LimitBody:
             return await receive()  # after the body: disconnects, as the app expects them
 
         await self.app(scope, replay, send)
+
+
+class RefuseWhileDraining:
+    """During a shutdown's drain (server/process.py) new generations get 503; the rest answers."""
+
+    def __init__(self, app, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.state.draining and scope.get("method") == "POST":
+            error = APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                             headers={"Retry-After": "5"})
+            return await error.response(scope.get("path", ""))(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class InternalErrors:

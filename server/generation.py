@@ -91,6 +91,9 @@ class Run:
                 if isinstance(item, BaseException):
                     if isinstance(item, (RequestError, SamplingError, GrammarError)):  # the engine's own input checks
                         raise APIError(400, str(item)) from item
+                    if isinstance(item, SchedulerStopped):  # shutting down (or the worker died)
+                        raise APIError(503, str(item), type="server_error", code="shutting_down",
+                                       headers={"Retry-After": "5"}) from item
                     raise APIError(500, f"generation failed: {type(item).__name__}: {item}", type="server_error") from item
                 self.stats = item.stats
                 self.generated += item.token_ids

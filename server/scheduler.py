@@ -71,6 +71,20 @@ class Scheduler:
             self._wake.notify()
         self._thread.join(timeout=30)
 
+    def abort(self, reason: str) -> None:
+        """End every queued and running generation now with SchedulerStopped(reason) (a drain
+        past its deadline); the worker frees their caches at its next turn."""
+        with self._wake:
+            jobs = self._active + list(self._waiting)
+        for job in jobs:
+            job.cancel()
+            job._deliver(SchedulerStopped(reason))
+
+    @property
+    def idle(self) -> bool:
+        with self._wake:
+            return not (self._active or self._waiting)
+
     def submit(self, job: Job) -> None:
         with self._wake:
             if self._stopping or self.failure:

@@ -40,6 +40,7 @@ class ServerState:
         self.pool = ModelPool(settings, self.scheduler)
         self.metrics = Metrics(self.scheduler)
         self.responses = ResponseStore(settings.server.stored_responses)
+        self.draining = False  # set at SIGTERM: new requests get 503, running ones finish (server/process.py)
 
 
 @dataclass

@@ -10,6 +10,7 @@ import httpx
 import uvicorn
 
 from server.app import create_app
+from server.process import DrainingServer
 
 
 class RecordRequests:
@@ -47,7 +48,8 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = DrainingServer(config, self.state, settings.server.shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):

@@ -1,0 +1,52 @@
+"""The server process: uvicorn with a graceful drain on SIGTERM / Ctrl-C.
+
+At the first signal the server stops taking work (new requests get 503 in their API's shape,
+/health says "draining") but keeps its connections, so running requests finish. When they have,
+or `server.shutdown_timeout` has passed, what still runs is ended with a 503 error: a stream with
+its API's error event (and `[DONE]` for chat completions), a non-streamed request with a 503 body.
+Then uvicorn shuts down. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import uvicorn
+
+from .serving import ServerState
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, deadline: float):
+        super().__init__(config)
+        self.state, self.deadline = state, deadline
+        self.drained = threading.Event()  # set when the drain handed over to uvicorn's shutdown
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.state.draining:  # the second signal: do not wait
+            return super().handle_exit(sig, frame)
+        self.state.draining = True
+        log.warning("shutting down: finishing running requests (up to %g s), new ones get 503", self.deadline)
+        threading.Thread(target=self._drain, name="dflash-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        scheduler = self.state.scheduler
+        end = time.monotonic() + self.deadline
+        while not scheduler.idle and time.monotonic() < end:
+            time.sleep(0.05)  # polling a thread-owned queue: a shutdown path, not a hot one
+        if not scheduler.idle:
+            log.warning("shutdown deadline passed: ending the requests still running")
+            scheduler.abort("the server is shutting down")
+        # The aborted responses need a moment to be written before connections close.
+        self.config.timeout_graceful_shutdown = 5
+        self.should_exit = True
+        self.drained.set()
+
+
+def serve(app, host: str, port: int, deadline: float) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.dflash, deadline).run()
