@@ -23,6 +23,7 @@ from mlx_lm.utils import load_tokenizer
 
 from agent_clis import ANSWER, CLIS, NOTE, TITLE, generation_requests
 from agent_model import RECEPTIVE, SHAPE, agent_pair
+from dflash_core.loading import load_engine
 from dflash_core.settings import ModelSettings, Settings
 from dflash_core.synthetic import build_target
 from live_server import LiveServer
@@ -112,11 +113,28 @@ def trained(workspace, tmp_path_factory):
     # Same shape, so the same tokenizer and template as the trained target: only those are used.
     host = build_target(tmp_path_factory.mktemp("agent-host"), "gemma3_text", shape=SHAPE)
     tokenizer = load_tokenizer(host)
-    examples, rng = [], random.Random(0)
+    examples, asked, rng = [], [], random.Random(0)
     for cli in CLIS.values():
         for prompt, response in _scripted_run(cli, host, workspace):
+            asked.append((prompt, response))
             examples += [(p, response, RECEPTIVE) for p in _variants(tokenizer, prompt, 6, rng)]
-    return agent_pair(tmp_path_factory.mktemp("agent-model"), examples, steps=3000)
+    # Training checks itself on its own forward; what counts is the product's engine on the very
+    # prompts the CLIs sent, so check there too and train longer if a response is not reproduced.
+    for attempt, min_steps in enumerate((0, 400, 1200)):
+        pair = agent_pair(tmp_path_factory.mktemp("agent-model"), examples, steps=3000, min_steps=min_steps)
+        engine = load_engine(str(pair[0]), None, max_context=262144, prefill_chunk=256)
+        wrong = [tokenizer.decode(r) for p, r in asked if _greedy(engine, p, len(r)) != r]
+        if not wrong:
+            return pair
+    raise AssertionError(f"the trained target does not reproduce {wrong} after {attempt + 1} attempts")
+
+
+def _greedy(engine, prompt: list[int], count: int) -> list[int]:
+    out, stop = [], None
+    for chunk in engine.generate(prompt, max_tokens=count):
+        out += chunk.token_ids
+        stop = chunk.stop_token_id if chunk.finish_reason else stop
+    return out + ([stop] if stop is not None else [])
 
 
 def _decoded_tails(tokenizer, seen) -> list[str]:
