@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .adapters import TargetAdapter
 from .cache import cache_arrays
-from .detokenize import IncrementalDetokenizer
+from .detokenize import IncrementalDetokenizer, TokenBytes
 from .drafter import DFlashDrafter
 from .grammar import CompiledGrammar, Constraint, GrammarSpec, compile_grammar, tokenizer_info
 from .prefix_cache import PrefixCache
@@ -182,10 +182,18 @@ class Engine:
         # Caches keep room to roll back one block in every mode, so snapshots fit every request.
         self.max_rollback = drafter.block_size if drafter is not None else 16
         self._grammar_tokenizer = None
+        self._token_bytes: Any = False  # not looked at yet (None: the tokenizer is not byte-level)
 
     @property
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
+
+    @property
+    def token_bytes(self) -> Optional[TokenBytes]:
+        """Each token's bytes, for byte-level BPE tokenizers (built on first use, then kept)."""
+        if self._token_bytes is False:
+            self._token_bytes = TokenBytes.for_tokenizer(self.tokenizer)
+        return self._token_bytes
 
     @property
     def grammar_tokenizer(self):
@@ -269,7 +277,7 @@ class Engine:
         else:
             steps = self._target_only(prompt, sampler, state, hit, scorer, constraint)
         no_logprobs = None if scorer.k is None else []
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, self.token_bytes)
         produced: list[int] = []  # every token the loop committed, before any cut
         decode_start = None
         try:
