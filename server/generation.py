@@ -241,7 +241,7 @@ class ChatResponder:
     def __init__(self, run: Run, model: str, output: ChatOutput):
         self.run, self.model, self.output = run, model, output
         self.id, self.created = _id("chatcmpl"), int(time.time())
-        self.token_text = TokenText(run.served.engine.tokenizer)
+        self.token_text = TokenText(run.served.engine)
 
     def _chunk(self, delta: dict, finish_reason=None, **extra) -> dict:
         logprobs = chat_logprobs(self.token_text, self.run.take_logprobs())
@@ -300,7 +300,7 @@ class CompletionResponder:
         self.run, self.model, self.matcher = run, model, StopMatcher(stop)
         self.id, self.created = _id("cmpl"), int(time.time())
         self.engine_finish = "stop"
-        self.token_text = TokenText(run.served.engine.tokenizer)
+        self.token_text = TokenText(run.served.engine)
         self.offset = 0  # characters of logprob tokens handed out
 
     def _body(self, text: str, finish_reason=None, **extra) -> dict:

@@ -9,47 +9,28 @@ and are the target's own distribution before sampling settings and grammars (dfl
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional, Sequence
 
 from dflash_core.engine import TokenLogprob
 from dflash_core.prompts import hf_tokenizer
 
 
-@lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's map from the printable characters a byte-level BPE writes to the bytes they stand for."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
 class TokenText:
-    """Token id -> (text, bytes) for one tokenizer."""
+    """Token id -> (text, bytes) for one model."""
 
-    def __init__(self, tokenizer):
-        self.hf = hf_tokenizer(tokenizer)
-        self.added = set(self.hf.get_added_vocab())
+    def __init__(self, engine):
+        self.hf = hf_tokenizer(engine.tokenizer)
+        self.token_bytes = engine.token_bytes  # None unless the tokenizer is byte-level BPE
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
         if token not in self._cache:
-            self._cache[token] = self._text(token)
+            if self.token_bytes is not None:
+                raw = self.token_bytes(token)
+            else:  # SentencePiece pieces and the like: their decoded text is their bytes
+                raw = self.hf.decode([token], skip_special_tokens=False).encode("utf-8")
+            self._cache[token] = (raw.decode("utf-8", errors="replace"), list(raw))
         return self._cache[token]
-
-    def _text(self, token: int) -> tuple[str, list[int]]:
-        piece = self.hf.convert_ids_to_tokens(token)
-        alphabet = _byte_level_alphabet()
-        if isinstance(piece, str) and piece not in self.added and piece and all(c in alphabet for c in piece):
-            raw = bytes(alphabet[c] for c in piece)
-        else:  # added tokens, SentencePiece pieces: their decoded text is their bytes
-            raw = self.hf.decode([token], skip_special_tokens=False).encode("utf-8")
-        return raw.decode("utf-8", errors="replace"), list(raw)
 
 
 def entry(text: TokenText, lp: TokenLogprob) -> dict:

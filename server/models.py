@@ -49,6 +49,7 @@ class ServedModel:
 
 def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache_gb: float = 0.0) -> ServedModel:
     loaded = load_configured(spec, prefill_chunk, int(prefix_cache_gb * 1e9))
+    loaded.engine.token_bytes  # built here, on the worker, not on the event loop at a first request
     hf = hf_tokenizer(loaded.engine.tokenizer)
     vocab = hf.get_vocab()
     markers = markers_for_tokenizer(getattr(hf, "chat_template", None), vocab)

@@ -303,7 +303,7 @@ class ResponsesResponder:
         self.conversation = conversation
         self.builder = ResponseBuilder(names)
         self.id, self.created = _id("resp"), int(time.time())
-        self.token_text = TokenText(run.served.engine.tokenizer)
+        self.token_text = TokenText(run.served.engine)
 
     def _feed(self, delta: Delta) -> list[dict]:
         # Logprobs go with the answer's text: those of the tokens before it (reasoning, markup)
