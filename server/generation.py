@@ -191,6 +191,11 @@ def sse(data: Any) -> dict:
     return {"data": data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}
 
 
+def named_sse(event: dict) -> dict:
+    """An SSE event named by its `type`, as the Responses and Messages APIs stream them."""
+    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
+
+
 # ------------------------------------------------------------------------- chat output
 
 

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 
 from . import chat
 from .errors import APIError, bad_request
-from .generation import HEARTBEAT, ChatOutput, Run
+from .generation import HEARTBEAT, ChatOutput, Run, named_sse
 from .messages_schemas import (
     CountTokensRequest,
     MessagesRequest,
@@ -194,28 +194,28 @@ class MessagesResponder:
                                    "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
 
     async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
-        yield _sse({"type": "message_start", "message": self.message([])})
-        yield _sse({"type": "ping"})
+        yield named_sse({"type": "message_start", "message": self.message([])})
+        yield named_sse({"type": "ping"})
         last_event = time.monotonic()
         try:
             async for delta in self.output.deltas():
                 if delta is HEARTBEAT:
                     if time.monotonic() - last_event >= PING_EVERY:
                         last_event = time.monotonic()
-                        yield _sse({"type": "ping"})
+                        yield named_sse({"type": "ping"})
                     continue
                 for event in self.builder.feed(delta):
                     last_event = time.monotonic()
-                    yield _sse(event)
+                    yield named_sse(event)
         except APIError as e:
-            yield _sse(e.anthropic_body())
+            yield named_sse(e.anthropic_body())
             return
         for event in self.builder.close():
-            yield _sse(event)
+            yield named_sse(event)
         reason, sequence = self.stop()
-        yield _sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+        yield named_sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                     "usage": self.usage(), "dflash": self.run.report()})
-        yield _sse({"type": "message_stop"})
+        yield named_sse({"type": "message_stop"})
 
     async def complete(self) -> dict:
         async for delta in self.output.deltas():
@@ -224,10 +224,6 @@ class MessagesResponder:
         self.builder.close()
         reason, sequence = self.stop()
         return {**self.message(self.builder.blocks, reason, sequence, self.usage()), "dflash": self.run.report()}
-
-
-def _sse(event: dict) -> dict:
-    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
 
 
 def router(state: ServerState) -> APIRouter:

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 
 from . import chat
 from .errors import APIError, bad_request
-from .generation import HEARTBEAT, ChatOutput, Run
+from .generation import HEARTBEAT, ChatOutput, Run, named_sse
 from .logprobs import TokenText, entry
 from .output_text import Delta
 from .responses_schemas import (
@@ -362,23 +362,23 @@ class ResponsesResponder:
 
     async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
         b = self.builder
-        yield _sse(b.event("response.created", response=self.response("in_progress")))
-        yield _sse(b.event("response.in_progress", response=self.response("in_progress")))
+        yield named_sse(b.event("response.created", response=self.response("in_progress")))
+        yield named_sse(b.event("response.in_progress", response=self.response("in_progress")))
         try:
             async for delta in self.output.deltas():
                 if delta is not HEARTBEAT:
                     for event in self._feed(delta):
-                        yield _sse(event)
+                        yield named_sse(event)
         except APIError as e:
             for event in b.close():
-                yield _sse(event)
-            yield _sse(b.event("response.failed", response=self._finish("failed", e)))
+                yield named_sse(event)
+            yield named_sse(b.event("response.failed", response=self._finish("failed", e)))
             return
         for event in b.close():
-            yield _sse(event)
+            yield named_sse(event)
         response = self._finish("completed")
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield _sse(b.event(kind, response=response))
+        yield named_sse(b.event(kind, response=response))
 
     async def complete(self) -> dict:
         async for delta in self.output.deltas():
@@ -386,10 +386,6 @@ class ResponsesResponder:
                 self._feed(delta)
         self.builder.close()
         return self._finish("completed")
-
-
-def _sse(event: dict) -> dict:
-    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
 
 
 # ------------------------------------------------------------------------------ routes

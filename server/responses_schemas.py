@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from .schemas import StrictModel
+from .schemas import StopField, StrictModel
 
 
 class InputText(StrictModel):
@@ -182,7 +182,7 @@ class ResponsesRequest(StrictModel):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    stop: StopField = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -224,11 +224,4 @@ class ResponsesRequest(StrictModel):
         for name in value or ():
             if name not in INCLUDABLE:
                 raise ValueError(f"include value {name!r} is not supported")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _at_most_four(cls, value):
-        if isinstance(value, list) and len(value) > 4:
-            raise ValueError("at most 4 stop sequences")
         return value

@@ -6,9 +6,9 @@ with the value that changes nothing (`n: 1`, `echo: false`, ...): see `NEUTRAL_O
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 
 class StrictModel(BaseModel):
@@ -108,7 +108,13 @@ class ChatTemplateKwargs(StrictModel):
     enable_thinking: Optional[bool] = None
 
 
-StopField = Union[str, list[str], None]
+def _at_most_four(value):
+    if isinstance(value, list) and len(value) > 4:
+        raise ValueError("at most 4 stop sequences")
+    return value
+
+
+StopField = Annotated[Union[str, list[str], None], AfterValidator(_at_most_four)]
 
 
 class SamplingFields(StrictModel):
@@ -129,13 +135,6 @@ class SamplingFields(StrictModel):
     user: Optional[str] = None
     # Accepted only with their neutral value (see NEUTRAL_ONLY).
     n: Optional[int] = None
-
-    @field_validator("stop")
-    @classmethod
-    def _at_most_four(cls, value):
-        if isinstance(value, list) and len(value) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return value
 
 
 class ChatCompletionRequest(SamplingFields):

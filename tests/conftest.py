@@ -4,6 +4,7 @@ import os
 
 import mlx.core as mx
 import pytest
+from families import ENGINE_FAMILIES
 
 from dflash_core.synthetic import tiny_pair
 
@@ -43,6 +44,18 @@ def gemma4_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gemma3_pair(tmp_path_factory):
     return _pair(tmp_path_factory, "gemma3_text")
+
+
+@pytest.fixture(scope="module")
+def engines(request):
+    """family -> an Engine over that family's tiny pair, prefilling in 16-token chunks."""
+    from dflash_core.loading import load_engine
+
+    loaded = {}
+    for family in ENGINE_FAMILIES:
+        target, drafter = request.getfixturevalue(f"{family}_pair")
+        loaded[family] = load_engine(str(target), str(drafter), prefill_chunk=16)
+    return loaded
 
 
 @pytest.fixture

@@ -13,15 +13,22 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from dflash_core.engine import Engine, RequestError
-from dflash_core.grammar import Constraint, GrammarError, GrammarSpec, compile_grammar, tokenizer_info
-from dflash_core.loading import load_engine
-from dflash_core.prompts import hf_tokenizer
-from dflash_core.sampling import Sampler, SamplingParams
+from families import ENGINE_FAMILIES
+from families import sample_prompt as _prompt
 from forced import ForcedDrafter
 
-FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
+from dflash_core.engine import Engine, RequestError
+from dflash_core.grammar import (
+    Constraint,
+    GrammarError,
+    GrammarSpec,
+    compile_grammar,
+    tokenizer_info,
+)
+from dflash_core.prompts import hf_tokenizer
+from dflash_core.sampling import Sampler, SamplingParams
+
+FAMILIES = ENGINE_FAMILIES
 MODES = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, seed=5)}
 # As tests/test_lossless.py: every acceptance length 0..15, short and long ones side by side.
 SCHEDULE = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8, 15, 15, 0, 0]
@@ -48,19 +55,6 @@ GRAMMARS = {
     "json_schema": GrammarSpec("json_schema", PERSON),
     "regex": GrammarSpec("regex", WORDS),
 }
-
-
-@pytest.fixture(scope="module")
-def engines(request):
-    loaded = {}
-    for family in FAMILIES:
-        target, drafter = request.getfixturevalue(f"{family}_pair")
-        loaded[family] = load_engine(str(target), str(drafter), prefill_chunk=16)
-    return loaded
-
-
-def _prompt(engine: Engine) -> list[int]:
-    return engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. def f(x): return x * 2")
 
 
 def _run(engine: Engine, prompt, max_tokens, **kwargs):

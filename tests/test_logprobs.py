@@ -8,32 +8,20 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from dflash_core.engine import Engine, RequestError
-from dflash_core.loading import load_engine
-from dflash_core.sampling import SamplingParams
+from families import ENGINE_FAMILIES
+from families import sample_prompt as _prompt
 from forced import ForcedDrafter
 
-FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
+from dflash_core.engine import Engine, RequestError
+from dflash_core.sampling import SamplingParams
+
+FAMILIES = ENGINE_FAMILIES
 MODES = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, seed=11)}
 N_TOKENS = 256  # room for every acceptance length of the forced schedule
 N_REAL = 48  # the random drafters accept almost nothing: every token is a cycle
 K = 5
 # As tests/test_lossless.py: every acceptance length 0..15, short and long ones side by side.
 SCHEDULE = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8, 15, 15, 0, 0]
-
-
-@pytest.fixture(scope="module")
-def engines(request):
-    loaded = {}
-    for family in FAMILIES:
-        target, drafter = request.getfixturevalue(f"{family}_pair")
-        loaded[family] = load_engine(str(target), str(drafter), prefill_chunk=16)
-    return loaded
-
-
-def _prompt(engine: Engine) -> list[int]:
-    return engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. def f(x): return x * 2")
 
 
 def _run(engine: Engine, prompt, max_tokens, **kwargs):

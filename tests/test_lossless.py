@@ -10,28 +10,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from families import ENGINE_FAMILIES
+from families import sample_prompt as _prompt
+from forced import ForcedDrafter
 
 from dflash_core.engine import Engine, RequestError
 from dflash_core.kernels import attention as block_attention
 from dflash_core.kernels import matmul as small_m
 from dflash_core.loading import load_engine
-from forced import ForcedDrafter
 
-FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
+FAMILIES = ENGINE_FAMILIES
 N_TOKENS = 256
-
-
-@pytest.fixture(scope="module")
-def engines(request):
-    loaded = {}
-    for family in FAMILIES:
-        target, drafter = request.getfixturevalue(f"{family}_pair")
-        loaded[family] = load_engine(str(target), str(drafter), prefill_chunk=16)
-    return loaded
-
-
-def _prompt(engine: Engine) -> list[int]:
-    return engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. def f(x): return x * 2")
 
 
 def _run(engine: Engine, prompt, max_tokens=N_TOKENS, **kwargs):
