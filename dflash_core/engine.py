@@ -19,7 +19,8 @@ from .adapters import TargetAdapter
 from .cache import cache_arrays
 from .detokenize import IncrementalDetokenizer, TokenBytes
 from .drafter import DFlashDrafter
-from .grammar import CompiledGrammar, Constraint, GrammarSpec, compile_grammar, tokenizer_info
+from .grammar import (AllConstraints, CompiledGrammar, Constraint, GrammarSpec, ReasoningBudget, compile_grammar,
+                      tokenizer_info)
 from .prefix_cache import PrefixCache
 from .prompts import hf_tokenizer
 from .sampling import Sampler, SamplingParams
@@ -213,6 +214,7 @@ class Engine:
         stop_token_ids: Optional[set[int]] = None,
         logprobs: Optional[int] = None,
         grammar: Union[GrammarSpec, CompiledGrammar, None] = None,
+        reasoning_budget: Optional[tuple[int, int]] = None,
     ) -> Iterator[GenerationChunk]:
         """Stream the generation of up to `max_tokens` tokens after `prompt_tokens`.
 
@@ -225,6 +227,8 @@ class Engine:
         what `grammar.compile_grammar(spec, engine.grammar_tokenizer)` made of one, to validate it
         before queuing. The output ends with a stop token once the grammar is complete, or right
         there if the request has no stop tokens (finish "stop", no stop_token_id).
+        `reasoning_budget`: (end token, n) for a prompt that opened a reasoning block: the block
+        ends within n tokens, its end token forced then (grammar.ReasoningBudget).
         """
         if not prompt_tokens:
             raise RequestError("the prompt is empty")
@@ -258,6 +262,9 @@ class Engine:
             elif grammar.tokenizer.vocab_size < vocab:
                 raise RequestError(f"the grammar was compiled for a vocabulary of {grammar.tokenizer.vocab_size} tokens, not {vocab}")
             constraint = Constraint(grammar, vocab, eos)
+        if reasoning_budget is not None:
+            limit = ReasoningBudget(*reasoning_budget, vocab)
+            constraint = limit if constraint is None else AllConstraints([constraint, limit])
         scorer = LogprobScorer(logprobs, vocab)
         return self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint)
 

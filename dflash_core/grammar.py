@@ -142,3 +142,56 @@ class Constraint:
     def _check(self) -> None:
         if self.matcher.is_error():
             raise GrammarError(f"grammar error: {self.matcher.get_error()}")
+
+
+class ReasoningBudget:
+    """The reasoning block the prompt opened ends within `budget` tokens: once it holds that
+    many, its end token is the only one allowed. Masks like a `Constraint` (row i after drafts[:i]),
+    so speculative and target-alone decoding force it at the same position."""
+
+    end = None  # it never ends the output itself
+
+    def __init__(self, end_token: int, budget: int, vocab_size: int):
+        self.end_token, self.budget, self.vocab_size = end_token, budget, vocab_size
+        self.open, self.count = True, 0  # whether the block is still open, tokens in it so far
+
+    def masks(self, drafts: Sequence[int] = ()) -> mx.array:
+        rows = np.ones((1 + len(drafts), self.vocab_size), dtype=bool)
+        is_open, count = self.open, self.count
+        for i in range(len(rows)):
+            if is_open and count >= self.budget:
+                rows[i] = False
+                rows[i, self.end_token] = True
+            if i < len(drafts):
+                is_open, count = (False, count) if drafts[i] == self.end_token else (is_open, count + is_open)
+        return mx.array(rows)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            if not self.open:
+                return
+            if token == self.end_token:
+                self.open = False
+            else:
+                self.count += 1
+
+
+class AllConstraints:
+    """Several constraints at once: a token is allowed where every one allows it."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    @property
+    def end(self) -> Optional[int]:
+        return next((p.end for p in self.parts if p.end is not None), None)
+
+    def masks(self, drafts: Sequence[int] = ()) -> mx.array:
+        out = self.parts[0].masks(drafts)
+        for part in self.parts[1:]:
+            out = out & part.masks(drafts)
+        return out
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        for part in self.parts:
+            part.commit(tokens)

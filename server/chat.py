@@ -26,6 +26,7 @@ class Prompt:
     forced_output: str = ""  # an opening the server wrote for the model (forced tool calls)
     markers: Markers = PLAIN  # how the output marks reasoning and tool calls (chat only)
     grammar: Optional[GrammarSpec] = None  # what the output must match (structured output)
+    reasoning_budget: Optional[tuple[int, int]] = None  # (end-of-reasoning token, most tokens before it)
 
 
 def _surrogate_at(value, path: str = "") -> Optional[str]:
@@ -106,7 +107,8 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
     tokens = encode_rendered(tokenizer, text + opening)
     in_reasoning = prompt_starts_in_reasoning(text + opening, markers)
     return Prompt(text + opening, tokens, starts_in_reasoning=in_reasoning, forced_output=opening, markers=markers,
-                  grammar=output_grammar(request, tokenizer, markers, opening, in_reasoning, shown_tools or tools))
+                  grammar=output_grammar(request, tokenizer, markers, opening, in_reasoning, shown_tools or tools),
+                  reasoning_budget=reasoning_budget(request, tokenizer, markers, in_reasoning))
 
 
 def output_grammar(request: ChatCompletionRequest, tokenizer, markers: Markers, opening: str, in_reasoning: bool,
@@ -121,6 +123,16 @@ def output_grammar(request: ChatCompletionRequest, tokenizer, markers: Markers, 
     if answer is not None and (calls is not None or opening):
         raise bad_request("response_format cannot be combined with strict or forced tool calls", param="response_format")
     return answer or calls
+
+
+def reasoning_budget(request: ChatCompletionRequest, tokenizer, markers: Markers,
+                     in_reasoning: bool) -> Optional[tuple[int, int]]:
+    """(end-of-reasoning token, max_reasoning_tokens) when the prompt opened a reasoning block
+    whose end marker is one token; None otherwise (no budget asked, or nothing to bound)."""
+    if request.max_reasoning_tokens is None or not in_reasoning:
+        return None
+    end = hf_tokenizer(tokenizer).get_added_vocab().get(markers.reasoning_end or "")
+    return None if end is None else (end, request.max_reasoning_tokens)
 
 
 def completion_prompt(request: CompletionRequest, tokenizer, vocab_size: int) -> Prompt:

@@ -60,6 +60,7 @@ class Run:
                 stop_token_ids=self.stop_token_ids,
                 logprobs=self.logprobs,
                 grammar=self.grammar,
+                reasoning_budget=self.prompt.reasoning_budget,
             ),
             loop=asyncio.get_running_loop(),
         )

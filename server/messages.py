@@ -106,6 +106,7 @@ def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
         "parallel_tool_calls": False if body.tool_choice and body.tool_choice.disable_parallel_tool_use else None,
         "max_tokens": max_tokens, "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
         "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None,
+        "max_reasoning_tokens": body.thinking.budget_tokens if body.thinking and body.thinking.type == "enabled" else None,
     }
     if isinstance(body, MessagesRequest):
         request.update(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,

@@ -102,7 +102,7 @@ class ToolChoice(StrictModel):
 
 class Thinking(StrictModel):
     type: Literal["enabled", "disabled", "adaptive"]
-    # max_tokens bounds thinking and answer together; the budget is not enforced separately.
+    # enabled: the thinking ends within this many tokens (its end marker forced then).
     budget_tokens: Optional[int] = Field(default=None, ge=1)
     display: Optional[Literal["summarized", "omitted"]] = None
 

@@ -146,6 +146,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None  # false: the output ends with its first call
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
+    # dflash's extension (Messages' thinking.budget_tokens maps to it): the reasoning block the
+    # prompt opens ends within this many tokens, its end marker forced then (masked, lossless).
+    max_reasoning_tokens: Optional[int] = Field(default=None, ge=1)
     response_format: Optional[ResponseFormat] = None
     store: Optional[bool] = None
 

@@ -160,3 +160,26 @@ def test_logprobs_stop_with_the_stop_string(qwen3_5_pair):
                 entries, usage = out.choices[0].logprobs.content, out.usage
             assert len(entries) == usage.completion_tokens
             assert "STOP" in "".join(e.token for e in entries) and "three" not in "".join(e.token for e in entries)
+
+
+def test_a_thinking_budget_ends_the_reasoning(live):
+    if live.family != "qwen3_5":
+        pytest.skip("Gemma 4 opens its reasoning channel itself: the budget applies to a block the prompt opens")
+    end = live.state.pool._served["spec"].engine.tokenizer._tokenizer.get_added_vocab()["</think>"]
+    no_end = {str(end): -100}  # left alone, the random model would not close its reasoning
+
+    def tokens(**extra):
+        spec, alone = _both(live, max_tokens=30, temperature=0, logprobs=True, logit_bias=no_end, extra_body=extra)
+        assert _lp(spec.choices[0]) == _lp(alone.choices[0])
+        ids = [e.bytes for e in spec.choices[0].logprobs.content]
+        return ids, spec.choices[0].message
+
+    free, _ = tokens()
+    assert list(b"</think>") not in free
+    bounded, message = tokens(max_reasoning_tokens=6)
+    assert bounded[6] == list(b"</think>")  # the end forced right after 6 tokens, despite the bias
+    assert message.model_extra["reasoning_content"] and message.content is not None
+    client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+    out = [client.messages.create(model=m, max_tokens=30, messages=MESSAGES, extra_body={"temperature": 0},
+                                  thinking={"type": "enabled", "budget_tokens": 6}) for m in ("spec", "alone")]
+    assert [b.model_dump() for b in out[0].content] == [b.model_dump() for b in out[1].content]
