@@ -34,7 +34,7 @@ from .responses_schemas import (
     ReasoningItem,
     ResponsesRequest,
 )
-from .schemas import ChatCompletionRequest
+from .schemas import ChatCompletionRequest, Sampling
 from .serving import ServerState, respond, start_chat
 
 log = logging.getLogger(__name__)
@@ -155,10 +155,8 @@ def to_chat(body: ResponsesRequest, history: list[dict], names: ToolNames) -> tu
     request = {
         "model": body.model, "messages": messages, "tools": names.functions or None, "tool_choice": choice,
         "parallel_tool_calls": body.parallel_tool_calls,
-        "max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
-        "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed, "stop": body.stop,
-        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty, "chat_template_kwargs": template or None,
+        **{name: getattr(body, name) for name in Sampling.model_fields},
+        "max_tokens": body.max_output_tokens, "chat_template_kwargs": template or None,
         "response_format": _response_format(body), "user": body.user or body.safety_identifier,
         "logprobs": logprobs or None, "top_logprobs": body.top_logprobs if logprobs else None,
     }

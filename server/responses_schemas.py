@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from .schemas import StopField, StrictModel
+from .schemas import Sampling, StrictModel
 
 
 class InputText(StrictModel):
@@ -169,7 +169,7 @@ INCLUDABLE = {
 }
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(Sampling):
     model: str
     input: Union[str, list[InputItem]] = Field(default_factory=list)
     instructions: Optional[str] = None
@@ -177,15 +177,6 @@ class ResponsesRequest(StrictModel):
     tool_choice: Union[Literal["none", "auto", "required"], NamedTool, None] = None
     parallel_tool_calls: Optional[bool] = None  # false: the output ends with its first call
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop: StopField = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
     reasoning: Optional[ReasoningConfig] = None
     text: Optional[TextConfig] = None
     store: Optional[bool] = None  # default true, as OpenAI's: kept in a bounded in-memory store

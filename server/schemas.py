@@ -117,9 +117,9 @@ def _at_most_four(value):
 StopField = Annotated[Union[str, list[str], None], AfterValidator(_at_most_four)]
 
 
-class SamplingFields(StrictModel):
-    model: str
-    max_tokens: Optional[int] = Field(default=None, ge=1)
+class Sampling(StrictModel):
+    """The sampling fields the OpenAI surfaces share (chat, completions, Responses)."""
+
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -129,6 +129,11 @@ class SamplingFields(StrictModel):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+
+
+class SamplingFields(Sampling):
+    model: str
+    max_tokens: Optional[int] = Field(default=None, ge=1)
     logit_bias: Optional[dict[str, float]] = None
     stream: Optional[bool] = False  # null means false, as in OpenAI's API
     stream_options: Optional[StreamOptions] = None
