@@ -9,6 +9,8 @@ behind the next query and is masked out.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 
 
@@ -103,11 +105,11 @@ def cache_arrays(cache: list) -> list[mx.array]:
 
 # ------------------------------------------------------------------ snapshots for prefix reuse
 #
-# A frozen cache holds arrays nobody writes to: KV buffers are copied to their used length, and
-# arrays that caches replace rather than write into (GatedDeltaNet states, a ring buffer whose
-# next write will copy because the snapshot still references it) are kept by reference. Thawing
-# builds new cache objects around new array objects, so requests sharing a snapshot never write
-# into each other's, or the snapshot's, arrays.
+# A frozen cache holds copies nobody writes to, each in a buffer of its own (so that what it
+# holds is what it counts): KV buffers cut to their used length, GatedDeltaNet states, rings.
+# Thawing builds new cache objects around new array objects, so requests sharing a snapshot
+# never write into each other's, or the snapshot's, arrays (MLX's slice updates copy a buffer
+# that something else still references).
 
 
 def freeze(cache: list) -> list:
@@ -118,17 +120,23 @@ def freeze(cache: list) -> list:
         if c is None:
             frozen.append(None)
         elif isinstance(c, SlidingWindowCache):
-            frozen.append(("ring", c.window, c.slack, c.offset, c.keys[...] if c.keys is not None else None,
-                           c.values[...] if c.values is not None else None))
+            frozen.append(("ring", c.window, c.slack, c.offset, _owned(c.keys), _owned(c.values)))
         elif isinstance(c, ArraysCache):
-            frozen.append(("arrays", list(c.cache)))
+            frozen.append(("arrays", [_owned(a) for a in c.cache]))
         elif isinstance(c, KVCache):
-            keys = None if c.keys is None else mx.contiguous(c.keys[..., : c.offset, :])
-            values = None if c.values is None else mx.contiguous(c.values[..., : c.offset, :])
+            keys = None if c.keys is None else _owned(c.keys[..., : c.offset, :])
+            values = None if c.values is None else _owned(c.values[..., : c.offset, :])
             frozen.append(("kv", c.offset, keys, values))
         else:
             raise TypeError(f"cannot snapshot a {type(c).__name__}")
     return frozen
+
+
+def _owned(array: Optional[mx.array]) -> Optional[mx.array]:
+    """A copy of `array` in a buffer of its own (lazy, so the caller can measure it). A slice (a
+    KV buffer's used part, a GatedDeltaNet conv window cut from a whole chunk's input) is a view
+    that keeps its parent buffer alive; `mx.contiguous` may return such a view as it is."""
+    return None if array is None else mx.array(array)
 
 
 def thaw(frozen: list) -> list:

@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,7 +17,7 @@ from .adapters import TargetAdapter, adapter_for
 from .drafter import DFlashDrafter, load_drafter
 from .engine import Engine
 from .hub import DRAFTER_FILES, TARGET_FILES, resolve
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, SnapshotBudget
 from .registry import find_pair
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,10 @@ def load_model(
     block_size: Optional[int] = None,
     dtype: Optional[str] = None,
     quantize_bits: Optional[int] = None,
-    prefix_cache_bytes: int = 0,
+    prefix_cache: Union[int, SnapshotBudget] = 0,
 ) -> LoadedModel:
+    """`prefix_cache`: a byte budget of its own (0: no prefix cache) or a budget shared with other
+    models' caches."""
     drafter, drafter_revision, off_reason = choose_drafter(target, drafter, drafter_revision)
     target_path = resolve(target, target_revision, files=TARGET_FILES)
     adapter, tokenizer, config = load_target(target_path, dtype=dtype, quantize_bits=quantize_bits)
@@ -172,12 +174,16 @@ def load_model(
         prefill_chunk=prefill_chunk,
         max_context=max_context or max_position_embeddings(config),
         drafter_off_reason=off_reason,
-        prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None,
+        prefix_cache=PrefixCache(prefix_cache) if _budget_bytes(prefix_cache) > 0 else None,
     )
     return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
 
 
-def load_configured(spec, prefill_chunk: int = 2048, prefix_cache_bytes: int = 0) -> LoadedModel:
+def _budget_bytes(budget: Union[int, SnapshotBudget]) -> int:
+    return budget.budget_bytes if isinstance(budget, SnapshotBudget) else budget
+
+
+def load_configured(spec, prefill_chunk: int = 2048, prefix_cache: Union[int, SnapshotBudget] = 0) -> LoadedModel:
     """Load a `settings.ModelSettings` entry."""
     return load_model(
         spec.target,
@@ -189,7 +195,7 @@ def load_configured(spec, prefill_chunk: int = 2048, prefix_cache_bytes: int = 0
         block_size=spec.block_size,
         dtype=spec.dtype,
         quantize_bits=spec.quantize_bits,
-        prefix_cache_bytes=prefix_cache_bytes,
+        prefix_cache=prefix_cache,
     )
 
 

@@ -8,7 +8,11 @@ boundaries), at the end of each prompt (with its last logits, for exact repeats)
 of a generation. A new request restores the longest snapshot that is a prefix of its prompt and
 computes only the rest.
 
-Memory is accounted from the real array sizes against a byte budget, least recently used first.
+Memory: a snapshot holds copies in buffers of their own (`cache.freeze`), and books what the
+allocator really gave them (MLX's active memory before and after the copies; a small array may
+get a larger cached buffer), so the budget bounds the memory the process holds. One
+`SnapshotBudget` can be shared by the caches of several models (a server's models share one
+budget); the least recently used snapshot of any of them goes first.
 When a request that restored a snapshot stores a longer one extending it, the restored one is
 pruned: its conversation has moved on. The first message boundary of a prompt (typically the
 system prompt, shared by many conversations) is exempt and leaves only by LRU eviction.
@@ -18,11 +22,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .cache import freeze, frozen_arrays, thaw
+from .cache import cache_arrays, freeze, frozen_arrays, thaw
 
 
 @dataclass(eq=False)  # compared by identity: fields hold arrays
@@ -32,7 +36,7 @@ class Snapshot:
     context: Optional[list]  # the drafter's context K/V; None when taken without a drafter
     logits: Optional[mx.array] = None  # [V] logits after the last token, for a prompt repeated exactly
     shared: bool = False  # a first message boundary: kept when a conversation moves past it
-    nbytes: int = 0
+    nbytes: int = 0  # the memory its arrays hold, as the allocator counts it
     last_used: float = field(default_factory=time.monotonic)
 
     def restore(self) -> tuple[list, Optional[list]]:
@@ -46,11 +50,47 @@ class PrefixCacheStats:
     reused_tokens: int = 0
 
 
-class PrefixCache:
+class SnapshotBudget:
+    """A byte budget for the snapshots of one or more prefix caches."""
+
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
+        self.caches: list[PrefixCache] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def make_room(self, nbytes: int = 0) -> None:
+        """Evict least recently used snapshots, of any cache, until `nbytes` more fit."""
+        while self.nbytes + nbytes > self.budget_bytes:
+            owned = [(s, c) for c in self.caches for s in c.snapshots]
+            if not owned:
+                return
+            snapshot, cache = min(owned, key=lambda sc: sc[0].last_used)
+            cache.snapshots.remove(snapshot)
+
+
+def allocated(arrays: list[mx.array]) -> int:
+    """Evaluate `arrays` and return the memory the allocator handed out for them. The device is
+    idle first (a generation's queued step may be running), so the difference is these alone;
+    their inputs must already be evaluated."""
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.eval(arrays)
+    return mx.get_active_memory() - before
+
+
+class PrefixCache:
+    def __init__(self, budget: Union[int, SnapshotBudget]):
+        self.budget = budget if isinstance(budget, SnapshotBudget) else SnapshotBudget(budget)
+        self.budget.caches.append(self)
         self.snapshots: list[Snapshot] = []
         self.stats = PrefixCacheStats()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget.budget_bytes
 
     @property
     def nbytes(self) -> int:
@@ -87,22 +127,26 @@ class PrefixCache:
             existing.last_used = time.monotonic()
             existing.shared = existing.shared or shared
             if logits is not None and existing.logits is None:
-                existing.logits = logits
-                existing.nbytes += logits.nbytes
+                mx.eval(logits)
+                existing.logits = mx.array(logits)  # a copy: `logits` may be a view of a larger row
+                existing.nbytes += max(logits.nbytes, allocated([existing.logits]))
         else:
+            # The copies' sources are evaluated first, so measuring the copies counts only them.
+            mx.eval(cache_arrays(target), cache_arrays(context or []), logits if logits is not None else [])
             frozen_target = freeze(target)
             frozen_context = freeze(context) if context is not None else None
             arrays = frozen_arrays(frozen_target) + (frozen_arrays(frozen_context) if frozen_context else [])
             if logits is not None:
+                logits = mx.array(logits)
                 arrays.append(logits)
             # Sizes are known before anything is copied: decide first, copy only what is kept.
-            nbytes = sum(a.nbytes for a in arrays)
-            if nbytes > self.budget_bytes:
+            nominal = sum(a.nbytes for a in arrays)
+            if nominal > self.budget_bytes:
                 return
             if existing is not None:  # a snapshot without drafter context is superseded
                 self.snapshots.remove(existing)
-            self._evict(room_for=nbytes)
-            mx.eval(arrays)
+            self.budget.make_room(nominal)
+            nbytes = max(nominal, allocated(arrays))
             self.snapshots.append(Snapshot(tokens, frozen_target, frozen_context, logits, shared, nbytes))
         if (
             extends is not None
@@ -112,11 +156,13 @@ class PrefixCache:
             and tokens[: len(extends.tokens)] == extends.tokens
         ):
             self.snapshots.remove(extends)
-        self._evict()
-
-    def _evict(self, room_for: int = 0) -> None:
-        while self.snapshots and self.nbytes + room_for > self.budget_bytes:
-            self.snapshots.remove(min(self.snapshots, key=lambda s: s.last_used))
+        self.budget.make_room()
 
     def clear(self) -> None:
         self.snapshots.clear()
+
+    def close(self) -> None:
+        """Leave the shared budget (the model is unloaded); its snapshots go with it."""
+        self.clear()
+        if self in self.budget.caches:
+            self.budget.caches.remove(self)

@@ -100,7 +100,7 @@ class Settings(Strict):
     default_model: Optional[str] = None
     memory_budget_gb: Optional[float] = Field(None, gt=0, description="unload least recently used models above this")
     prefill_chunk: int = Field(2048, ge=16)
-    prefix_cache_gb: float = Field(2.0, ge=0, description="per model, for reusing prompt prefixes; 0 disables")
+    prefix_cache_gb: float = Field(2.0, ge=0, description="for reusing prompt prefixes, one budget shared by all models; 0 disables")
     cuda_graphs: Optional[bool] = Field(
         None, description="MLX's CUDA graphs; null: off when a drafter is configured (see docs/performance.md)")
 

@@ -12,12 +12,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 
 from dflash_core.hub import DRAFTER_FILES, TARGET_FILES, resolve
 from dflash_core.loading import LoadedModel, choose_drafter, load_configured
+from dflash_core.prefix_cache import SnapshotBudget
 from dflash_core.prompts import hf_tokenizer
 from dflash_core.settings import ModelSettings, Settings
 
@@ -47,8 +48,8 @@ class ServedModel:
         return self.settings.name
 
 
-def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache_gb: float = 0.0) -> ServedModel:
-    loaded = load_configured(spec, prefill_chunk, int(prefix_cache_gb * 1e9))
+def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache: Union[int, SnapshotBudget] = 0) -> ServedModel:
+    loaded = load_configured(spec, prefill_chunk, prefix_cache)
     loaded.engine.token_bytes  # built here, on the worker, not on the event loop at a first request
     hf = hf_tokenizer(loaded.engine.tokenizer)
     vocab = hf.get_vocab()
@@ -74,6 +75,8 @@ class ModelPool:
         self._load_lock = asyncio.Lock()
         self._use_lock = threading.Lock()  # in_use counts and unloading, across the two threads
         self.loading_errors: dict[str, str] = {}
+        # One prefix-cache budget for every model this server holds.
+        self.snapshots = SnapshotBudget(int(settings.prefix_cache_gb * 1e9))
         self.ready = False
 
     def names(self) -> list[str]:
@@ -134,7 +137,7 @@ class ModelPool:
         if budget is not None:
             self._make_room(int(budget * 1e9) - size)
         log.info("loading model %s (target %s, drafter %s)", spec.name, spec.target, spec.drafter)
-        served = load_served(spec, self.settings.prefill_chunk, self.settings.prefix_cache_gb)
+        served = load_served(spec, self.settings.prefill_chunk, self.snapshots)
         with self._use_lock:
             self._served[spec.name] = served
             self._acquire(served)
@@ -150,6 +153,8 @@ class ModelPool:
                 victim = min(idle, key=lambda m: m.last_used)
                 log.info("unloading %s (least recently used) to stay within the memory budget", victim.name)
                 del self._served[victim.name]
+                if victim.engine.prefix_cache is not None:  # its snapshots leave the budget with it
+                    victim.engine.prefix_cache.close()
         mx.clear_cache()
 
     def _acquire_loaded(self, name: str) -> Optional[ServedModel]:
