@@ -21,6 +21,7 @@ from .detokenize import IncrementalDetokenizer, TokenBytes
 from .drafter import DFlashDrafter
 from .grammar import (AllConstraints, CompiledGrammar, Constraint, GrammarSpec, ReasoningBudget, compile_grammar,
                       tokenizer_info)
+from .prefill import ChunkPacer, chunk_ends
 from .prefix_cache import PrefixCache
 from .prompts import hf_tokenizer
 from .sampling import Sampler, SamplingParams
@@ -168,6 +169,7 @@ class Engine:
         drafter: Optional[DFlashDrafter] = None,
         *,
         prefill_chunk: int = 2048,
+        prefill_seconds: Optional[float] = None,
         max_context: Optional[int] = None,
         drafter_off_reason: Optional[str] = None,
         prefix_cache: Optional[PrefixCache] = None,
@@ -176,6 +178,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.prefill_chunk = prefill_chunk
+        # Paced prefill: chunks of up to prefill_chunk tokens, each sized to take prefill_seconds.
+        self.prefill_pacer = ChunkPacer(prefill_seconds, prefill_chunk) if prefill_seconds else None
         self.max_context = max_context
         # Why there is no drafter, reported with every generation that runs without one.
         self.drafter_off_reason = drafter_off_reason or "no drafter configured"
@@ -355,18 +359,21 @@ class Engine:
         if start == len(prompt):  # the whole prompt was cached, with its logits
             return hit.logits[None]
         boundaries, first = self._snapshot_points(prompt, start)
-        stops = sorted(set(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk)) | set(boundaries))
         tokens = mx.array(prompt, dtype=mx.int32)[None]
         begin = start
-        for end in stops + [len(prompt)]:
+        for end in chunk_ends(start, len(prompt), boundaries, self.prefill_chunk, self.prefill_pacer):
+            began = time.perf_counter()
             out = self.target.forward(tokens[:, begin:end], state.cache, tap_ids, last_logits_only=True)
             if state.context is not None:
                 self.drafter.add_context(out.taps, state.context)
             state.fed += prompt[begin:end]
+            if end < len(prompt):
+                mx.eval(out.logits, cache_arrays(state.cache))  # bound the graph and the memory of one chunk
+                if self.prefill_pacer is not None:
+                    self.prefill_pacer.record(end - begin, time.perf_counter() - began)
             if end in boundaries:
                 self.prefix_cache.insert(state.fed, state.cache, state.context, shared=end == first, extends=hit)
             if end < len(prompt):
-                mx.eval(out.logits, cache_arrays(state.cache))  # bound the graph and the memory of one chunk
                 yield [], None
             begin = end
         logits = out.logits[0]

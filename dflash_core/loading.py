@@ -150,6 +150,7 @@ def load_model(
     target_revision: Optional[str] = None,
     drafter_revision: Optional[str] = None,
     prefill_chunk: int = 2048,
+    prefill_seconds: Optional[float] = None,
     max_context: Optional[int] = None,
     block_size: Optional[int] = None,
     dtype: Optional[str] = None,
@@ -172,6 +173,7 @@ def load_model(
         tokenizer,
         draft_model,
         prefill_chunk=prefill_chunk,
+        prefill_seconds=prefill_seconds,
         max_context=max_context or max_position_embeddings(config),
         drafter_off_reason=off_reason,
         prefix_cache=PrefixCache(prefix_cache) if _budget_bytes(prefix_cache) > 0 else None,
@@ -183,7 +185,8 @@ def _budget_bytes(budget: Union[int, SnapshotBudget]) -> int:
     return budget.budget_bytes if isinstance(budget, SnapshotBudget) else budget
 
 
-def load_configured(spec, prefill_chunk: int = 2048, prefix_cache: Union[int, SnapshotBudget] = 0) -> LoadedModel:
+def load_configured(spec, prefill_chunk: int = 2048, prefix_cache: Union[int, SnapshotBudget] = 0,
+                    prefill_seconds: Optional[float] = None) -> LoadedModel:
     """Load a `settings.ModelSettings` entry."""
     return load_model(
         spec.target,
@@ -191,6 +194,7 @@ def load_configured(spec, prefill_chunk: int = 2048, prefix_cache: Union[int, Sn
         target_revision=spec.target_revision,
         drafter_revision=spec.drafter_revision,
         prefill_chunk=prefill_chunk,
+        prefill_seconds=prefill_seconds,
         max_context=spec.max_context,
         block_size=spec.block_size,
         dtype=spec.dtype,

@@ -99,7 +99,10 @@ class Settings(Strict):
     models: list[ModelSettings] = Field(default_factory=lambda: [DEFAULT_MODEL.model_copy()])
     default_model: Optional[str] = None
     memory_budget_gb: Optional[float] = Field(None, gt=0, description="unload least recently used models above this")
-    prefill_chunk: int = Field(2048, ge=16)
+    prefill_chunk: int = Field(2048, ge=16, description="the most prompt tokens one prefill step computes")
+    prefill_chunk_seconds: Optional[float] = Field(
+        0.25, gt=0, description="size the server's prefill steps to take about this long (a cancel waits for one); "
+        "null: fixed chunks of prefill_chunk tokens")
     prefix_cache_gb: float = Field(2.0, ge=0, description="for reusing prompt prefixes, one budget shared by all models; 0 disables")
     cuda_graphs: Optional[bool] = Field(
         None, description="MLX's CUDA graphs; null: off when a drafter is configured (see docs/performance.md)")

@@ -48,8 +48,9 @@ class ServedModel:
         return self.settings.name
 
 
-def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache: Union[int, SnapshotBudget] = 0) -> ServedModel:
-    loaded = load_configured(spec, prefill_chunk, prefix_cache)
+def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache: Union[int, SnapshotBudget] = 0,
+                prefill_seconds: Optional[float] = None) -> ServedModel:
+    loaded = load_configured(spec, prefill_chunk, prefix_cache, prefill_seconds)
     loaded.engine.token_bytes  # built here, on the worker, not on the event loop at a first request
     hf = hf_tokenizer(loaded.engine.tokenizer)
     vocab = hf.get_vocab()
@@ -137,7 +138,7 @@ class ModelPool:
         if budget is not None:
             self._make_room(int(budget * 1e9) - size)
         log.info("loading model %s (target %s, drafter %s)", spec.name, spec.target, spec.drafter)
-        served = load_served(spec, self.settings.prefill_chunk, self.snapshots)
+        served = load_served(spec, self.settings.prefill_chunk, self.snapshots, self.settings.prefill_chunk_seconds)
         with self._use_lock:
             self._served[spec.name] = served
             self._acquire(served)
