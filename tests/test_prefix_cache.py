@@ -234,3 +234,27 @@ def test_server_reports_cached_tokens_and_shared_prefix_is_safe_concurrently(qwe
         metrics = httpx.get(server.url + "/metrics").text
         hits = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("dflash_prefix_cache_hits_total")))
         assert hits >= 2  # the two concurrent requests (earlier ones may have hit each other's prefixes too)
+
+
+def test_a_servers_models_share_one_budget(qwen3_pair, gemma3_pair):
+    from server.models import ModelPool
+    from server.scheduler import Scheduler
+
+    settings = Settings(prefix_cache_gb=0.5, prefill_chunk_seconds=None, models=[
+        ModelSettings(name=name, target=str(pair[0]), drafter=str(pair[1]))
+        for name, pair in (("a", qwen3_pair), ("b", gemma3_pair))])
+
+    async def scenario():
+        scheduler = Scheduler()
+        scheduler.start()
+        try:
+            pool = ModelPool(settings, scheduler)
+            served = [await pool.get(name) for name in ("a", "b")]
+            return pool, served
+        finally:
+            scheduler.stop()
+
+    import asyncio
+    pool, (a, b) = asyncio.run(scenario())
+    assert a.engine.prefix_cache.budget is b.engine.prefix_cache.budget is pool.snapshots
+    assert pool.snapshots.budget_bytes == int(0.5e9)
