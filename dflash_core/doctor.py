@@ -50,10 +50,36 @@ def system_memory_bytes() -> Optional[int]:
         return None
 
 
-def doctor_report(check_hub: bool = True) -> dict:
+def default_model_status(settings: Settings, hub: str) -> str:
+    """Where `dflash serve` gets its default model from, or that the demo will stand in for it."""
+    from .demo import DEMO_NAME
+    from .hub import TARGET_FILES, ModelNotFoundError, resolve
+
+    spec = settings.model()
+    try:
+        resolve(spec.target, spec.target_revision, files=TARGET_FILES, allow_download=False)
+        return f"{spec.name}: {spec.target} is on disk"
+    except ModelNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a report, not a load: say what went wrong
+        return f"{spec.name}: {type(e).__name__}: {e}"
+    if hub.startswith("reachable"):
+        return f"{spec.name}: not on disk yet; `dflash serve` downloads {spec.target} from the hub at start"
+    if not settings.demo_fallback or spec.name == DEMO_NAME:
+        return f"{spec.name}: not on disk and the hub is {hub.split(' (')[0]}: it cannot be served"
+    return (f"{spec.name}: not on disk and the hub is {hub.split(' (')[0]}: `dflash serve` will serve the "
+            f"OFFLINE DEMO {DEMO_NAME} instead")
+
+
+def doctor_report(check_hub: bool = True, settings: Optional[Settings] = None) -> dict:
+    from .demo import cache_root
+
     info = mx.device_info()
     memory = system_memory_bytes()
-    return {
+    hub = hub_reachable() if check_hub else "not checked"
+    # The CPU's memory is the system's; MLX reports none for it.
+    device_memory = info.get("memory_size") or (memory if mx.default_device() == mx.cpu else None)
+    report = {
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
         "mlx": package_version("mlx"),
@@ -63,13 +89,18 @@ def doctor_report(check_hub: bool = True) -> dict:
         "default_device": str(mx.default_device()),
         "device": info.get("device_name", "unknown"),
         "system_memory_gb": round(memory / 1e9, 1) if memory else None,
-        "device_memory_gb": round(info["memory_size"] / 1e9, 1) if "memory_size" in info else None,
+        "device_memory_gb": round(device_memory / 1e9, 1) if device_memory else None,
         "kernels": {"gated_delta": gated_delta.active_path(), "block_attention": attention.active_path(),
                     "small_m_matmul": matmul.active_path()},
         "model_cache": str(hub_cache_dir()),
-        "hub": hub_reachable() if check_hub else "not checked",
+        "demo_cache": str(cache_root()),
+        "hub": hub,
         "speculation": CPU_SPECULATION_WARNING if mx.default_device() == mx.cpu else "a 16-token verify streams the weights once, as DFlash needs",
     }
+    if settings is not None:
+        report["default_model"] = default_model_status(settings, hub) if check_hub else (
+            f"{settings.model().name} (not checked: --no-hub)")
+    return report
 
 
 def cached_repos() -> dict[str, int]:

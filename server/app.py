@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dflash_core.demo import DEMO_DESCRIPTION
 from dflash_core.settings import Settings, is_loopback
 
 from . import chat, messages, responses
@@ -57,12 +58,18 @@ def create_app(settings: Settings) -> FastAPI:
             return JSONResponse({"status": "draining"}, status_code=503)
         if state.scheduler.failure:
             return JSONResponse({"status": "error", "error": state.scheduler.failure}, status_code=503)
-        if state.pool.loading_errors:
-            return JSONResponse({"status": "error", "errors": state.pool.loading_errors,
-                                 "models": [m.name for m in state.pool.served()]}, status_code=503)
-        if not state.pool.ready:
+        pool = state.pool
+        models = [m.name for m in pool.served()]
+        # A default model the demo stands in for is reported, but the server does serve.
+        errors = {k: v for k, v in pool.loading_errors.items() if not pool.fallback or k != pool.fallback["requested"]}
+        if errors:
+            return JSONResponse({"status": "error", "errors": errors, "models": models}, status_code=503)
+        if not pool.ready:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
-        return {"status": "ok", "models": [m.name for m in state.pool.served()]}
+        if pool.fallback:
+            return {"status": "ok", "models": models, "default_model": pool.default_name,
+                    "fallback": {**pool.fallback, "note": DEMO_DESCRIPTION}}
+        return {"status": "ok", "models": models, "default_model": pool.default_name}
 
     @app.get("/metrics")
     async def metrics():
@@ -75,10 +82,13 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_entry(name) for name in state.pool.names()]}
+        return {"object": "list", "data": [model_entry(name) for name in state.pool.servable()]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
+        if model in state.pool.loading_errors:
+            raise APIError(503, f"model {model!r} could not be loaded: {state.pool.loading_errors[model]}",
+                           type="server_error", code="model_unavailable")
         if model not in state.pool.names():
             raise APIError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
         return model_entry(model)
@@ -86,7 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         started = await start_chat(state, body, time.perf_counter())
-        responder = ChatResponder(started.run, body.model, started.output)
+        responder = ChatResponder(started.run, started.served.name, started.output)
         return await respond(state, "chat", request, started.run, responder, stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
@@ -102,7 +112,7 @@ def create_app(settings: Settings) -> FastAPI:
         except BaseException:
             state.pool.release(served)
             raise
-        return await respond(state, "completions", request, run, CompletionResponder(run, body.model, body.stop),
+        return await respond(state, "completions", request, run, CompletionResponder(run, served.name, body.stop),
                              stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage))
 

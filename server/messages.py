@@ -189,7 +189,7 @@ class MessagesResponder:
                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
     def message(self, content: list, stop_reason=None, stop_sequence=None, usage=None) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.body.model, "content": content,
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.run.served.name, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": usage or {"input_tokens": len(self.run.prompt.tokens), "output_tokens": 0,
                                    "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}

@@ -2,6 +2,10 @@
 
 With `memory_budget_gb` set, loading a model first unloads the least recently used models that
 no request is using until the new one fits (its size estimated from its weight files).
+
+When the default model's files cannot be had (not on disk, the hub unreachable) and `demo_fallback`
+is on, the server serves the offline demo instead, and says so in the log, `/health` and every
+`/v1/models` listing: a first start without network still answers.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
 
-from dflash_core.hub import DRAFTER_FILES, TARGET_FILES, resolve
+from dflash_core.demo import DEMO_DESCRIPTION, demo_model_settings
+from dflash_core.hub import DRAFTER_FILES, TARGET_FILES, ModelNotFoundError, resolve
 from dflash_core.loading import LoadedModel, choose_drafter, load_configured
 from dflash_core.prefix_cache import SnapshotBudget
 from dflash_core.prompts import hf_tokenizer
@@ -28,6 +33,10 @@ from .tool_calls import Markers, markers_for_tokenizer
 
 log = logging.getLogger(__name__)
 
+# Qwen (ChatML), Gemma 3, Gemma 4.
+TURN_STARTS = ("<|im_start|>", "<start_of_turn>", "<|turn>")
+DEFAULT_ALIAS = "default"  # a model name that always means the server's default model
+
 
 @dataclass
 class ServedModel:
@@ -38,6 +47,9 @@ class ServedModel:
     last_used: float = field(default_factory=time.monotonic)
     in_use: int = 0
     tool_response_token: Optional[int] = None  # Gemma 4: the caller's turn after a tool call
+    # The template's start of a turn: a model that writes one has ended its own (a base model
+    # chatting, like the demo, never writes the end-of-turn token but does start the next turn).
+    turn_start_token: Optional[int] = None
 
     @property
     def engine(self):
@@ -56,7 +68,8 @@ def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache: Union[int
     vocab = hf.get_vocab()
     markers = markers_for_tokenizer(getattr(hf, "chat_template", None), vocab)
     tool_response = vocab.get("<|tool_response>") if markers.tool_format == "gemma4" else None
-    return ServedModel(spec, loaded, markers, tool_response_token=tool_response)
+    turn_start = next((vocab[t] for t in TURN_STARTS if t in vocab), None)
+    return ServedModel(spec, loaded, markers, tool_response_token=tool_response, turn_start_token=turn_start)
 
 
 def estimated_bytes(spec: ModelSettings) -> int:
@@ -76,12 +89,25 @@ class ModelPool:
         self._load_lock = asyncio.Lock()
         self._use_lock = threading.Lock()  # in_use counts and unloading, across the two threads
         self.loading_errors: dict[str, str] = {}
+        self.fallback: Optional[dict] = None  # {"requested", "serving", "reason"} once the demo stands in
+        self.stand_in: Callable[[], ModelSettings] = demo_model_settings  # what stands in (tests pass their own)
         # One prefix-cache budget for every model this server holds.
         self.snapshots = SnapshotBudget(int(settings.prefix_cache_gb * 1e9))
         self.ready = False
 
     def names(self) -> list[str]:
         return [m.name for m in self.settings.models]
+
+    @property
+    def default_name(self) -> str:
+        """What the model name `default` means: the configured default, or the demo standing in."""
+        return self.fallback["serving"] if self.fallback else self.settings.model().name
+
+    def servable(self) -> list[str]:
+        """The models a request can use now, the default first: loaded ones and those not tried
+        yet, not those that failed to load."""
+        names = [n for n in self.names() if n not in self.loading_errors]
+        return sorted(names, key=lambda n: n != self.default_name)
 
     def served(self) -> list[ServedModel]:
         return list(self._served.values())
@@ -94,23 +120,53 @@ class ModelPool:
 
     async def load_startup(self) -> None:
         """Load every load_at_start model; one that fails does not keep the others from loading."""
+        default = self.settings.model().name
         for spec in self.settings.models:
             if spec.load_at_start:
                 try:
                     self.release(await self.get(spec.name))
                 except APIError as e:  # the server stays up and reports the problem on /health
                     self.loading_errors[spec.name] = e.message
+                    if spec.name == default and isinstance(e.__cause__, ModelNotFoundError) and self.settings.demo_fallback:
+                        await self._serve_demo_instead(spec.name, e.message)
         self.ready = True
+
+    async def _serve_demo_instead(self, requested: str, reason: str) -> None:
+        demo = self.stand_in()
+        if demo.name == requested:
+            return
+        if mx.default_device() == mx.cpu:
+            # On MLX's CPU backend a 16-token verify costs about 16 decode steps, and the demo
+            # drafter is accepted little: the stand-in answers fastest with its target alone.
+            demo = demo.model_copy(update={"drafter": None})
+        if demo.name not in self.names():
+            self.settings.models.append(demo)
+        try:
+            self.release(await self.get(demo.name))
+        except APIError as e:
+            self.loading_errors[demo.name] = e.message
+            log.error("the offline demo %s could not be loaded either: %s", demo.name, e.message)
+            return
+        self.fallback = {"requested": requested, "serving": demo.name, "reason": reason}
+        for line in ("=" * 78, f"{requested} cannot be loaded: {reason}",
+                     f"SERVING THE OFFLINE DEMO {demo.name!r} INSTEAD: {DEMO_DESCRIPTION}",
+                     f"Requests for {requested!r} fail with this reason; the model name 'default' and "
+                     f"{demo.name!r} reach the demo.",
+                     f"For {requested}, start once with network access (or `hf download`), or pass "
+                     "--model for a model on disk.", "=" * 78):
+            log.warning("%s", line)
 
     async def get(self, name: str) -> ServedModel:
         """The model, loading it if needed, acquired for one request: release() it when done."""
+        if name == DEFAULT_ALIAS:
+            name = self.default_name
         served = self._acquire_loaded(name)
         if served is not None:
             return served
         spec = next((m for m in self.settings.models if m.name == name), None)
         if spec is None:
             raise APIError(
-                404, f"The model {name!r} does not exist. Available: {', '.join(self.names())}",
+                404, f"The model {name!r} does not exist. Available: {', '.join(self.servable())}",
                 param="model", code="model_not_found",
             )
         async with self._load_lock:  # one load at a time: the budget check must see the others
@@ -123,13 +179,18 @@ class ModelPool:
                 served = await self.scheduler.call(lambda: self._load(spec, size))
             except (FileNotFoundError, ValueError) as e:  # missing files, bad checkpoints
                 log.error("model %s could not be loaded: %s", name, e)
-                raise APIError(503, f"model {name!r} could not be loaded: {e}", type="server_error",
+                instead = (f" The server serves the offline demo {self.fallback['serving']!r} instead (model 'default')."
+                           if self.fallback and self.fallback["requested"] == name else "")
+                raise APIError(503, f"model {name!r} could not be loaded: {e}{instead}", type="server_error",
                                code="model_unavailable", headers={"Retry-After": "30"}) from e
             except Exception as e:
                 log.exception("model %s could not be loaded", name)
                 raise APIError(503, f"model {name!r} could not be loaded: {type(e).__name__}: {e}",
                                type="server_error", code="model_unavailable") from e
             self.loading_errors.pop(name, None)
+            if self.fallback and self.fallback["requested"] == name:  # the network came back
+                log.info("%s is loaded: the default model is %s again, not the demo", name, name)
+                self.fallback = None
             return served
 
     def _load(self, spec: ModelSettings, size: int) -> ServedModel:

@@ -315,7 +315,7 @@ class ResponsesResponder:
         if status == "completed" and self.output.finish_reason == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         out = {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": body.model,
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.run.served.name,
             "output": _copy(self.builder.output), "error": None, "incomplete_details": incomplete,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,

