@@ -344,11 +344,14 @@ class DFlashDrafter(nn.Module):
             out = mx.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         return out
 
-    def propose(self, bonus: mx.array, target, cache: list[KVCache]) -> mx.array:
-        """B-1 proposals (int32 [B-1]) for the positions after `bonus`, one forward pass."""
+    def propose(self, bonus: mx.array, target, cache: list[KVCache], width: Optional[int] = None) -> mx.array:
+        """width-1 proposals (int32) for the positions after `bonus`, one forward pass over a block
+        of `width` tokens (default: the block size; a narrower block costs less where a forward's
+        cost grows with its rows, as on a CPU)."""
         cfg = self.config
+        width = width or cfg.block_size
         block = mx.concatenate(
-            [bonus.reshape(1).astype(mx.int32), mx.full((cfg.block_size - 1,), cfg.mask_token_id, mx.int32)]
+            [bonus.reshape(1).astype(mx.int32), mx.full((width - 1,), cfg.mask_token_id, mx.int32)]
         )
         h = self.hidden(target.embed(block[None]), cache)
         return mx.argmax(self.logits(h[:, 1:], target.lm_head), axis=-1)[0].astype(mx.int32)

@@ -25,6 +25,7 @@ from .prefill import ChunkPacer, chunk_ends
 from .prefix_cache import PrefixCache
 from .prompts import hf_tokenizer
 from .sampling import Sampler, SamplingParams
+from .speculation import MODES, ModelSpeculation, SpeculationPolicy
 
 
 @dataclass
@@ -39,10 +40,17 @@ class GenerationStats:
     speculative: bool = False
     speculative_off_reason: Optional[str] = None
     block_size: int = 0
+    speculation: Optional[str] = None  # the mode asked for: auto, on or off
     cycles: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
+    verified_by_position: list[int] = field(default_factory=list)  # cycles whose width reached each position
+    cycle_widths: dict[int, int] = field(default_factory=dict)  # width -> cycles run at it
+    plain_steps: int = 0  # target steps of one token within a speculating generation
+    tokens_from_cycles: int = 0
+    tokens_from_steps: int = 0
+    speculation_note: Optional[str] = None  # auto: why it last chose plain steps, in numbers
 
     @property
     def tokens_per_cycle(self) -> float:
@@ -51,8 +59,8 @@ class GenerationStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        """Share of cycles in which the draft at block position i (1..B-1) was accepted."""
-        return [n / self.cycles if self.cycles else 0.0 for n in self.accepted_by_position]
+        """Share of the cycles verifying block position i (1..B-1) in which its draft was accepted."""
+        return [n / v if v else 0.0 for n, v in zip(self.accepted_by_position, self.verified_by_position)]
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -61,16 +69,21 @@ class GenerationStats:
             return 0.0
         return (self.generated_tokens - 1) / self.decode_seconds
 
-    def record_cycle(self, accepted: int) -> None:
+    def record_cycle(self, accepted: int, width: Optional[int] = None) -> None:
+        width = width or self.block_size
         self.cycles += 1
-        self.draft_tokens_proposed += self.block_size - 1
+        self.cycle_widths[width] = self.cycle_widths.get(width, 0) + 1
+        self.draft_tokens_proposed += width - 1
         self.draft_tokens_accepted += accepted
+        for i in range(width - 1):
+            self.verified_by_position[i] += 1
         for i in range(accepted):
             self.accepted_by_position[i] += 1
 
     def copy(self) -> "GenerationStats":
         """A snapshot: the live object keeps changing while the generation runs."""
-        return replace(self, accepted_by_position=list(self.accepted_by_position))
+        return replace(self, accepted_by_position=list(self.accepted_by_position),
+                       verified_by_position=list(self.verified_by_position), cycle_widths=dict(self.cycle_widths))
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -173,6 +186,7 @@ class Engine:
         max_context: Optional[int] = None,
         drafter_off_reason: Optional[str] = None,
         prefix_cache: Optional[PrefixCache] = None,
+        speculation: str = "on",
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -186,6 +200,11 @@ class Engine:
         self.prefix_cache = prefix_cache
         # Caches keep room to roll back one block in every mode, so snapshots fit every request.
         self.max_rollback = drafter.block_size if drafter is not None else 16
+        if speculation not in MODES:
+            raise ValueError(f"speculation must be one of {MODES}, got {speculation!r}")
+        self.speculation = speculation  # what generate() does unless told otherwise
+        # What `auto` measured on this machine, kept across this model's generations.
+        self.speculation_state = ModelSpeculation(drafter.block_size) if drafter is not None else None
         self._grammar_tokenizer = None
         self._token_bytes: Any = False  # not looked at yet (None: the tokenizer is not byte-level)
 
@@ -215,6 +234,7 @@ class Engine:
         max_tokens: Optional[int] = None,
         sampling: SamplingParams = SamplingParams(),
         speculative: bool = True,
+        speculation: Union[str, SpeculationPolicy, None] = None,
         stop_token_ids: Optional[set[int]] = None,
         logprobs: Optional[int] = None,
         grammar: Union[GrammarSpec, CompiledGrammar, None] = None,
@@ -233,6 +253,10 @@ class Engine:
         there if the request has no stop tokens (finish "stop", no stop_token_id).
         `reasoning_budget`: (end token, n) for a prompt that opened a reasoning block: the block
         ends within n tokens, its end token forced then (grammar.ReasoningBudget).
+        `speculation`: "auto" (cycles only while they beat plain target steps on this machine,
+        `speculation.AutoSpeculation`), "on" (every step a full cycle), "off" (the target alone),
+        or a SpeculationPolicy choosing each step; None: the engine's `speculation`.
+        `speculative=False` is "off".
         """
         if not prompt_tokens:
             raise RequestError("the prompt is empty")
@@ -249,15 +273,22 @@ class Engine:
             budget = min(budget, self.max_context - len(prompt_tokens))
         if budget < 1:
             raise RequestError(f"no room to generate: prompt has {len(prompt_tokens)} tokens, limit {self.max_context}")
-        stats = GenerationStats(prompt_tokens=len(prompt_tokens), prefill_tokens=len(prompt_tokens))
+        mode = "off" if not speculative else (speculation or self.speculation)
+        if isinstance(mode, str) and mode not in MODES:
+            raise RequestError(f"speculation must be one of {', '.join(MODES)}, got {mode!r}")
+        stats = GenerationStats(prompt_tokens=len(prompt_tokens), prefill_tokens=len(prompt_tokens),
+                                speculation=mode if isinstance(mode, str) else "custom")
+        policy = None
         if self.drafter is None:
             stats.speculative_off_reason = self.drafter_off_reason
-        elif not speculative:
+        elif mode == "off":
             stats.speculative_off_reason = "disabled by request"
         else:
             stats.speculative = True
             stats.block_size = self.drafter.block_size
             stats.accepted_by_position = [0] * (self.drafter.block_size - 1)
+            stats.verified_by_position = [0] * (self.drafter.block_size - 1)
+            policy = mode if not isinstance(mode, str) else self.speculation_state.policy(mode)
         eos = self.eos_token_ids if stop_token_ids is None else set(stop_token_ids)
         constraint = None
         if grammar is not None:
@@ -270,9 +301,9 @@ class Engine:
             limit = ReasoningBudget(*reasoning_budget, vocab)
             constraint = limit if constraint is None else AllConstraints([constraint, limit])
         scorer = LogprobScorer(logprobs, vocab)
-        return self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint)
+        return self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint, policy)
 
-    def _stream(self, prompt, budget, sampling, stats, eos, scorer, constraint) -> Iterator[GenerationChunk]:
+    def _stream(self, prompt, budget, sampling, stats, eos, scorer, constraint, policy) -> Iterator[GenerationChunk]:
         start = time.perf_counter()
         hit = self.prefix_cache.lookup(prompt, need_context=stats.speculative) if self.prefix_cache else None
         if hit is not None:
@@ -284,7 +315,7 @@ class Engine:
             state = DecodeState(self.target.make_cache(max_rollback=self.max_rollback), context, [])
         sampler = Sampler(sampling, self.target.vocab_size, prompt)
         if stats.speculative:
-            steps = self._speculative(prompt, sampler, stats, state, hit, scorer, constraint)
+            steps = self._speculative(prompt, sampler, state, hit, scorer, constraint, policy)
         else:
             steps = self._target_only(prompt, sampler, state, hit, scorer, constraint)
         no_logprobs = None if scorer.k is None else []
@@ -292,13 +323,14 @@ class Engine:
         produced: list[int] = []  # every token the loop committed, before any cut
         decode_start = None
         try:
-            for ids, logprobs in steps:
+            # Each commit: its tokens, their logprobs, and what made them: None for the prefill's
+            # token, 0 for a plain target step, else the width of a cycle.
+            for ids, logprobs, width in steps:
                 if not ids:  # a prefill chunk: give the caller a chance to interleave
                     yield GenerationChunk([], "", stats=stats.copy(), logprobs=no_logprobs)
                     continue
-                # The first commit is the prefill's token; each later speculative one is a cycle.
-                drafts_in_cycle = len(ids) - 1 if stats.speculative and produced else None
                 produced += ids
+                drafts_in_cycle = len(ids) - 1
                 now = time.perf_counter()
                 if decode_start is None:
                     decode_start = now
@@ -314,10 +346,16 @@ class Engine:
                         ids, finish, stop_token = ids[:i], "stop", token
                         break
                 logprobs = logprobs[: len(ids)] if logprobs is not None else None
-                if drafts_in_cycle is not None:
+                if width:
                     # Count the drafts handed out (or ending the output as its stop token), not
                     # those a max_tokens or stop-token cut threw away.
-                    stats.record_cycle(min(drafts_in_cycle, len(ids) + (stop_token is not None)))
+                    stats.record_cycle(min(drafts_in_cycle, len(ids) + (stop_token is not None)), width)
+                    stats.tokens_from_cycles += len(ids)
+                elif width == 0 and stats.speculative:
+                    stats.plain_steps += 1
+                    stats.tokens_from_steps += len(ids)
+                if policy is not None:
+                    stats.speculation_note = policy.note()
                 stats.generated_tokens += len(ids)
                 text = detokenizer.add(ids)
                 stats.decode_seconds = time.perf_counter() - decode_start
@@ -374,7 +412,7 @@ class Engine:
             if end in boundaries:
                 self.prefix_cache.insert(state.fed, state.cache, state.context, shared=end == first, extends=hit)
             if end < len(prompt):
-                yield [], None
+                yield [], None, None
             begin = end
         logits = out.logits[0]
         if self.prefix_cache is not None:
@@ -399,54 +437,84 @@ class Engine:
             next_scored = scorer.queue(logits, next_token)
             committed = token.tolist()
             state.fed += committed
-            yield committed, scorer.read(scored, committed)
+            yield committed, scorer.read(scored, committed), 0
             token, scored, index = next_token, next_scored, index + 1
 
-    def _speculative(self, prompt, sampler: Sampler, stats: GenerationStats, state: DecodeState, hit,
-                     scorer: LogprobScorer, constraint: Optional[Constraint]):
-        target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
-        tap_ids, block = drafter.config.target_layer_ids, drafter.block_size
-
-        def launch(bonus, index):
-            """Queue draft, verify and the target's choices; the host reads them next cycle."""
-            proposals = drafter.propose(bonus, target, context)
-            mx.async_eval(proposals)  # the draft runs while the verify graph is built
-            verify = target.forward(mx.concatenate([bonus, proposals])[None], cache, tap_ids, record=True)
-            allowed = None
-            if constraint is not None:  # each row's mask follows the drafts before it: read them
-                mx.async_eval(verify.logits, verify.taps)  # the verify runs while the host builds masks
-                allowed = constraint.masks(proposals.tolist())
-            choices = sampler.choose(verify.logits[0], proposals, index + 1, allowed)
-            mx.async_eval(choices, verify.taps)
-            state.pending = verify.tape
-            return proposals, verify, choices, scorer.queue(verify.logits[0], choices)
-
-        logits = yield from self._prefill(prompt, state, tap_ids, hit)
-        bonus = sampler.choose(logits, None, 0, constraint.masks() if constraint else None)
-        scored = scorer.queue(logits, bonus)
-        sampler.commit(bonus)
-        index = 0  # generated-token index of the bonus token
-        last = bonus.tolist()  # the first token goes out before the first cycle is queued
-        logprobs = scorer.read(scored, last)
+    def _speculative(self, prompt, sampler: Sampler, state: DecodeState, hit, scorer: LogprobScorer,
+                     constraint: Optional[Constraint], policy: SpeculationPolicy):
+        """Each step is a draft-verify cycle or a plain target step, as `policy` plans it; both feed
+        the drafter's context and commit exactly the target's tokens. The next step is queued
+        before the host hands out this one's tokens, so the device never waits for the host."""
+        logits = yield from self._prefill(prompt, state, self.drafter.config.target_layer_ids, hit)
+        token = sampler.choose(logits, None, 0, constraint.masks() if constraint else None)
+        scored = scorer.queue(logits, token)
+        sampler.commit(token)
+        index = 0  # generated-token index of `token`: committed, not yet fed to the target
+        first = token.tolist()  # the first token goes out before the first step is queued
+        logprobs = scorer.read(scored, first)
         if constraint is not None:
-            constraint.commit(last)
-        proposals, verify, choices, scored = launch(bonus, index)
-        yield last, logprobs
+            constraint.commit(first)
+        width = policy.plan(len(state.fed))
+        step = self._launch(token, index, width, sampler, state, scorer, constraint)
+        yield first, logprobs, None
+        read = time.perf_counter()
         while True:
-            host = mx.concatenate([proposals, choices]).tolist()  # the one blocking read per cycle
-            drafts, picks = host[: block - 1], host[block - 1 :]
-            accepted = accepted_length(drafts, picks)
+            committed, token, logprobs, accepted = step()  # the one blocking read of a step
+            now = time.perf_counter()
+            policy.observe(width, len(state.fed), now - read, len(committed), accepted)
+            read = now
+            index += len(committed)
+            done, width = width, policy.plan(len(state.fed))
+            step = self._launch(token, index, width, sampler, state, scorer, constraint)
+            yield committed, logprobs, done
+
+    def _launch(self, token, index: int, width: int, sampler: Sampler, state: DecodeState,
+                scorer: LogprobScorer, constraint: Optional[Constraint]):
+        """Queue one step from `token` (width 0: a plain step; else a cycle verifying `token` and
+        width-1 drafts) and return the function that reads it: (committed tokens, the next
+        `token`, their logprobs, drafts accepted)."""
+        target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
+        tap_ids = drafter.config.target_layer_ids
+        if width == 0:
+            out = target.forward(token[None], cache, tap_ids)
+            drafter.add_context(out.taps, context)
+            state.fed += token.tolist()
+            choice = sampler.choose(out.logits[0], None, index + 1, constraint.masks() if constraint else None)
+            mx.async_eval(choice)
+            scored = scorer.queue(out.logits[0], choice)
+
+            def read_step():
+                committed = choice.tolist()
+                sampler.commit(choice)
+                if constraint is not None:
+                    constraint.commit(committed)
+                return committed, choice, scorer.read(scored, committed), 0
+
+            return read_step
+        drafts = drafter.propose(token, target, context, width)
+        mx.async_eval(drafts)  # the draft runs while the verify graph is built
+        verify = target.forward(mx.concatenate([token, drafts])[None], cache, tap_ids, record=True)
+        allowed = None
+        if constraint is not None:  # each row's mask follows the drafts before it: read them
+            mx.async_eval(verify.logits, verify.taps)  # the verify runs while the host builds masks
+            allowed = constraint.masks(drafts.tolist())
+        choices = sampler.choose(verify.logits[0], drafts, index + 1, allowed)
+        mx.async_eval(choices, verify.taps)
+        state.pending = verify.tape
+        scored = scorer.queue(verify.logits[0], choices)
+
+        def read_cycle():
+            host = mx.concatenate([drafts, choices]).tolist()
+            proposed, picks = host[: width - 1], host[width - 1 :]
+            accepted = accepted_length(proposed, picks)
             target.rollback(cache, verify.tape, keep=accepted + 1)
             state.pending = None
             drafter.add_context(verify.taps[:, : accepted + 1], context)
-            state.fed += last + drafts[:accepted]
-            committed = drafts[:accepted] + [picks[accepted]]
-            logprobs = scorer.read(scored, committed)  # row j chose committed token j
+            state.fed += token.tolist() + proposed[:accepted]
+            committed = proposed[:accepted] + [picks[accepted]]
             sampler.commit(mx.array(committed, dtype=mx.int32))
             if constraint is not None:
                 constraint.commit(committed)
-            index += accepted + 1
-            # The next cycle is on the device before the host hands these tokens out.
-            proposals, verify, choices, scored = launch(choices[accepted : accepted + 1], index)
-            last = committed[-1:]
-            yield committed, logprobs
+            return committed, choices[accepted : accepted + 1], scorer.read(scored, committed), accepted
+
+        return read_cycle

@@ -41,13 +41,13 @@ class ForcedDrafter:
         assert taps.shape[1] >= 1
         cache[0].offset += taps.shape[1]
 
-    def propose(self, bonus, target, cache):
+    def propose(self, bonus, target, cache, width=None):
         context = cache[0]
         accept = self.schedule[context.cycles % len(self.schedule)]
         context.cycles += 1
         start = context.offset  # position of the bonus token
         drafts = []
-        for j in range(1, self.block_size):
+        for j in range(1, width or self.block_size):
             position = start + j
             token = self.reference[position] if position < len(self.reference) else 0
             if j == accept + 1:  # the first rejected draft

@@ -82,10 +82,11 @@ class ScriptedDrafter:
             cache[0].prompt_length = taps.shape[1]
         cache[0].offset += taps.shape[1]
 
-    def propose(self, bonus, target, cache):
+    def propose(self, bonus, target, cache, width=None):
         position = cache[0]
         first = position.offset + 1 - position.prompt_length  # script index after the bonus token
-        return mx.array([self.target._token_at(first + j) for j in range(self.block_size - 1)], dtype=mx.int32)
+        return mx.array([self.target._token_at(first + j) for j in range((width or self.block_size) - 1)],
+                        dtype=mx.int32)
 
 
 def scripted_engine(tokenizer, speculative: bool = True) -> Engine:

@@ -121,11 +121,11 @@ class ForbiddenDrafter(ForcedDrafter):
 
     plants: dict[int, int] = field(default_factory=dict)  # position in `reference` -> a forbidden token
 
-    def propose(self, bonus, target, cache):
+    def propose(self, bonus, target, cache, width=None):
         accept = self.schedule[cache[0].cycles % len(self.schedule)]
         position = cache[0].offset + accept + 1
-        drafts = super().propose(bonus, target, cache).tolist()
-        if accept < self.block_size - 1 and position in self.plants:
+        drafts = super().propose(bonus, target, cache, width).tolist()
+        if accept < len(drafts) and position in self.plants:
             drafts[accept] = self.plants[position]
         return mx.array(drafts, dtype=mx.int32)
 

@@ -1,0 +1,209 @@
+"""When a draft-verify cycle pays: `speculation: auto`.
+
+A cycle costs a drafter forward plus a verify of `width` tokens and yields the accepted drafts
+plus one token; a plain target step costs one forward and yields one token. On a GPU a 16-token
+verify costs about one step, so cycles win at almost any acceptance; on MLX's CPU backend a
+verify's cost grows with its width, and a drafter that is rarely accepted makes cycles several
+times slower than plain steps. `AutoSpeculation` decides before every step, from what this
+machine measured:
+
+- `Timings` (one per model, shared by its generations): the wall time of a plain step and of a
+  cycle of each width, per context-length bucket (powers of two), as moving averages. The first
+  sample of each width is dropped (MLX compiles new shapes then).
+- the acceptance by block position, from this generation's own cycles on top of the model's
+  pooled history (`AcceptancePrior`), giving the expected tokens of a cycle of width w.
+
+It runs cycles at the width with the best expected tokens per second while that beats plain
+steps by `margin`; otherwise plain steps, which still feed the drafter's context (their taps come
+from the same target forward), and a probe cycle every so often, the interval doubling while
+probes keep losing. Widths are explored from the block size down. Output never depends on any of
+this: a plain step and a cycle both commit exactly the target's tokens.
+
+Timings are wall times between this generation's reads: with other generations interleaved on
+the worker, both kinds of step include their share of the others' time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+MODES = ("auto", "on", "off")
+
+
+class SpeculationPolicy(Protocol):
+    """Chooses each step of a speculating generation: 0 for a plain target step, else the width
+    of a cycle (the bonus token plus width-1 drafts, 2..block size)."""
+
+    def plan(self, context: int) -> int: ...
+
+    def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None: ...
+
+    def note(self) -> Optional[str]: ...
+
+
+def _bucket(context: int) -> int:
+    return max(0, int(math.log2(max(context, 1))))
+
+
+class Timings:
+    """Moving averages of step (width 0) and cycle (width w) wall times, per context bucket."""
+
+    def __init__(self, alpha: float = 0.25):
+        self.alpha = alpha
+        self.seconds: dict[tuple[int, int], float] = {}
+        self._warm: set[int] = set()  # widths whose first (compiling) sample was dropped
+
+    def record(self, width: int, context: int, seconds: float) -> bool:
+        """Add a sample; False when it was the width's first one (dropped)."""
+        if width not in self._warm:
+            self._warm.add(width)
+            return False
+        key = (width, _bucket(context))
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + self.alpha * (seconds - old)
+        return True
+
+    def estimate(self, width: int, context: int) -> Optional[float]:
+        """This bucket's average, else the nearest bucket's (contexts grow slowly)."""
+        bucket = _bucket(context)
+        known = [(abs(b - bucket), s) for (w, b), s in self.seconds.items() if w == width]
+        return min(known)[1] if known else None
+
+
+class AcceptancePrior:
+    """A model's acceptance by block position over its recent generations (decaying counts)."""
+
+    def __init__(self, positions: int, decay: float = 0.98):
+        self.accepted = [0.0] * positions
+        self.verified = [0.0] * positions
+        self.decay = decay
+
+    def add(self, width: int, accepted: int) -> None:
+        for j in range(len(self.verified)):
+            self.accepted[j] *= self.decay
+            self.verified[j] *= self.decay
+        for j in range(width - 1):
+            self.verified[j] += 1
+            self.accepted[j] += j < accepted
+
+
+@dataclass
+class _Counts:
+    accepted: list[int]
+    verified: list[int]
+
+
+@dataclass
+class AutoSpeculation:
+    """One generation's choices (see the module docstring)."""
+
+    timings: Timings
+    prior: AcceptancePrior
+    block_size: int
+    margin: float = 1.1
+    max_probe_interval: int = 256
+    prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
+    speculating: bool = False
+    _counts: _Counts = field(init=False)
+    _next_probe: int = 0
+    _interval: int = 4
+    _note: Optional[str] = None
+    _last: Optional[int] = None  # the last plan, and whether its sample was dropped
+    _dropped: bool = False
+
+    def __post_init__(self):
+        n = self.block_size - 1
+        self._counts = _Counts([0] * n, [0] * n)
+
+    @property
+    def widths(self) -> list[int]:
+        return sorted({w for w in (self.block_size, 8, 4, 2) if 2 <= w <= self.block_size}, reverse=True)
+
+    def expected_tokens(self, width: int) -> float:
+        """1 + the expected accepted drafts of a cycle of `width`: P(accepted through j), each
+        from this generation's counts and the prior, the latter weighted as `prior_weight` cycles."""
+        total, through = 1.0, 1.0
+        weight = self.prior_weight / (self.prior.verified[0] or 1.0)
+        for j in range(width - 1):
+            accepted = self._counts.accepted[j] + weight * self.prior.accepted[j]
+            verified = self._counts.verified[j] + weight * self.prior.verified[j]
+            if verified <= 0:  # never verified this far: counted as never accepted
+                break
+            through = min(through, accepted / verified)  # P(every draft through j accepted)
+            total += through
+        return total
+
+    def plan(self, context: int) -> int:
+        if self._dropped and self._last is not None:
+            return self._last  # its first sample compiled; measure it again
+        step = self.timings.estimate(0, context)
+        if step is None:
+            return 0
+        unmeasured = [w for w in self.widths if self.timings.estimate(w, context) is None]
+        rates = {w: self.expected_tokens(w) / t for w in self.widths
+                 if (t := self.timings.estimate(w, context)) is not None}
+        best = max(rates, key=rates.get) if rates else None
+        if best is not None and rates[best] > (1.0 if self.speculating else self.margin) / step:
+            self.speculating, self._note = True, None
+            return best
+        self.speculating = False
+        if best is not None:
+            self._note = (f"cycle {1e3 * self.timings.estimate(best, context):.1f} ms for "
+                          f"{self.expected_tokens(best):.2f} tokens (width {best}) against a step of "
+                          f"{1e3 * step:.1f} ms")
+        if self._next_probe > 0:
+            self._next_probe -= 1
+            return 0
+        # A probe: the widest width not measured yet, else the best one.
+        self._next_probe = self._interval
+        self._interval = min(2 * self._interval, self.max_probe_interval)
+        return unmeasured[0] if unmeasured else best
+
+    def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None:
+        kept = self.timings.record(width, context, seconds)
+        self._last, self._dropped = width, not kept
+        if width:
+            for j in range(width - 1):
+                self._counts.verified[j] += 1
+                self._counts.accepted[j] += j < accepted
+            self.prior.add(width, accepted)
+            if self.speculating:
+                self._interval = 4  # a winning streak: probe quickly again if it ends
+
+    def note(self) -> Optional[str]:
+        return self._note
+
+
+@dataclass
+class AlwaysSpeculate:
+    """`speculation: on`: every step a cycle of the full block."""
+
+    block_size: int
+
+    def plan(self, context: int) -> int:
+        return self.block_size
+
+    def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None:
+        pass
+
+    def note(self) -> Optional[str]:
+        return None
+
+
+@dataclass
+class ModelSpeculation:
+    """What a model keeps across its generations for `auto`."""
+
+    block_size: int
+    timings: Timings = field(default_factory=Timings)
+    prior: AcceptancePrior = field(init=False)
+
+    def __post_init__(self):
+        self.prior = AcceptancePrior(self.block_size - 1)
+
+    def policy(self, mode: str) -> SpeculationPolicy:
+        if mode == "on":
+            return AlwaysSpeculate(self.block_size)
+        return AutoSpeculation(self.timings, self.prior, self.block_size)
