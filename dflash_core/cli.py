@@ -24,10 +24,20 @@ def _add_model_flags(p, *, what: str) -> None:
                         "with --model, replaces that model's drafter")
     p.add_argument("--target-revision")
     p.add_argument("--drafter-revision")
+    p.add_argument("--speculation", choices=["auto", "on", "off"],
+                   help="auto (default): cycles only while they beat plain target steps here; on: always; off: the target alone")
 
 
 def settings_from_args(args) -> Settings:
     """config file < CLI flags. `--target` replaces the configured models by that one."""
+    settings = _models_from_args(args)
+    if getattr(args, "speculation", None):  # every model's mode
+        models = [m.model_copy(update={"speculation": args.speculation}) for m in settings.models]
+        settings = settings.model_copy(update={"models": models})
+    return settings
+
+
+def _models_from_args(args) -> Settings:
     settings = load_settings(config_path(args.config))
     if args.target:
         drafter = args.drafter or "auto"
@@ -165,7 +175,10 @@ def _summary(stats: dict) -> str:
         f"generated {stats['generated_tokens']} tok at {stats['decode_tokens_per_second']:.1f} tok/s"
     )
     if stats["speculative"]:
-        return line + f" | {stats['tokens_per_cycle']:.2f} tokens/cycle over {stats['cycles']} cycles"
+        line += f" | {stats['tokens_per_cycle']:.2f} tokens/cycle over {stats['cycles']} cycles"
+        if stats["plain_steps"]:
+            line += f", {stats['plain_steps']} plain steps"
+        return line + (f" ({stats['speculation_note']})" if stats["speculation_note"] else "")
     return line + f" | speculative off: {stats['speculative_off_reason']}"
 
 

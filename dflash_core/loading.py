@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 CPU_SPECULATION_WARNING = (
     "running on MLX's CPU backend: its matrix multiply costs about as much per row as a one-row "
     "decode step, so verifying a 16-token block costs about 16 decode steps and DFlash is usually "
-    "SLOWER than the target alone here (output is identical either way). For speed on a CPU, add "
-    "--drafter none (e.g. dflash serve --model NAME --drafter none); DFlash pays off on a GPU or Apple silicon."
+    "SLOWER than the target alone here (output is identical either way), and speculation is 'on'. "
+    "With 'auto' (the default) cycles run only while they beat plain target steps on this machine; "
+    "DFlash pays off on a GPU or Apple silicon."
 )
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -156,6 +157,7 @@ def load_model(
     dtype: Optional[str] = None,
     quantize_bits: Optional[int] = None,
     prefix_cache: Union[int, SnapshotBudget] = 0,
+    speculation: str = "on",
 ) -> LoadedModel:
     """`prefix_cache`: a byte budget of its own (0: no prefix cache) or a budget shared with other
     models' caches."""
@@ -166,7 +168,7 @@ def load_model(
     if drafter:
         drafter_path = resolve(drafter, drafter_revision, files=DRAFTER_FILES)
         draft_model = load_checked_drafter(drafter_path, adapter, block_size)
-        if mx.default_device() == mx.cpu:
+        if mx.default_device() == mx.cpu and speculation == "on":
             log.warning(CPU_SPECULATION_WARNING)
     engine = Engine(
         adapter,
@@ -177,6 +179,7 @@ def load_model(
         max_context=max_context or max_position_embeddings(config),
         drafter_off_reason=off_reason,
         prefix_cache=PrefixCache(prefix_cache) if _budget_bytes(prefix_cache) > 0 else None,
+        speculation=speculation,
     )
     return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
 
@@ -200,6 +203,7 @@ def load_configured(spec, prefill_chunk: int = 2048, prefix_cache: Union[int, Sn
         dtype=spec.dtype,
         quantize_bits=spec.quantize_bits,
         prefix_cache=prefix_cache,
+        speculation=spec.speculation,
     )
 
 

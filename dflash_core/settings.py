@@ -76,6 +76,8 @@ class ModelSettings(Strict):
     drafter: Optional[str] = Field("auto", description="repo id or path; 'auto': from the registry; null: target only")
     drafter_revision: Optional[str] = None
     block_size: Optional[int] = Field(None, ge=2, le=64, description="draft fewer tokens than the drafter was trained for")
+    speculation: Literal["auto", "on", "off"] = Field(
+        "auto", description="auto: draft-verify cycles only while they beat plain target steps on this machine")
     dtype: Optional[Literal["float16", "bfloat16", "float32"]] = Field(None, description="cast the target's weights")
     quantize_bits: Optional[Literal[4, 8]] = Field(None, description="quantize an unquantized target when loading")
     max_context: Optional[int] = Field(None, ge=16)

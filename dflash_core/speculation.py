@@ -90,6 +90,29 @@ class AcceptancePrior:
 
 
 @dataclass
+class ProbeSchedule:
+    """When a model that is not speculating tries a cycle again: after `interval` plain steps of
+    any of its generations, the interval doubling after each probe up to `longest`, back to
+    `shortest` once cycles win. Kept per model so that short generations do not each probe anew."""
+
+    shortest: int = 4
+    longest: int = 256
+    interval: int = 4
+    countdown: int = 0
+
+    def due(self) -> bool:
+        if self.countdown > 0:
+            self.countdown -= 1
+            return False
+        self.countdown = self.interval
+        self.interval = min(2 * self.interval, self.longest)
+        return True
+
+    def winning(self) -> None:
+        self.interval = self.shortest
+
+
+@dataclass
 class _Counts:
     accepted: list[int]
     verified: list[int]
@@ -102,13 +125,11 @@ class AutoSpeculation:
     timings: Timings
     prior: AcceptancePrior
     block_size: int
+    probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     margin: float = 1.1
-    max_probe_interval: int = 256
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
     speculating: bool = False
     _counts: _Counts = field(init=False)
-    _next_probe: int = 0
-    _interval: int = 4
     _note: Optional[str] = None
     _last: Optional[int] = None  # the last plan, and whether its sample was dropped
     _dropped: bool = False
@@ -135,31 +156,41 @@ class AutoSpeculation:
             total += through
         return total
 
+    def cycle_seconds(self, width: int, context: int) -> Optional[float]:
+        """A cycle's measured time, else one extrapolated from the measured widths: linear between
+        two, proportional to the width below the narrowest (as on a CPU), flat above the widest (as
+        on a GPU). Optimistic on purpose: an unmeasured width that looks best gets tried."""
+        measured = {w: t for w in self.widths if (t := self.timings.estimate(w, context)) is not None}
+        if width in measured or not measured:
+            return measured.get(width)
+        below = [w for w in measured if w < width]
+        above = [w for w in measured if w > width]
+        if not below:
+            return measured[min(above)] * width / min(above)
+        if not above:
+            return measured[max(below)]
+        lo, hi = max(below), min(above)
+        return measured[lo] + (measured[hi] - measured[lo]) * (width - lo) / (hi - lo)
+
     def plan(self, context: int) -> int:
         if self._dropped and self._last is not None:
             return self._last  # its first sample compiled; measure it again
         step = self.timings.estimate(0, context)
         if step is None:
             return 0
-        unmeasured = [w for w in self.widths if self.timings.estimate(w, context) is None]
         rates = {w: self.expected_tokens(w) / t for w in self.widths
-                 if (t := self.timings.estimate(w, context)) is not None}
-        best = max(rates, key=rates.get) if rates else None
-        if best is not None and rates[best] > (1.0 if self.speculating else self.margin) / step:
+                 if (t := self.cycle_seconds(w, context)) is not None}
+        best = max(rates, key=rates.get) if rates else self.widths[0]
+        if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
             return best
         self.speculating = False
-        if best is not None:
-            self._note = (f"cycle {1e3 * self.timings.estimate(best, context):.1f} ms for "
+        if rates:
+            self._note = (f"cycle {1e3 * self.cycle_seconds(best, context):.1f} ms for "
                           f"{self.expected_tokens(best):.2f} tokens (width {best}) against a step of "
                           f"{1e3 * step:.1f} ms")
-        if self._next_probe > 0:
-            self._next_probe -= 1
-            return 0
-        # A probe: the widest width not measured yet, else the best one.
-        self._next_probe = self._interval
-        self._interval = min(2 * self._interval, self.max_probe_interval)
-        return unmeasured[0] if unmeasured else best
+        # A probe of the most promising width (the block, before anything is measured).
+        return best if self.probes.due() else 0
 
     def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None:
         kept = self.timings.record(width, context, seconds)
@@ -170,7 +201,7 @@ class AutoSpeculation:
                 self._counts.accepted[j] += j < accepted
             self.prior.add(width, accepted)
             if self.speculating:
-                self._interval = 4  # a winning streak: probe quickly again if it ends
+                self.probes.winning()  # probe quickly again if this streak ends
 
     def note(self) -> Optional[str]:
         return self._note
@@ -198,6 +229,7 @@ class ModelSpeculation:
 
     block_size: int
     timings: Timings = field(default_factory=Timings)
+    probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     prior: AcceptancePrior = field(init=False)
 
     def __post_init__(self):
@@ -206,4 +238,4 @@ class ModelSpeculation:
     def policy(self, mode: str) -> SpeculationPolicy:
         if mode == "on":
             return AlwaysSpeculate(self.block_size)
-        return AutoSpeculation(self.timings, self.prior, self.block_size)
+        return AutoSpeculation(self.timings, self.prior, self.block_size, self.probes)

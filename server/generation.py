@@ -42,6 +42,7 @@ class Run:
     started: float = field(default_factory=time.perf_counter)  # the request's arrival
     logprobs: Optional[int] = None  # top-k logprobs per token (None: none)
     grammar: Optional[CompiledGrammar] = None  # what the output must match
+    speculation: Optional[str] = None  # auto, on or off; None: the model's configured mode
     first_token_at: Optional[float] = None
     stats: Optional[GenerationStats] = None
     job: Optional[Job] = None
@@ -61,6 +62,7 @@ class Run:
                 logprobs=self.logprobs,
                 grammar=self.grammar,
                 reasoning_budget=self.prompt.reasoning_budget,
+                speculation=self.speculation,
             ),
             loop=asyncio.get_running_loop(),
         )

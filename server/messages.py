@@ -110,7 +110,7 @@ def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
     }
     if isinstance(body, MessagesRequest):
         request.update(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
-                       user=body.metadata.user_id if body.metadata else None)
+                       user=body.metadata.user_id if body.metadata else None, dflash=body.dflash)
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in request.items() if v is not None})
     except ValueError as e:

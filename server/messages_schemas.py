@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from .schemas import StrictModel
+from .schemas import DflashOptions, StrictModel
 
 
 class CacheControl(StrictModel):
@@ -151,6 +151,7 @@ class MessagesRequest(StrictModel):
     context_management: Optional[ContextManagement] = None
     service_tier: Optional[Literal["auto", "standard_only"]] = None  # one tier here
     cache_control: Optional[CacheControl] = None  # automatic caching: what the prefix cache does
+    dflash: Optional[DflashOptions] = None  # dflash's extension (docs/api.md)
 
 
 class CountTokensRequest(StrictModel):

@@ -33,6 +33,12 @@ class Metrics:
         self.prefix_hits = Counter("dflash_prefix_cache_hits", "Requests that reused a cached prompt prefix", registry=r)
         self.prefix_misses = Counter("dflash_prefix_cache_misses", "Requests that computed their whole prompt", registry=r)
         self.prefix_cached_tokens = Counter("dflash_prefix_cache_tokens", "Prompt tokens reused from the cache", registry=r)
+        self.verified_at = Counter("dflash_spec_verified_by_position", "Cycles whose width reached each block position",
+                                   ["position"], registry=r)
+        self.cycle_widths = Counter("dflash_spec_cycles_by_width", "Draft-verify cycles by verify width", ["width"], registry=r)
+        self.plain_steps = Counter("dflash_spec_plain_steps", "Plain target steps within speculating generations", registry=r)
+        self.tokens_by_source = Counter("dflash_spec_tokens", "Tokens of speculating generations, by what made them",
+                                        ["source"], registry=r)
         self.spec_off = Counter("dflash_spec_off_requests", "Requests decoded without speculation", ["reason"], registry=r)
 
     def record_generation(self, stats: GenerationStats) -> None:
@@ -54,5 +60,13 @@ class Metrics:
             for position, n in enumerate(stats.accepted_by_position, start=1):
                 if n:
                     self.accepted_at.labels(position=str(position)).inc(n)
+            for position, n in enumerate(stats.verified_by_position, start=1):
+                if n:
+                    self.verified_at.labels(position=str(position)).inc(n)
+            for width, n in stats.cycle_widths.items():
+                self.cycle_widths.labels(width=str(width)).inc(n)
+            self.plain_steps.inc(stats.plain_steps)
+            self.tokens_by_source.labels(source="cycles").inc(stats.tokens_from_cycles)
+            self.tokens_by_source.labels(source="plain_steps").inc(stats.tokens_from_steps)
         else:
             self.spec_off.labels(reason=stats.speculative_off_reason or "unknown").inc()

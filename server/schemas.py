@@ -117,8 +117,15 @@ def _at_most_four(value):
 StopField = Annotated[Union[str, list[str], None], AfterValidator(_at_most_four)]
 
 
+class DflashOptions(StrictModel):
+    """dflash's extension object, on every endpoint: `{"dflash": {"speculation": "off"}}`."""
+
+    speculation: Optional[Literal["auto", "on", "off"]] = None  # None: the model's configured mode
+
+
 class Sampling(StrictModel):
-    """The sampling fields the OpenAI surfaces share (chat, completions, Responses)."""
+    """The sampling fields the OpenAI surfaces share (chat, completions, Responses), and dflash's
+    extension object (copied with them)."""
 
     temperature: Optional[float] = None
     top_p: Optional[float] = None
@@ -129,6 +136,7 @@ class Sampling(StrictModel):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    dflash: Optional[DflashOptions] = None
 
 
 class SamplingFields(Sampling):

@@ -104,7 +104,8 @@ def start_run(state: ServerState, served: ServedModel, body, prompt: chat.Prompt
                        "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
     sampling = chat.sampling_params(body, defaults, served.engine.target.vocab_size)
     run = Run(state.scheduler, served, prompt, max_tokens, sampling, stop_tokens,
-              state.settings.server.request_timeout, started=arrival, logprobs=logprobs, grammar=grammar)
+              state.settings.server.request_timeout, started=arrival, logprobs=logprobs, grammar=grammar,
+              speculation=body.dflash.speculation if body.dflash else None)
     run.submit()
     if body.user:
         log.info("request for %s from user %r", served.name, body.user)

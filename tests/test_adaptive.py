@@ -1,0 +1,176 @@
+"""speculation: auto — switching between cycles of any width and plain target steps at every
+point keeps the output exactly the target's; the controller picks what is faster here."""
+
+from __future__ import annotations
+
+import pytest
+from families import ENGINE_FAMILIES
+from families import sample_prompt as _prompt
+from forced import ForcedDrafter
+
+from dflash_core.engine import Engine
+from dflash_core.sampling import SamplingParams
+from dflash_core.speculation import AcceptancePrior, AutoSpeculation, Timings
+
+N_TOKENS = 200
+# Every plan in turn next to every other: plain steps alone and in runs, every width 2..16.
+PLANS = [0, 16, 0, 0, 2, 16, 5, 0, 3, 16, 9, 0, 0, 0, 15, 4, 16, 16, 6, 0, 7, 8, 10, 0, 11, 12, 13, 14, 0, 2]
+
+
+def _accept_schedule(plans):
+    """Drafts the forced drafter gets accepted in each cycle of `plans`: all of them at a width's
+    first cycle (so every length 1..15 occurs), else fewer, none every third cycle."""
+    out, seen = [], set()
+    for k, width in enumerate(w for w in plans if w):
+        out.append(width - 1 if width not in seen else (0 if k % 3 == 0 else k % width))
+        seen.add(width)
+    return out
+
+
+ACCEPT = _accept_schedule(PLANS)
+
+
+class Scheduled:
+    """A SpeculationPolicy that follows a fixed list of plans, recording what it saw."""
+
+    def __init__(self, plans):
+        self.plans, self.i, self.seen = plans, 0, []
+
+    def plan(self, context):
+        width = self.plans[self.i % len(self.plans)]
+        self.i += 1
+        return width
+
+    def observe(self, width, context, seconds, tokens, accepted):
+        self.seen.append((width, tokens, accepted))
+
+    def note(self):
+        return None
+
+
+SAMPLINGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=7)}
+
+
+def _tokens(engine, prompt, sampling, **kwargs):
+    chunks = list(engine.generate(prompt, max_tokens=N_TOKENS, stop_token_ids=set(), sampling=sampling, **kwargs))
+    return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_switching_at_every_point_is_lossless(engines, family, sampling):
+    engine = engines[family]
+    prompt = _prompt(engine)
+    params = SAMPLINGS[sampling]
+    reference, _ = _tokens(engine, prompt, params, speculative=False)
+    # The real (random) drafter: mostly rejected drafts, every width and plain steps in between.
+    policy = Scheduled(PLANS)
+    tokens, stats = _tokens(engine, prompt, params, speculation=policy)
+    assert tokens == reference
+    assert stats.plain_steps > 0 and set(stats.cycle_widths) == set(PLANS) - {0}
+    assert stats.tokens_from_cycles + stats.tokens_from_steps + 1 == stats.generated_tokens
+    # A forced drafter: long acceptances too, at every width, with plain steps between cycles.
+    forced = ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), ACCEPT, engine.target.vocab_size,
+                           engine.drafter.config.target_layer_ids)
+    forced_engine = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
+    policy = Scheduled(PLANS)
+    tokens, stats = _tokens(forced_engine, prompt, params, speculation=policy)
+    assert tokens == reference
+    assert {a for w, _, a in policy.seen if w} == set(range(16))
+
+
+def _controller(block=16):
+    return AutoSpeculation(Timings(), AcceptancePrior(block - 1), block)
+
+
+def _feed(policy, context, step, cycle, accepted, n):
+    """Run n planned steps against a machine whose plain step takes `step` s and a cycle of
+    width w `cycle(w)` s, accepting `accepted(w)` drafts; return the plans."""
+    plans = []
+    for _ in range(n):
+        width = policy.plan(context)
+        plans.append(width)
+        a = accepted(width) if width else 0
+        policy.observe(width, context, step if width == 0 else cycle(width), a + 1, a)
+        context += a + 1
+    return plans
+
+
+def test_auto_turns_cycles_off_when_they_lose_and_keeps_probing():
+    """A CPU-like machine: a cycle costs its width in steps and drafts are never accepted."""
+    policy = _controller()
+    plans = _feed(policy, 100, 0.01, lambda w: 0.01 * w + 0.005, lambda w: 0, 600)
+    tail = plans[100:]
+    assert tail.count(0) / len(tail) > 0.95  # plain steps, nearly always
+    assert any(plans[100:])  # still probing now and then
+    probes = [i for i, w in enumerate(plans) if w]
+    # Probes back off (a width's first probe is run twice: its first sample compiles, and is dropped).
+    gaps = [j - i for i, j in zip(probes, probes[1:]) if j - i > 1]
+    assert gaps == sorted(gaps) and gaps[-1] >= 64, gaps
+    assert "against a step of 10.0 ms" in policy.note()
+
+
+def test_auto_speculates_when_cycles_win():
+    """A GPU-like machine: a cycle costs about two steps whatever its width, 6 drafts accepted."""
+    policy = _controller()
+    plans = _feed(policy, 100, 0.01, lambda w: 0.02, lambda w: min(6, w - 1), 200)
+    assert all(w == 16 for w in plans[20:])
+
+
+def test_auto_finds_the_width_that_pays():
+    """Cycle cost grows with width (CPU) and only the first 3 drafts are ever accepted: a narrow
+    width beats both plain steps and the full block."""
+    policy = _controller()
+    plans = _feed(policy, 100, 0.01, lambda w: 0.004 + 0.003 * w, lambda w: min(3, w - 1), 800)
+    tail = plans[-200:]
+    assert max(set(tail), key=tail.count) == 4
+
+
+def _text(path, out):
+    if path == "/v1/chat/completions":
+        return out["choices"][0]["message"]["content"]
+    if path == "/v1/completions":
+        return out["choices"][0]["text"]
+    if path == "/v1/responses":
+        return [item for item in out["output"] if item["type"] == "message"][0]["content"][0]["text"]
+    return out["content"][0]["text"]
+
+
+def test_every_endpoint_takes_the_speculation_mode(qwen3_pair):
+    import httpx
+
+    from dflash_core.settings import ModelSettings, Settings
+    from live_server import LiveServer
+
+    target, drafter = qwen3_pair
+    settings = Settings(models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter))])
+    base = {"model": "tiny", "temperature": 0}
+    chat = {**base, "messages": [{"role": "user", "content": "Tell me about foxes."}], "max_tokens": 24,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    requests = {
+        "/v1/chat/completions": chat,
+        "/v1/completions": {**base, "prompt": "The fox", "max_tokens": 24},
+        "/v1/responses": {**base, "input": "Tell me about foxes.", "max_output_tokens": 24,
+                          "reasoning": {"effort": "none"}},
+        "/v1/messages": {**base, "messages": [{"role": "user", "content": "Tell me about foxes."}], "max_tokens": 24,
+                         "thinking": {"type": "disabled"}},
+    }
+    with LiveServer(settings) as server:
+        for path, body in requests.items():
+            texts = {}
+            for mode in ("off", "on", "auto"):
+                response = httpx.post(server.url + path, json={**body, "dflash": {"speculation": mode}}, timeout=120)
+                assert response.status_code == 200, (path, response.text)
+                out = response.json()
+                stats = out["dflash"]
+                assert stats["speculation"] == mode and stats["speculative"] == (mode != "off"), (path, stats)
+                if mode == "on":
+                    assert stats["cycles"] > 0 and stats["plain_steps"] == 0
+                texts[mode] = _text(path, out)
+            assert texts["off"] == texts["on"] == texts["auto"], (path, texts)  # one output, whatever the mode
+            bad = httpx.post(server.url + path, json={**body, "dflash": {"speculation": "sometimes"}}, timeout=30)
+            assert bad.status_code == 400, (path, bad.text)
+            assert ("type" in bad.json() and bad.json()["type"] == "error") if path == "/v1/messages" else "error" in bad.json()
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'dflash_spec_tokens_total{source="cycles"}' in metrics
+        assert "dflash_spec_cycles_by_width_total" in metrics
