@@ -112,6 +112,8 @@ class ModeResult(_Strict):
         default_factory=list, description="cycles in which the draft at block position 1..B-1 was accepted, summed")
     tokens_per_cycle: Optional[float] = Field(None, description="(draft_tokens_accepted + cycles) / cycles")
     acceptance_by_position: Optional[list[float]] = Field(None, description="accepted_by_position / cycles")
+    plain_steps: int = Field(0, description="speculation auto: plain target steps, summed over runs")
+    tokens_from_steps: int = Field(0, description="tokens those plain steps made, summed over runs")
 
 
 class PromptResult(_Strict):
@@ -122,7 +124,9 @@ class PromptResult(_Strict):
     filler_tokens: int
     target: ModeResult
     dflash: Optional[ModeResult] = Field(description="null when the model has no drafter")
+    auto: Optional[ModeResult] = Field(None, description="speculation auto; null when the model has no drafter")
     speedup: Optional[float] = Field(description="dflash / target decode_tokens_per_second")
+    auto_speedup: Optional[float] = Field(None, description="auto / target decode_tokens_per_second")
     match: Optional[bool] = Field(
         description="every DFlash run equalled the first target-alone run token for token; null: not checked")
     compared_tokens: int = Field(description="tokens compared (the shortest output)")
@@ -142,6 +146,8 @@ class Summary(_Strict):
     target_decode_tokens_per_second: float
     dflash_decode_tokens_per_second: Optional[float]
     speedup: Optional[float] = Field(description="dflash_decode / target_decode of this row")
+    auto_decode_tokens_per_second: Optional[float] = None
+    auto_speedup: Optional[float] = Field(None, description="auto_decode / target_decode of this row")
     tokens_per_cycle: Optional[float]
     acceptance_by_position: Optional[list[float]]
     target_peak_memory_bytes: int
@@ -305,6 +311,8 @@ class Run:
     draft_tokens_accepted: int
     accepted_by_position: list[int]
     peak_memory_bytes: int
+    plain_steps: int = 0
+    tokens_from_steps: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -317,14 +325,16 @@ class Run:
 
 
 def run_once(engine, tokens: Sequence[int], *, speculative: bool, max_tokens: int, sampling: SamplingParams,
-             ignore_eos: bool) -> Run:
+             ignore_eos: bool, speculation: Optional[str] = None) -> Run:
+    """One generation; `speculation` (auto, on, off) when speculating, the engine's mode if None."""
     mx.synchronize()
     # The peak counts memory in use (weights included), not the allocator's cache; the cache is
     # kept, so runs do not pay for fresh allocations that real serving would not pay either.
     mx.reset_peak_memory()
     out, last = [], None
+    extra = {"speculation": speculation} if speculative and speculation else {}
     for chunk in engine.generate(tokens, max_tokens=max_tokens, sampling=sampling, speculative=speculative,
-                                 stop_token_ids=set() if ignore_eos else None):
+                                 stop_token_ids=set() if ignore_eos else None, **extra):
         out += chunk.token_ids
         last = chunk
     # The engine queues the next cycle before handing out tokens; let that stray work finish
@@ -333,7 +343,7 @@ def run_once(engine, tokens: Sequence[int], *, speculative: bool, max_tokens: in
     s = last.stats
     return Run(out, last.finish_reason, s.speculative, s.speculative_off_reason, s.prefill_tokens,
                s.prefill_seconds, s.decode_seconds, s.generated_tokens, s.cycles, s.draft_tokens_accepted,
-               list(s.accepted_by_position), mx.get_peak_memory())
+               list(s.accepted_by_position), mx.get_peak_memory(), s.plain_steps, s.tokens_from_steps)
 
 
 def first_divergence(reference: Sequence[int], other: Sequence[int]) -> Optional[tuple[int, Optional[int], Optional[int]]]:
@@ -372,6 +382,7 @@ def mode_result(runs: list[Run]) -> ModeResult:
         peak_memory_bytes=max(r.peak_memory_bytes for r in runs),
         cycles=cycles, draft_tokens_accepted=accepted, accepted_by_position=by_position,
         tokens_per_cycle=per_cycle, acceptance_by_position=by_share,
+        plain_steps=sum(r.plain_steps for r in runs), tokens_from_steps=sum(r.tokens_from_steps for r in runs),
     )
 
 
@@ -392,12 +403,12 @@ def logit_gap(engine, tokens: Sequence[int], agreed: Sequence[int], want: Option
 
 
 def compare(prompt: BenchPrompt, context: int, tokens: list[int], filler: int, target: list[Run],
-            dflash: list[Run], check: bool, engine=None) -> PromptResult:
+            dflash: list[Run], check: bool, engine=None, auto: Optional[list[Run]] = None) -> PromptResult:
     reference = target[0].tokens
     divergence, match = None, None
     if dflash and check:
         match = True
-        for repeat, run in enumerate(dflash):
+        for repeat, run in enumerate(dflash + (auto or [])):
             found = first_divergence(reference, run.tokens)
             if found is not None:
                 index, want, got = found
@@ -406,10 +417,12 @@ def compare(prompt: BenchPrompt, context: int, tokens: list[int], filler: int, t
                 match = False
                 break
     t, d = mode_result(target), (mode_result(dflash) if dflash else None)
+    a = mode_result(auto) if auto else None
     speedup = d.decode_tokens_per_second / t.decode_tokens_per_second if d and t.decode_tokens_per_second else None
+    auto_speedup = a.decode_tokens_per_second / t.decode_tokens_per_second if a and t.decode_tokens_per_second else None
     return PromptResult(
         set=prompt.set, prompt=prompt.name, context=context, prompt_tokens=len(tokens), filler_tokens=filler,
-        target=t, dflash=d, speedup=speedup, match=match,
+        target=t, dflash=d, auto=a, speedup=speedup, auto_speedup=auto_speedup, match=match,
         compared_tokens=min(len(r.tokens) for r in target[:1] + dflash),
         divergence=divergence, target_repeats_agree=all(r.tokens == reference for r in target),
     )
@@ -435,6 +448,8 @@ def summarize(results: list[PromptResult], sets: list[str]) -> list[Summary]:
             per_cycle, by_share = _pooled(cycles, sum(d.draft_tokens_accepted for d in spec), by_position)
             target_decode = statistics.median(r.target.decode_tokens_per_second for r in group)
             dflash_decode = statistics.median(d.decode_tokens_per_second for d in spec) if spec else None
+            autos = [r.auto for r in group if r.auto is not None]
+            auto_decode = statistics.median(a.decode_tokens_per_second for a in autos) if autos else None
             rows.append(Summary(
                 context=context, set=name, prompts=len(group),
                 prompt_tokens=int(statistics.median(r.prompt_tokens for r in group)),
@@ -443,6 +458,8 @@ def summarize(results: list[PromptResult], sets: list[str]) -> list[Summary]:
                     statistics.median(d.prefill_tokens_per_second for d in spec) if spec else None),
                 target_decode_tokens_per_second=target_decode, dflash_decode_tokens_per_second=dflash_decode,
                 speedup=dflash_decode / target_decode if spec and target_decode else None,
+                auto_decode_tokens_per_second=auto_decode,
+                auto_speedup=auto_decode / target_decode if autos and target_decode else None,
                 tokens_per_cycle=per_cycle, acceptance_by_position=by_share,
                 target_peak_memory_bytes=max(r.target.peak_memory_bytes for r in group),
                 dflash_peak_memory_bytes=max(d.peak_memory_bytes for d in spec) if spec else None,
@@ -478,7 +495,8 @@ def run_engine_bench(model: BenchModel, settings: EngineSettings, progress: bool
 
     separator = encode("\n\n")  # the filler document ends with a paragraph break, not mid-word
     rendered = {p.name: render_prompt(engine.tokenizer, p, model.template_kwargs) for p in prompts}
-    modes = [False] + ([True] if engine.drafter is not None else [])  # speculative off, on
+    # Target alone, always-on DFlash, and auto (cycles only while they win here).
+    modes = ["off"] + (["on", "auto"] if engine.drafter is not None else [])
     # Forced acceptance changes the target's choices: its output is not the target's to compare.
     check = settings.forced_accepted is None
 
@@ -492,8 +510,8 @@ def run_engine_bench(model: BenchModel, settings: EngineSettings, progress: bool
 
     common = dict(max_tokens=settings.max_tokens, sampling=sampling, ignore_eos=settings.ignore_eos)
     # Warm-up, not measured: the first generations compile kernels and allocate buffers.
-    for speculative in modes:
-        run_once(engine, rendered[prompts[0].name], speculative=speculative,
+    for mode in modes:
+        run_once(engine, rendered[prompts[0].name], speculative=mode != "off", speculation=mode,
                  **{**common, "max_tokens": min(settings.max_tokens, 32)})
 
     total = len(contexts) * len(prompts) * settings.repeats * len(modes)
@@ -505,18 +523,19 @@ def run_engine_bench(model: BenchModel, settings: EngineSettings, progress: bool
             filler = filler_tokens(encode, context)
             for prompt in prompts:
                 tokens, n_filler = pad_to_context(rendered[prompt.name], filler, context, bos, separator)
-                runs: dict[bool, list[Run]] = {False: [], True: []}
-                # Modes alternate within each repeat, so slow drift (heat, other load) hits both alike.
+                runs: dict[str, list[Run]] = {"off": [], "on": [], "auto": []}
+                # Modes alternate within each repeat, so slow drift (heat, other load) hits all alike.
                 for _ in range(settings.repeats):
-                    for speculative in modes:
+                    for mode in modes:
                         if not first and settings.cooldown_seconds:
                             time.sleep(settings.cooldown_seconds)
                         first = False
                         bar.set_postfix_str(f"ctx {context} {prompt.set}/{prompt.name} "
-                                            f"{'dflash' if speculative else 'target'}")
-                        runs[speculative].append(run_once(engine, tokens, speculative=speculative, **common))
+                                            f"{ {'off': 'target', 'on': 'dflash', 'auto': 'auto'}[mode]}")
+                        runs[mode].append(run_once(engine, tokens, speculative=mode != "off", speculation=mode, **common))
                         bar.update()
-                results.append(compare(prompt, context, tokens, n_filler, runs[False], runs[True], check, engine))
+                results.append(compare(prompt, context, tokens, n_filler, runs["off"], runs["on"], check, engine,
+                                       auto=runs["auto"]))
     finally:
         bar.close()
 
@@ -551,17 +570,18 @@ def engine_table(report: EngineReport) -> str:
     if not report.acceptance_measured:
         lines.append(f"RANDOM WEIGHTS: speed only; tokens/cycle is NOT a measure of acceptance. {report.note or ''}")
     header = (f"{'context':>7} {'set':<6} {'n':>2} {'prompt':>6} | {'prefill tok/s':>17} | "
-              f"{'decode tok/s':>17} | {'speedup':>7} {'tok/cycle':>9} | {'peak GB':>11} | match")
-    lines += [header, f"{'':>24} | {'target':>8} {'dflash':>8} | {'target':>8} {'dflash':>8} |"
-              f"{'':>18} | {'tgt':>5} {'dfl':>5} |", "-" * len(header)]
+              f"{'decode tok/s':>26} | {'speedup':>15} {'tok/cycle':>9} | {'peak GB':>11} | match")
+    lines += [header, f"{'':>24} | {'target':>8} {'dflash':>8} | {'target':>8} {'dflash':>8} {'auto':>8} |"
+              f" {'dflash':>7} {'auto':>7}{'':>10} | {'tgt':>5} {'dfl':>5} |", "-" * len(header)]
     for r in report.summary:
         match = "-" if r.matched + r.mismatched == 0 else (
             "yes" if not r.mismatched else f"NO ({r.mismatched}/{r.matched + r.mismatched})")
         lines.append(
             f"{r.context:>7} {r.set:<6} {r.prompts:>2} {r.prompt_tokens:>6} | "
             f"{_fmt(r.target_prefill_tokens_per_second, '.0f'):>8} {_fmt(r.dflash_prefill_tokens_per_second, '.0f'):>8} | "
-            f"{_fmt(r.target_decode_tokens_per_second):>8} {_fmt(r.dflash_decode_tokens_per_second):>8} | "
-            f"{_fmt(r.speedup, '.2f') + 'x':>7} {_fmt(r.tokens_per_cycle, '.2f'):>9} | "
+            f"{_fmt(r.target_decode_tokens_per_second):>8} {_fmt(r.dflash_decode_tokens_per_second):>8} "
+            f"{_fmt(r.auto_decode_tokens_per_second):>8} | "
+            f"{_fmt(r.speedup, '.2f') + 'x':>7} {_fmt(r.auto_speedup, '.2f') + 'x':>7} {_fmt(r.tokens_per_cycle, '.2f'):>9} | "
             f"{_gb(r.target_peak_memory_bytes):>5} {_gb(r.dflash_peak_memory_bytes):>5} | {match}")
     for r in report.results:
         if r.divergence is not None:

@@ -2,7 +2,11 @@
 
 import os
 
-import mlx.core as mx
+from dflash_core.blas import preload
+
+preload()  # before MLX loads: the suite runs with the BLAS `dflash` uses (MKL on x86-64 Linux)
+
+import mlx.core as mx  # noqa: E402
 import pytest
 from families import ENGINE_FAMILIES
 

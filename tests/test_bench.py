@@ -67,7 +67,7 @@ def test_short_sweep_end_to_end(qwen3_pair, tmp_path, capsys):
                   "--sets", "math,agent", "--prompts-per-set", "1", "--max-tokens", "16", "--repeats", "2", out=out)
     assert code == 0
     printed = capsys.readouterr().out
-    assert "decode tok/s" in printed and "speedup" in printed and "MISMATCH" not in printed
+    assert "decode tok/s" in printed and "speedup" in printed and "auto" in printed and "MISMATCH" not in printed
 
     report = bench.load_report(out)  # the documented schema, validated
     assert isinstance(report, bench.EngineReport)
@@ -82,6 +82,9 @@ def test_short_sweep_end_to_end(qwen3_pair, tmp_path, capsys):
         assert r.speedup == pytest.approx(r.dflash.decode_tokens_per_second / r.target.decode_tokens_per_second)
         assert r.dflash.tokens_per_cycle >= 1 and len(r.dflash.acceptance_by_position) == 15
         assert r.dflash.peak_memory_bytes > 0 and not r.target.speculative
+        # speculation auto beside them: the same output (checked in `match`), its own speed.
+        assert r.auto.runs == 2 and r.auto.speculative
+        assert r.auto_speedup == pytest.approx(r.auto.decode_tokens_per_second / r.target.decode_tokens_per_second)
         if r.set == "math":  # padded with the filler document to exactly the context
             assert r.prompt_tokens == r.context and r.filler_tokens > 0
         else:  # the agent prompt with its tools is longer than both contexts: left as it is
