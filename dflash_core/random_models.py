@@ -96,7 +96,8 @@ class ForcedAcceptance:
     drafts are accepted. Everything else (forward, taps, rollback) is the real adapter.
 
     Only verify forwards (the ones that record a rollback tape) are touched: prefill chunks and
-    target-alone decode steps pass through unchanged, whatever their length."""
+    target-alone decode steps pass through unchanged, whatever their length. A verify narrower than
+    the block (speculation auto) accepts at most its drafts."""
 
     def __init__(self, target: TargetAdapter, schedule: Sequence[int], block: int = 16):
         self.target, self.schedule, self.block, self.cycle = target, list(schedule), block, 0
@@ -106,13 +107,14 @@ class ForcedAcceptance:
 
     def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
         out = self.target.forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
-        if not record or tokens.shape[1] != self.block:
+        width = tokens.shape[1]
+        if not record or width < 2:
             return out
-        accept = self.schedule[self.cycle % len(self.schedule)]
+        accept = min(self.schedule[self.cycle % len(self.schedule)], width - 1)
         self.cycle += 1
         drafts = tokens[0, 1:]
         wanted = mx.concatenate([drafts[:accept], (drafts[accept: accept + 1] + 1) % self.vocab_size,
-                                 drafts[accept + 1:], mx.zeros((1,), mx.int32)])[: self.block]
+                                 drafts[accept + 1:], mx.zeros((1,), mx.int32)])[:width]
         boost = (mx.arange(self.vocab_size)[None] == wanted[:, None]).astype(out.logits.dtype) * 1e4
         return SimpleNamespace(logits=out.logits + boost[None], taps=out.taps, tape=out.tape)
 

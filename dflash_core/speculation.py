@@ -14,7 +14,7 @@ machine measured:
   pooled history (`AcceptancePrior`), giving the expected tokens of a cycle of width w.
 
 It runs cycles at the width with the best expected tokens per second while that beats plain
-steps by `margin`; otherwise plain steps, which still feed the drafter's context (their taps come
+steps by `margin` (with a plain step now and then to keep that time current); otherwise plain steps, which still feed the drafter's context (their taps come
 from the same target forward), and a probe cycle every so often, the interval doubling while
 probes keep losing. Widths are explored from the block size down. Output never depends on any of
 this: a plain step and a cycle both commit exactly the target's tokens.
@@ -127,10 +127,12 @@ class AutoSpeculation:
     block_size: int
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     margin: float = 1.1
+    refresh_every: int = 32  # while speculating, a plain step after this many cycles keeps its time current
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
     speculating: bool = False
     _counts: _Counts = field(init=False)
     _note: Optional[str] = None
+    _cycles_since_step: int = 0
     _last: Optional[int] = None  # the last plan, and whether its sample was dropped
     _dropped: bool = False
 
@@ -183,6 +185,8 @@ class AutoSpeculation:
         best = max(rates, key=rates.get) if rates else self.widths[0]
         if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
+            if self._cycles_since_step >= self.refresh_every:
+                return 0  # a step measured long ago (or under other load) would keep cycles on
             return best
         self.speculating = False
         if rates:
@@ -195,6 +199,7 @@ class AutoSpeculation:
     def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None:
         kept = self.timings.record(width, context, seconds)
         self._last, self._dropped = width, not kept
+        self._cycles_since_step = self._cycles_since_step + 1 if width else 0
         if width:
             for j in range(width - 1):
                 self._counts.verified[j] += 1

@@ -114,7 +114,9 @@ def test_auto_speculates_when_cycles_win():
     """A GPU-like machine: a cycle costs about two steps whatever its width, 6 drafts accepted."""
     policy = _controller()
     plans = _feed(policy, 100, 0.01, lambda w: 0.02, lambda w: min(6, w - 1), 200)
-    assert all(w == 16 for w in plans[20:])
+    tail = plans[20:]
+    # Full cycles, but for one plain step in every 33 that keeps the step's time current.
+    assert set(tail) == {16, 0} and tail.count(0) <= len(tail) // 30 + 1
 
 
 def test_auto_finds_the_width_that_pays():

@@ -1,0 +1,117 @@
+"""speculation auto against the target alone and always-on DFlash, on this machine, in one run.
+
+    python benchmarks/cpu_auto.py --out cpu_auto.json
+
+Three pairs, each run in all three modes on the same prompts, alternating, median decode tok/s:
+
+- `demo`: the offline demo pair (Gemma 3 270M and its trained drafter; about 1.1 tokens per cycle),
+- `tiny-untrained`: a tiny random Qwen3 target with an untrained drafter (nothing is accepted),
+- `demo-forced-5`: the demo target with its drafter, the target made to accept 5 drafts per
+  cycle (6 tokens per cycle; `random_models.ForcedAcceptance`): a well-accepted pair's speed.
+
+Prints the ratios `auto / target` and `auto / on`; `auto` should not fall below 0.95 of the better
+mode. The first generation of each mode is a warm-up; auto keeps what it measured across the
+prompts of a pair, as a server does across requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.blas import preload  # noqa: E402
+
+preload()
+
+import mlx.core as mx  # noqa: E402
+
+from dflash_core.bench import run_once  # noqa: E402
+from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = [
+    "The lighthouse keeper wrote in his diary that",
+    "def parse_config(path):\n    \"\"\"Read a YAML file and",
+    "Volcanoes form when",
+    "The first thing every new gardener learns is",
+    "import numpy as np\n\ndef moving_average(x, n):",
+    "Dear Sarah, thank you for the letter about",
+]
+
+
+def pairs(work: Path):
+    from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
+    from dflash_core.loading import load_model
+    from dflash_core.random_models import ForcedAcceptance
+    from dflash_core.synthetic import tiny_pair
+
+    demo = load_model(str(demo_target_dir()), str(DEMO_DRAFTER)).engine
+    yield "demo", demo
+    target, drafter = tiny_pair(work / "tiny", "qwen3")
+    yield "tiny-untrained", load_model(str(target), str(drafter)).engine
+    forced = ForcedAcceptance(demo.target, [5], demo.drafter.block_size)
+    yield "demo-forced-5", Engine(forced, demo.tokenizer, demo.drafter)
+
+
+def measure(engine, prompts, max_tokens: int, repeats: int) -> dict:
+    sampling = SamplingParams()
+    modes = ("off", "on", "auto")
+    encoded = [engine.tokenizer.encode(p) for p in prompts]
+    for mode in modes:  # warm-up: kernels compile
+        run_once(engine, encoded[0], speculative=mode != "off", speculation=mode, max_tokens=8, sampling=sampling,
+                 ignore_eos=True)
+    runs = {m: [] for m in modes}
+    for _ in range(repeats):
+        for tokens in encoded:
+            for mode in modes:
+                runs[mode].append(run_once(engine, tokens, speculative=mode != "off", speculation=mode,
+                                           max_tokens=max_tokens, sampling=sampling, ignore_eos=True))
+    out = {}
+    for mode, rs in runs.items():
+        cycles = sum(r.cycles for r in rs)
+        out[mode] = {
+            "decode_tokens_per_second": statistics.median(r.decode_tokens_per_second for r in rs),
+            "tokens_per_cycle": (sum(r.draft_tokens_accepted for r in rs) + cycles) / cycles if cycles else None,
+            "cycles": cycles, "plain_steps": sum(r.plain_steps for r in rs),
+            "same_output": all(a.tokens == b.tokens for a, b in zip(rs, runs["off"])),
+        }
+    t, on, auto = (out[m]["decode_tokens_per_second"] for m in modes)
+    out["auto_vs_target"], out["auto_vs_on"], out["auto_vs_best"] = auto / t, auto / on, auto / max(t, on)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    report = {"machine": f"{platform.system()} {platform.machine()}, {mx.default_device()}", "blas": None,
+              "max_tokens": args.max_tokens, "pairs": {}}
+    from dflash_core.blas import describe
+
+    report["blas"] = describe()
+    with tempfile.TemporaryDirectory() as work:
+        for name, engine in pairs(Path(work)):
+            result = measure(engine, PROMPTS[: args.prompts], args.max_tokens, args.repeats)
+            report["pairs"][name] = result
+            print(f"{name:<16} target {result['off']['decode_tokens_per_second']:7.1f} tok/s | "
+                  f"on {result['on']['decode_tokens_per_second']:7.1f} ({result['on']['tokens_per_cycle'] or 0:.2f} tok/cycle) | "
+                  f"auto {result['auto']['decode_tokens_per_second']:7.1f} ({result['auto']['cycles']} cycles, "
+                  f"{result['auto']['plain_steps']} steps) | auto/target {result['auto_vs_target']:.2f}x "
+                  f"auto/on {result['auto_vs_on']:.2f}x | same output: "
+                  f"{result['on']['same_output'] and result['auto']['same_output']}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
