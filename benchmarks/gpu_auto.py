@@ -1,0 +1,108 @@
+"""speculation auto on a GPU: against the target alone and always-on DFlash, forced acceptance.
+
+    python benchmarks/gpu_auto.py --shape qwen3.5-9b --contexts 1024,8192,32768 --out gpu_auto.json
+
+A random-weight target at a real shape (bf16) and a random drafter; the target is made to accept a
+fixed number of drafts per cycle (`random_models.ForcedAcceptance`): 0, 2 and 5.4 on average (1,
+3 and 6.4 tokens per cycle). For each context and acceptance, in one process, alternating: decode
+tok/s of the target alone, of DFlash on, and of auto (median of --repeats, 128 tokens each). The
+target alone also runs in a second process with MLX's CUDA graphs on (they are read once per
+process, and off in a speculating one: docs/performance.md), reported as `target_graphs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FORCED = {"1": [0], "3": [2], "6.4": [5, 5, 6, 5, 6]}  # tokens per cycle -> accepted drafts per cycle
+
+
+def _engine(shape: str, schedule):
+    from dflash_core.engine import Engine
+    from dflash_core.random_models import ByteTokenizer, ForcedAcceptance, parse_shape, random_drafter, random_target
+
+    name, tiny = parse_shape(shape)  # tiny-<family>: a check of this script on a CPU
+    target = random_target(name, "bf16", tiny=tiny)
+    drafter = random_drafter(name, target, tiny)
+    adapter = ForcedAcceptance(target, schedule, drafter.block_size) if schedule is not None else target
+    return Engine(adapter, ByteTokenizer(target.vocab_size), drafter if schedule is not None else None)
+
+
+def _decode(engine, context: int, mode: str, max_tokens: int) -> float:
+    import mlx.core as mx
+
+    from dflash_core.bench import run_once
+    from dflash_core.sampling import SamplingParams
+
+    prompt = mx.random.randint(0, engine.target.vocab_size, (context,), key=mx.random.key(context)).tolist()
+    run = run_once(engine, prompt, speculative=mode != "off", speculation=mode, max_tokens=max_tokens,
+                   sampling=SamplingParams(), ignore_eos=True)
+    return run.decode_tokens_per_second
+
+
+def target_only(args) -> dict:
+    engine = _engine(args.shape, None)
+    out = {}
+    for context in args.contexts:
+        _decode(engine, context, "off", 16)
+        out[str(context)] = statistics.median(_decode(engine, context, "off", args.max_tokens) for _ in range(args.repeats))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3.5-9b")
+    parser.add_argument("--contexts", type=lambda s: [int(v) for v in s.split(",")], default=[1024, 8192, 32768])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--target-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.target_only:
+        print(json.dumps(target_only(args)))
+        return
+    os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # as a speculating server runs
+    graphs = subprocess.run([sys.executable, __file__, "--target-only", "--shape", args.shape,
+                             "--contexts", ",".join(map(str, args.contexts)), "--max-tokens", str(args.max_tokens),
+                             "--repeats", str(args.repeats)], env={**os.environ, "MLX_USE_CUDA_GRAPHS": "1"},
+                            capture_output=True, text=True)
+    if graphs.returncode != 0:
+        raise SystemExit(graphs.stderr[-3000:])
+    with_graphs = json.loads(graphs.stdout.strip().splitlines()[-1])
+    import mlx.core as mx
+
+    report = {"device": mx.device_info().get("device_name"), "shape": args.shape, "rows": []}
+    print(f"{'context':>7} {'tok/cycle':>9} | {'target':>8} {'graphs':>8} {'dflash':>8} {'auto':>8} | "
+          f"{'auto/target':>11} {'auto/dflash':>11} {'auto/best':>9}")
+    for name, schedule in FORCED.items():
+        engine = _engine(args.shape, schedule)
+        for context in args.contexts:
+            for mode in ("off", "on", "auto"):  # warm-up (and auto's first measurements)
+                _decode(engine, context, mode, 32)
+            runs = {m: [] for m in ("off", "on", "auto")}
+            for _ in range(args.repeats):
+                for mode in runs:
+                    runs[mode].append(_decode(engine, context, mode, args.max_tokens))
+            t, on, auto = (statistics.median(runs[m]) for m in ("off", "on", "auto"))
+            g = with_graphs[str(context)]
+            row = {"context": context, "tokens_per_cycle": float(name), "target": t, "target_graphs": g,
+                   "dflash": on, "auto": auto, "auto_vs_target": auto / max(t, g), "auto_vs_dflash": auto / on,
+                   "auto_vs_best": auto / max(t, g, on)}
+            report["rows"].append(row)
+            print(f"{context:>7} {name:>9} | {t:8.1f} {g:8.1f} {on:8.1f} {auto:8.1f} | {row['auto_vs_target']:10.2f}x "
+                  f"{row['auto_vs_dflash']:10.2f}x {row['auto_vs_best']:8.2f}x", flush=True)
+        del engine
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
