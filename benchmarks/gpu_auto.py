@@ -37,15 +37,14 @@ def _engine(shape: str, schedule):
 
 
 def _decode(engine, context: int, mode: str, max_tokens: int) -> float:
-    import mlx.core as mx
-
-    from dflash_core.bench import run_once
-    from dflash_core.sampling import SamplingParams
+    import mlx.core as mx  # the engine alone: the GPU machine has MLX, not the server's packages
 
     prompt = mx.random.randint(0, engine.target.vocab_size, (context,), key=mx.random.key(context)).tolist()
-    run = run_once(engine, prompt, speculative=mode != "off", speculation=mode, max_tokens=max_tokens,
-                   sampling=SamplingParams(), ignore_eos=True)
-    return run.decode_tokens_per_second
+    extra = {"speculation": mode} if mode != "off" else {"speculative": False}
+    mx.synchronize()
+    chunks = list(engine.generate(prompt, max_tokens=max_tokens, stop_token_ids=set(), **extra))
+    mx.synchronize()  # the engine queues a step ahead: let it finish before the next measurement
+    return chunks[-1].stats.decode_tokens_per_second
 
 
 def target_only(args) -> dict:

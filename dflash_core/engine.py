@@ -174,6 +174,14 @@ class DecodeState:
     pending: Any = None  # the tape of a verify queued ahead, not yet accepted or rolled back
 
 
+@dataclass
+class Launched:
+    """A queued step of a speculating generation (`Engine._launch`)."""
+
+    read: Any
+    choice: Optional[mx.array] = None  # a plain step's output token, on the device
+
+
 class Engine:
     def __init__(
         self,
@@ -444,7 +452,9 @@ class Engine:
                      constraint: Optional[Constraint], policy: SpeculationPolicy):
         """Each step is a draft-verify cycle or a plain target step, as `policy` plans it; both feed
         the drafter's context and commit exactly the target's tokens. The next step is queued
-        before the host hands out this one's tokens, so the device never waits for the host."""
+        before the host hands out this one's tokens, so the device never waits for the host; a
+        plain step followed by another is queued even before this one is read (its input is this
+        one's output, still on the device), as target-alone decoding does."""
         logits = yield from self._prefill(prompt, state, self.drafter.config.target_layer_ids, hit)
         token = sampler.choose(logits, None, 0, constraint.masks() if constraint else None)
         scored = scorer.queue(logits, token)
@@ -459,38 +469,53 @@ class Engine:
         yield first, logprobs, None
         read = time.perf_counter()
         while True:
-            committed, token, logprobs, accepted = step()  # the one blocking read of a step
+            ahead, planned = None, None
+            if width == 0 and constraint is None:  # (a grammar's next mask needs this token's value)
+                planned = policy.plan(len(state.fed) + 1)
+                if planned == 0:
+                    ahead = self._launch(step.choice, index + 1, 0, sampler, state, scorer, constraint)
+            committed, token, logprobs, accepted = step.read()  # the one blocking read of a step
             now = time.perf_counter()
             policy.observe(width, len(state.fed), now - read, len(committed), accepted)
             read = now
             index += len(committed)
-            done, width = width, policy.plan(len(state.fed))
-            step = self._launch(token, index, width, sampler, state, scorer, constraint)
+            done = width
+            if ahead is not None:
+                step = ahead
+            else:
+                width = planned if planned is not None else policy.plan(len(state.fed))
+                step = self._launch(token, index, width, sampler, state, scorer, constraint)
             yield committed, logprobs, done
 
     def _launch(self, token, index: int, width: int, sampler: Sampler, state: DecodeState,
                 scorer: LogprobScorer, constraint: Optional[Constraint]):
-        """Queue one step from `token` (width 0: a plain step; else a cycle verifying `token` and
-        width-1 drafts) and return the function that reads it: (committed tokens, the next
-        `token`, their logprobs, drafts accepted)."""
+        """Queue one step from `token` (committed to the sampler, not yet fed to the target; width 0:
+        a plain step, else a cycle verifying `token` and width-1 drafts). Its `read()` gives
+        (committed tokens, the next `token`, their logprobs, drafts accepted); a plain step's
+        `choice` is its output, on the device. Each step adds its input to `state.fed` and its taps
+        to the drafter's context when read, and leaves a tape in `state.pending` until then, so a
+        generation that ends with a step queued can undo it."""
         target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
         tap_ids = drafter.config.target_layer_ids
         if width == 0:
-            out = target.forward(token[None], cache, tap_ids)
-            drafter.add_context(out.taps, context)
-            state.fed += token.tolist()
+            out = target.forward(token[None], cache, tap_ids, record=True)
             choice = sampler.choose(out.logits[0], None, index + 1, constraint.masks() if constraint else None)
-            mx.async_eval(choice)
+            sampler.commit(choice)  # on the device: a step queued after this one samples after it
+            mx.async_eval(choice, out.taps)
             scored = scorer.queue(out.logits[0], choice)
+            state.pending = out.tape
 
             def read_step():
+                if state.pending is out.tape:
+                    state.pending = None
+                drafter.add_context(out.taps, context)
+                state.fed += token.tolist()  # known by now: the step before was read first
                 committed = choice.tolist()
-                sampler.commit(choice)
                 if constraint is not None:
                     constraint.commit(committed)
                 return committed, choice, scorer.read(scored, committed), 0
 
-            return read_step
+            return Launched(read_step, choice)
         drafts = drafter.propose(token, target, context, width)
         mx.async_eval(drafts)  # the draft runs while the verify graph is built
         verify = target.forward(mx.concatenate([token, drafts])[None], cache, tap_ids, record=True)
@@ -517,4 +542,4 @@ class Engine:
                 constraint.commit(committed)
             return committed, choices[accepted : accepted + 1], scorer.read(scored, committed), accepted
 
-        return read_cycle
+        return Launched(read_cycle)

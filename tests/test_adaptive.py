@@ -176,3 +176,20 @@ def test_every_endpoint_takes_the_speculation_mode(qwen3_pair):
         metrics = httpx.get(server.url + "/metrics").text
         assert 'dflash_spec_tokens_total{source="cycles"}' in metrics
         assert "dflash_spec_cycles_by_width_total" in metrics
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_a_generation_ending_on_plain_steps_leaves_an_exact_snapshot(engines, family):
+    """Plain steps run one ahead of the host: the one queued when the generation ends is undone
+    before the end is snapshotted, so the next turn restored from it equals a cold run."""
+    from dflash_core.prefix_cache import PrefixCache
+
+    engine = engines[family]
+    cached = Engine(engine.target, engine.tokenizer, engine.drafter, prefill_chunk=16, prefix_cache=PrefixCache(10**9))
+    prompt = _prompt(engine)
+    first, _ = _tokens(cached, prompt, SamplingParams(), speculation=Scheduled([0, 0, 16, 0, 0, 0]))
+    follow = prompt + first[:-1] + [first[-1], 7, 8, 9]
+    hit, stats = _tokens(cached, follow, SamplingParams(), speculation=Scheduled([0]))
+    assert stats.prefill_tokens < len(follow) - len(first)  # restored from the generation's end
+    cold, _ = _tokens(engine, follow, SamplingParams(), speculative=False)
+    assert hit == cold
