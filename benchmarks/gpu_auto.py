@@ -5,7 +5,8 @@
 A random-weight target at a real shape (bf16) and a random drafter; the target is made to accept a
 fixed number of drafts per cycle (`random_models.ForcedAcceptance`): 0, 2 and 5.4 on average (1,
 3 and 6.4 tokens per cycle). For each context and acceptance, in one process, alternating: decode
-tok/s of the target alone, of DFlash on, and of auto (median of --repeats, 128 tokens each). The
+tok/s of the target alone, of DFlash on, and of auto (median of --repeats, 256 tokens each, after
+one warm-up generation per mode in which auto measures this machine as a server would). The
 target alone also runs in a second process with MLX's CUDA graphs on (they are read once per
 process, and off in a speculating one: docs/performance.md), reported as `target_graphs`.
 """
@@ -44,6 +45,7 @@ def _decode(engine, context: int, mode: str, max_tokens: int) -> float:
     mx.synchronize()
     chunks = list(engine.generate(prompt, max_tokens=max_tokens, stop_token_ids=set(), **extra))
     mx.synchronize()  # the engine queues a step ahead: let it finish before the next measurement
+    _decode.last = chunks[-1].stats
     return chunks[-1].stats.decode_tokens_per_second
 
 
@@ -60,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3.5-9b")
     parser.add_argument("--contexts", type=lambda s: [int(v) for v in s.split(",")], default=[1024, 8192, 32768])
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
@@ -84,20 +86,22 @@ def main() -> None:
     for name, schedule in FORCED.items():
         engine = _engine(args.shape, schedule)
         for context in args.contexts:
-            for mode in ("off", "on", "auto"):  # warm-up (and auto's first measurements)
-                _decode(engine, context, mode, 32)
+            for mode in ("off", "on", "auto"):  # warm-up: compiles, and auto measures this machine
+                _decode(engine, context, mode, args.max_tokens)
             runs = {m: [] for m in ("off", "on", "auto")}
             for _ in range(args.repeats):
                 for mode in runs:
                     runs[mode].append(_decode(engine, context, mode, args.max_tokens))
             t, on, auto = (statistics.median(runs[m]) for m in ("off", "on", "auto"))
+            last = _decode.last  # auto's last run: what it chose
+            chose = {"cycles": last.cycles, "plain_steps": last.plain_steps, "widths": last.cycle_widths}
             g = with_graphs[str(context)]
             row = {"context": context, "tokens_per_cycle": float(name), "target": t, "target_graphs": g,
                    "dflash": on, "auto": auto, "auto_vs_target": auto / max(t, g), "auto_vs_dflash": auto / on,
-                   "auto_vs_best": auto / max(t, g, on)}
+                   "auto_vs_best": auto / max(t, g, on), "auto_chose": chose}
             report["rows"].append(row)
             print(f"{context:>7} {name:>9} | {t:8.1f} {g:8.1f} {on:8.1f} {auto:8.1f} | {row['auto_vs_target']:10.2f}x "
-                  f"{row['auto_vs_dflash']:10.2f}x {row['auto_vs_best']:8.2f}x", flush=True)
+                  f"{row['auto_vs_dflash']:10.2f}x {row['auto_vs_best']:8.2f}x  auto: {chose}", flush=True)
         del engine
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

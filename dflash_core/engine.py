@@ -172,6 +172,14 @@ class DecodeState:
     context: Optional[list]
     fed: list[int]
     pending: Any = None  # the tape of a verify queued ahead, not yet accepted or rolled back
+    # Taps of plain steps not yet in the drafter's context: added in one block before the next
+    # cycle (or a snapshot), not one drafter forward per token while cycles are off.
+    untapped: list = field(default_factory=list)
+
+    def catch_up(self, drafter) -> None:
+        if self.untapped:
+            drafter.add_context(mx.concatenate(self.untapped, axis=1), self.context)
+            self.untapped = []
 
 
 @dataclass
@@ -382,9 +390,11 @@ class Engine:
         started from stays: a retry or an edited last message may want it again."""
         generated = state.fed[len(prompt) :]
         if self.prefix_cache is not None and len(generated) <= kept and generated == produced[: len(generated)]:
-            if state.pending is not None:  # undo the verify queued for a cycle that will not come
+            if state.pending is not None:  # undo the step queued ahead that will not be read
                 self.target.rollback(state.cache, state.pending, keep=0)
                 state.pending = None
+            if state.context is not None:
+                state.catch_up(self.drafter)
             self.prefix_cache.insert(state.fed, state.cache, state.context)
 
     def _snapshot_points(self, prompt, start: int) -> tuple[list[int], Optional[int]]:
@@ -492,8 +502,8 @@ class Engine:
         """Queue one step from `token` (committed to the sampler, not yet fed to the target; width 0:
         a plain step, else a cycle verifying `token` and width-1 drafts). Its `read()` gives
         (committed tokens, the next `token`, their logprobs, drafts accepted); a plain step's
-        `choice` is its output, on the device. Each step adds its input to `state.fed` and its taps
-        to the drafter's context when read, and leaves a tape in `state.pending` until then, so a
+        `choice` is its output, on the device. Each step adds its input to `state.fed` when read (a
+        cycle its taps to the drafter's context; a plain step keeps them in `state.untapped`), and leaves a tape in `state.pending` until then, so a
         generation that ends with a step queued can undo it."""
         target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
         tap_ids = drafter.config.target_layer_ids
@@ -508,7 +518,7 @@ class Engine:
             def read_step():
                 if state.pending is out.tape:
                     state.pending = None
-                drafter.add_context(out.taps, context)
+                state.untapped.append(out.taps)
                 state.fed += token.tolist()  # known by now: the step before was read first
                 committed = choice.tolist()
                 if constraint is not None:
@@ -516,6 +526,7 @@ class Engine:
                 return committed, choice, scorer.read(scored, committed), 0
 
             return Launched(read_step, choice)
+        state.catch_up(drafter)  # the plain steps since the last cycle
         drafts = drafter.propose(token, target, context, width)
         mx.async_eval(drafts)  # the draft runs while the verify graph is built
         verify = target.forward(mx.concatenate([token, drafts])[None], cache, tap_ids, record=True)
