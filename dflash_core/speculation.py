@@ -14,9 +14,10 @@ machine measured:
   pooled history (`AcceptancePrior`), giving the expected tokens of a cycle of width w.
 
 It runs cycles at the width with the best expected tokens per second while that beats plain
-steps by `margin` (with a plain step now and then to keep that time current); otherwise plain steps, which still feed the drafter's context (their taps come
-from the same target forward), and a probe cycle every so often, the interval doubling while
-probes keep losing. Widths are explored from the block size down. Output never depends on any of
+steps by `margin` (with a plain step now and then to keep that time current); otherwise plain
+steps, whose taps (from the same target forward) go into the drafter's context in one block before
+the next cycle, so switching back costs nothing, and a probe cycle every so often, the interval
+doubling while probes keep losing. Widths are explored from the block size down. Output never depends on any of
 this: a plain step and a cycle both commit exactly the target's tokens.
 
 Timings are wall times between this generation's reads: with other generations interleaved on
