@@ -10,8 +10,8 @@ Three pairs, each run in all three modes on the same prompts, alternating, media
   cycle (6 tokens per cycle; `random_models.ForcedAcceptance`): a well-accepted pair's speed.
 
 Prints the ratios `auto / target` and `auto / on`; `auto` should not fall below 0.95 of the better
-mode. The first generation of each mode is a warm-up; auto keeps what it measured across the
-prompts of a pair, as a server does across requests.
+mode. The first generation of each mode is a warm-up (auto's first measurements and probes); auto
+keeps what it measured across the prompts of a pair, as a server does across requests.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def measure(engine, prompts, max_tokens: int, repeats: int) -> dict:
     sampling = SamplingParams()
     modes = ("off", "on", "auto")
     encoded = [engine.tokenizer.encode(p) for p in prompts]
-    for mode in modes:  # warm-up: kernels compile
-        run_once(engine, encoded[0], speculative=mode != "off", speculation=mode, max_tokens=8, sampling=sampling,
-                 ignore_eos=True)
+    for mode in modes:  # warm-up: kernels compile, and auto measures this machine as a server would
+        run_once(engine, encoded[0], speculative=mode != "off", speculation=mode, max_tokens=max_tokens,
+                 sampling=sampling, ignore_eos=True)
     runs = {m: [] for m in modes}
     for _ in range(repeats):
         for tokens in encoded:

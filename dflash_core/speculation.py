@@ -129,11 +129,14 @@ class AutoSpeculation:
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     margin: float = 1.1
     refresh_every: int = 32  # while speculating, a plain step after this many cycles keeps its time current
+    recheck_every: int = 16  # while off, plain steps between two full looks at the rates
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
     speculating: bool = False
     _counts: _Counts = field(init=False)
     _note: Optional[str] = None
     _cycles_since_step: int = 0
+    _steps_since_check: int = 0
+    _probe_width: Optional[int] = None
     _last: Optional[int] = None  # the last plan, and whether its sample was dropped
     _dropped: bool = False
 
@@ -181,6 +184,12 @@ class AutoSpeculation:
         step = self.timings.estimate(0, context)
         if step is None:
             return 0
+        if not self.speculating and self._probe_width is not None and self._steps_since_check < self.recheck_every:
+            # Off, and nothing but the step's time has changed since the last look: decide again
+            # only now and then (a step can take a millisecond; this runs before each one).
+            self._steps_since_check += 1
+            return self._probe_width if self.probes.due() else 0
+        self._steps_since_check = 0
         rates = {w: self.expected_tokens(w) / t for w in self.widths
                  if (t := self.cycle_seconds(w, context)) is not None}
         best = max(rates, key=rates.get) if rates else self.widths[0]
@@ -195,12 +204,15 @@ class AutoSpeculation:
                           f"{self.expected_tokens(best):.2f} tokens (width {best}) against a step of "
                           f"{1e3 * step:.1f} ms")
         # A probe of the most promising width (the block, before anything is measured).
+        self._probe_width = best if rates else None
         return best if self.probes.due() else 0
 
     def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None:
         kept = self.timings.record(width, context, seconds)
         self._last, self._dropped = width, not kept
         self._cycles_since_step = self._cycles_since_step + 1 if width else 0
+        if width:
+            self._probe_width = None  # a cycle measured: look again at the next plan
         if width:
             for j in range(width - 1):
                 self._counts.verified[j] += 1
