@@ -280,6 +280,16 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 
     pytest.fail(f"/health did not answer 200 within {timeout} s:\n{log.read_text()[-4000:]}")
 
 
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it is still there after `timeout`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the image is Linux: its install gets mlx-cpu only on Linux")
 def test_cpu_image_install_and_entrypoint_outside_docker(tmp_path, qwen3_pair):
     _registry_or_skip(tmp_path)
@@ -327,12 +337,7 @@ def test_cpu_image_install_and_entrypoint_outside_docker(tmp_path, qwen3_pair):
         assert 1 <= body["usage"]["completion_tokens"] <= 8
         assert body["dflash"]["speculative"] is True
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     text = log.read_text()
     assert "Uvicorn running on http://0.0.0.0:" in text and "reachable from other machines, API key required" in text
 

@@ -15,12 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from test_packaging import _free_port, _registry_or_skip
+from test_packaging import _free_port, _registry_or_skip, _wait_healthy, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,18 +72,8 @@ def test_readme_first_command_serves_offline_and_its_examples_answer(tmp_path):
                                 stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600  # converts the demo's GGUF first
-        while True:
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            try:
-                health = httpx.get(url + "/health", timeout=5)
-                if health.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        health = health.json()
+        _wait_healthy(url, proc, log, timeout=600)  # it converts the demo's GGUF first
+        health = httpx.get(url + "/health", timeout=5).json()
         assert health["fallback"]["requested"] == "qwen3.5-4b" and health["default_model"] == "gemma-3-270m"
 
         use = {**env, "PATH": os.environ["PATH"]}
@@ -98,12 +87,7 @@ def test_readme_first_command_serves_offline_and_its_examples_answer(tmp_path):
         assert printed.returncode == 0, printed.stderr
         assert printed.stdout.strip(), "the Python snippet printed no answer"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     text = log.read_text()
     assert "SERVING THE OFFLINE DEMO 'gemma-3-270m' INSTEAD" in text
     assert "converting gemma-3-270m" in text  # the first conversion shows its progress
