@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from dflash_core.engine import TokenLogprob
+from dflash_core.logprobs import TokenLogprob
 from dflash_core.prompts import hf_tokenizer
 
 
