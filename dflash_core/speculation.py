@@ -54,6 +54,7 @@ class Timings:
     def __init__(self, alpha: float = 0.25):
         self.alpha = alpha
         self.seconds: dict[tuple[int, int], float] = {}
+        self._buckets: dict[int, dict[int, float]] = {}  # width -> bucket -> seconds, for lookups
         self._warm: set[int] = set()  # widths whose first (compiling) sample was dropped
 
     def record(self, width: int, context: int, seconds: float) -> bool:
@@ -64,13 +65,18 @@ class Timings:
         key = (width, _bucket(context))
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._buckets.setdefault(width, {})[key[1]] = self.seconds[key]
         return True
 
     def estimate(self, width: int, context: int) -> Optional[float]:
         """This bucket's average, else the nearest bucket's (contexts grow slowly)."""
+        buckets = self._buckets.get(width)
+        if not buckets:
+            return None
         bucket = _bucket(context)
-        known = [(abs(b - bucket), s) for (w, b), s in self.seconds.items() if w == width]
-        return min(known)[1] if known else None
+        if bucket in buckets:
+            return buckets[bucket]
+        return buckets[min(buckets, key=lambda b: (abs(b - bucket), b))]
 
 
 class AcceptancePrior:
@@ -181,14 +187,14 @@ class AutoSpeculation:
     def plan(self, context: int) -> int:
         if self._dropped and self._last is not None:
             return self._last  # its first sample compiled; measure it again
-        step = self.timings.estimate(0, context)
-        if step is None:
-            return 0
         if not self.speculating and self._probe_width is not None and self._steps_since_check < self.recheck_every:
             # Off, and nothing but the step's time has changed since the last look: decide again
             # only now and then (a step can take a millisecond; this runs before each one).
             self._steps_since_check += 1
             return self._probe_width if self.probes.due() else 0
+        step = self.timings.estimate(0, context)
+        if step is None:
+            return 0
         self._steps_since_check = 0
         rates = {w: self.expected_tokens(w) / t for w in self.widths
                  if (t := self.cycle_seconds(w, context)) is not None}

@@ -242,8 +242,9 @@ def test_stop_string_usage_counts_only_what_was_generated_before_the_stop(script
 
 def test_max_tokens_past_the_context_generates_up_to_the_limit(live, client):
     """Agent clients send their model's output limit; the room left bounds it (ends with length)."""
-    engine = live.state.pool._served["tiny"].engine
-    no_eos = {str(t): -100 for t in engine.eos_token_ids}  # so the random model runs to the limit
+    served = live.state.pool._served["tiny"]
+    # So the random model runs to the limit: no end of sequence, no start of another turn.
+    no_eos = {str(t): -100 for t in served.engine.eos_token_ids | {served.turn_start_token}}
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=600, temperature=0,
                                          logit_bias=no_eos)
     assert out.choices[0].finish_reason == "length" and out.usage.total_tokens == 512

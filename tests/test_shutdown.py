@@ -19,8 +19,9 @@ def test_sigterm_drains_then_ends_what_still_runs(qwen3_5_pair):
     settings = Settings(server=ServerSettings(shutdown_timeout=1.5, max_active=4),
                         models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter))])
     server = LiveServer(settings).__enter__()
-    engine = server.state.pool._served["tiny"].engine
-    endless = {str(t): -100 for t in engine.eos_token_ids}  # the random model never ends by itself
+    served = server.state.pool._served["tiny"]
+    # The random model never ends by itself: no end of sequence, and a chat no start of a new turn.
+    endless = {str(t): -100 for t in served.engine.eos_token_ids | {served.turn_start_token}}
     results = {}
 
     def stream():
