@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Optional
 
 CHOICE_VARIABLE = "DFLASH_BLAS"
-LOADED_VARIABLE = "DFLASH_BLAS_LOADED"  # what was loaded, for doctor (and child processes' logs)
 
 
 def candidates() -> list[str]:
@@ -51,7 +50,6 @@ def preload() -> Optional[str]:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-        os.environ[LOADED_VARIABLE] = path
         return path
     return None
 

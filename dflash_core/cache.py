@@ -120,19 +120,19 @@ def freeze(cache: list) -> list:
         if c is None:
             frozen.append(None)
         elif isinstance(c, SlidingWindowCache):
-            frozen.append(("ring", c.window, c.slack, c.offset, _owned(c.keys), _owned(c.values)))
+            frozen.append(("ring", c.window, c.slack, c.offset, owned(c.keys), owned(c.values)))
         elif isinstance(c, ArraysCache):
-            frozen.append(("arrays", [_owned(a) for a in c.cache]))
+            frozen.append(("arrays", [owned(a) for a in c.cache]))
         elif isinstance(c, KVCache):
-            keys = None if c.keys is None else _owned(c.keys[..., : c.offset, :])
-            values = None if c.values is None else _owned(c.values[..., : c.offset, :])
+            keys = None if c.keys is None else owned(c.keys[..., : c.offset, :])
+            values = None if c.values is None else owned(c.values[..., : c.offset, :])
             frozen.append(("kv", c.offset, keys, values))
         else:
             raise TypeError(f"cannot snapshot a {type(c).__name__}")
     return frozen
 
 
-def _owned(array: Optional[mx.array]) -> Optional[mx.array]:
+def owned(array: Optional[mx.array]) -> Optional[mx.array]:
     """A copy of `array` in a buffer of its own (lazy, so the caller can measure it). A slice (a
     KV buffer's used part, a GatedDeltaNet conv window cut from a whole chunk's input) is a view
     that keeps its parent buffer alive; `mx.contiguous` may return such a view as it is."""

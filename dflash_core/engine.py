@@ -347,8 +347,7 @@ class Engine:
             if state.pending is not None:  # undo the step queued ahead that will not be read
                 self.target.rollback(state.cache, state.pending, keep=0)
                 state.pending = None
-            if state.context is not None:
-                state.catch_up(self.drafter)
+            state.catch_up(self.drafter)  # (only speculating generations have plain steps' taps)
             self.prefix_cache.insert(state.fed, state.cache, state.context)
 
     def _snapshot_points(self, prompt, start: int) -> tuple[list[int], Optional[int]]:
@@ -440,7 +439,7 @@ class Engine:
                     ahead = self._launch(step.choice, index + 1, 0, sampler, state, scorer, constraint)
             committed, token, logprobs, accepted = step.read()  # the one blocking read of a step
             now = time.perf_counter()
-            policy.observe(width, len(state.fed), now - read, len(committed), accepted)
+            policy.observe(width, len(state.fed), now - read, accepted)
             read = now
             index += len(committed)
             done = width
@@ -457,8 +456,9 @@ class Engine:
         a plain step, else a cycle verifying `token` and width-1 drafts). Its `read()` gives
         (committed tokens, the next `token`, their logprobs, drafts accepted); a plain step's
         `choice` is its output, on the device. Each step adds its input to `state.fed` when read (a
-        cycle its taps to the drafter's context; a plain step keeps them in `state.untapped`), and leaves a tape in `state.pending` until then, so a
-        generation that ends with a step queued can undo it."""
+        cycle its taps to the drafter's context; a plain step keeps them in `state.untapped`), and
+        leaves a tape in `state.pending` until then, so a generation that ends with a step queued
+        can undo it."""
         target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
         tap_ids = drafter.config.target_layer_ids
         if width == 0:

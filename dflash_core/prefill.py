@@ -50,4 +50,3 @@ def chunk_ends(start: int, length: int, boundaries: Sequence[int], chunk: int,
         end = min([begin + pacer.size(), length] + [b for b in boundaries if b > begin])
         yield end
         begin = end
-

@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .cache import cache_arrays, freeze, frozen_arrays, thaw
+from .cache import cache_arrays, freeze, frozen_arrays, owned, thaw
 
 
 @dataclass(eq=False)  # compared by identity: fields hold arrays
@@ -128,7 +128,7 @@ class PrefixCache:
             existing.shared = existing.shared or shared
             if logits is not None and existing.logits is None:
                 mx.eval(logits)
-                existing.logits = mx.array(logits)  # a copy: `logits` may be a view of a larger row
+                existing.logits = owned(logits)  # `logits` may be a view of a larger row
                 existing.nbytes += max(logits.nbytes, allocated([existing.logits]))
         else:
             # The copies' sources are evaluated first, so measuring the copies counts only them.
@@ -137,7 +137,7 @@ class PrefixCache:
             frozen_context = freeze(context) if context is not None else None
             arrays = frozen_arrays(frozen_target) + (frozen_arrays(frozen_context) if frozen_context else [])
             if logits is not None:
-                logits = mx.array(logits)
+                logits = owned(logits)
                 arrays.append(logits)
             # Sizes are known before anything is copied: decide first, copy only what is kept.
             nominal = sum(a.nbytes for a in arrays)

@@ -11,7 +11,7 @@ machine measured:
   cycle of each width, per context-length bucket (powers of two), as moving averages. The first
   sample of each width is dropped (MLX compiles new shapes then).
 - the acceptance by block position, from this generation's own cycles on top of the model's
-  pooled history (`AcceptancePrior`), giving the expected tokens of a cycle of width w.
+  pooled history (`AcceptanceCounts` that decay), giving the expected tokens of a cycle of width w.
 
 It runs cycles at the width with the best expected tokens per second while that beats plain
 steps by `margin` (with a plain step now and then to keep that time current); otherwise plain
@@ -39,7 +39,7 @@ class SpeculationPolicy(Protocol):
 
     def plan(self, context: int) -> int: ...
 
-    def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None: ...
+    def observe(self, width: int, context: int, seconds: float, accepted: int) -> None: ...
 
     def note(self) -> Optional[str]: ...
 
@@ -53,8 +53,7 @@ class Timings:
 
     def __init__(self, alpha: float = 0.25):
         self.alpha = alpha
-        self.seconds: dict[tuple[int, int], float] = {}
-        self._buckets: dict[int, dict[int, float]] = {}  # width -> bucket -> seconds, for lookups
+        self.seconds: dict[int, dict[int, float]] = {}  # width -> context bucket -> seconds
         self._warm: set[int] = set()  # widths whose first (compiling) sample was dropped
 
     def record(self, width: int, context: int, seconds: float) -> bool:
@@ -62,15 +61,14 @@ class Timings:
         if width not in self._warm:
             self._warm.add(width)
             return False
-        key = (width, _bucket(context))
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + self.alpha * (seconds - old)
-        self._buckets.setdefault(width, {})[key[1]] = self.seconds[key]
+        buckets, bucket = self.seconds.setdefault(width, {}), _bucket(context)
+        old = buckets.get(bucket)
+        buckets[bucket] = seconds if old is None else old + self.alpha * (seconds - old)
         return True
 
     def estimate(self, width: int, context: int) -> Optional[float]:
         """This bucket's average, else the nearest bucket's (contexts grow slowly)."""
-        buckets = self._buckets.get(width)
+        buckets = self.seconds.get(width)
         if not buckets:
             return None
         bucket = _bucket(context)
@@ -79,18 +77,20 @@ class Timings:
         return buckets[min(buckets, key=lambda b: (abs(b - bucket), b))]
 
 
-class AcceptancePrior:
-    """A model's acceptance by block position over its recent generations (decaying counts)."""
+class AcceptanceCounts:
+    """Per block position, the cycles that verified it and those that accepted its draft: one
+    generation's (decay 1), or a model's over its recent generations (older cycles fading)."""
 
-    def __init__(self, positions: int, decay: float = 0.98):
+    def __init__(self, positions: int, decay: float = 1.0):
         self.accepted = [0.0] * positions
         self.verified = [0.0] * positions
         self.decay = decay
 
     def add(self, width: int, accepted: int) -> None:
-        for j in range(len(self.verified)):
-            self.accepted[j] *= self.decay
-            self.verified[j] *= self.decay
+        if self.decay != 1.0:
+            for j in range(len(self.verified)):
+                self.accepted[j] *= self.decay
+                self.verified[j] *= self.decay
         for j in range(width - 1):
             self.verified[j] += 1
             self.accepted[j] += j < accepted
@@ -120,17 +120,11 @@ class ProbeSchedule:
 
 
 @dataclass
-class _Counts:
-    accepted: list[int]
-    verified: list[int]
-
-
-@dataclass
 class AutoSpeculation:
     """One generation's choices (see the module docstring)."""
 
     timings: Timings
-    prior: AcceptancePrior
+    prior: AcceptanceCounts  # the model's, decaying
     block_size: int
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     margin: float = 1.1
@@ -138,7 +132,8 @@ class AutoSpeculation:
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
     speculating: bool = False
-    _counts: _Counts = field(init=False)
+    widths: list[int] = field(init=False)  # the widths tried, widest first
+    _counts: AcceptanceCounts = field(init=False)  # this generation's
     _note: Optional[str] = None
     _cycles_since_step: int = 0
     _steps_since_check: int = 0
@@ -147,12 +142,8 @@ class AutoSpeculation:
     _dropped: bool = False
 
     def __post_init__(self):
-        n = self.block_size - 1
-        self._counts = _Counts([0] * n, [0] * n)
-
-    @property
-    def widths(self) -> list[int]:
-        return sorted({w for w in (self.block_size, 8, 4, 2) if 2 <= w <= self.block_size}, reverse=True)
+        self.widths = sorted({w for w in (self.block_size, 8, 4, 2) if 2 <= w <= self.block_size}, reverse=True)
+        self._counts = AcceptanceCounts(self.block_size - 1)
 
     def expected_tokens(self, width: int) -> float:
         """1 + the expected accepted drafts of a cycle of `width`: P(accepted through j), each
@@ -213,16 +204,13 @@ class AutoSpeculation:
         self._probe_width = best if rates else None
         return best if self.probes.due() else 0
 
-    def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None:
+    def observe(self, width: int, context: int, seconds: float, accepted: int) -> None:
         kept = self.timings.record(width, context, seconds)
         self._last, self._dropped = width, not kept
         self._cycles_since_step = self._cycles_since_step + 1 if width else 0
         if width:
             self._probe_width = None  # a cycle measured: look again at the next plan
-        if width:
-            for j in range(width - 1):
-                self._counts.verified[j] += 1
-                self._counts.accepted[j] += j < accepted
+            self._counts.add(width, accepted)
             self.prior.add(width, accepted)
             if self.speculating:
                 self.probes.winning()  # probe quickly again if this streak ends
@@ -240,7 +228,7 @@ class AlwaysSpeculate:
     def plan(self, context: int) -> int:
         return self.block_size
 
-    def observe(self, width: int, context: int, seconds: float, tokens: int, accepted: int) -> None:
+    def observe(self, width: int, context: int, seconds: float, accepted: int) -> None:
         pass
 
     def note(self) -> Optional[str]:
@@ -254,10 +242,10 @@ class ModelSpeculation:
     block_size: int
     timings: Timings = field(default_factory=Timings)
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
-    prior: AcceptancePrior = field(init=False)
+    prior: AcceptanceCounts = field(init=False)
 
     def __post_init__(self):
-        self.prior = AcceptancePrior(self.block_size - 1)
+        self.prior = AcceptanceCounts(self.block_size - 1, decay=0.98)
 
     def policy(self, mode: str) -> SpeculationPolicy:
         if mode == "on":

@@ -13,7 +13,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dflash_core.demo import DEMO_DESCRIPTION
 from dflash_core.settings import Settings, is_loopback
 
 from . import chat, messages, responses
@@ -61,14 +60,13 @@ def create_app(settings: Settings) -> FastAPI:
         pool = state.pool
         models = [m.name for m in pool.served()]
         # A default model the demo stands in for is reported, but the server does serve.
-        errors = {k: v for k, v in pool.loading_errors.items() if not pool.fallback or k != pool.fallback["requested"]}
+        errors = {k: v for k, v in pool.loading_errors.items() if not pool.stood_in_for(k)}
         if errors:
             return JSONResponse({"status": "error", "errors": errors, "models": models}, status_code=503)
         if not pool.ready:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
         if pool.fallback:
-            return {"status": "ok", "models": models, "default_model": pool.default_name,
-                    "fallback": {**pool.fallback, "note": DEMO_DESCRIPTION}}
+            return {"status": "ok", "models": models, "default_model": pool.default_name, "fallback": pool.fallback}
         return {"status": "ok", "models": models, "default_model": pool.default_name}
 
     @app.get("/metrics")

@@ -89,7 +89,8 @@ class ModelPool:
         self._load_lock = asyncio.Lock()
         self._use_lock = threading.Lock()  # in_use counts and unloading, across the two threads
         self.loading_errors: dict[str, str] = {}
-        self.fallback: Optional[dict] = None  # {"requested", "serving", "reason"} once the demo stands in
+        # {"requested", "serving", "reason", "note"} once the demo stands in (as /health reports it)
+        self.fallback: Optional[dict] = None
         self.stand_in: Callable[[], ModelSettings] = demo_model_settings  # what stands in (tests pass their own)
         # One prefix-cache budget for every model this server holds.
         self.snapshots = SnapshotBudget(int(settings.prefix_cache_gb * 1e9))
@@ -102,6 +103,10 @@ class ModelPool:
     def default_name(self) -> str:
         """What the model name `default` means: the configured default, or the demo standing in."""
         return self.fallback["serving"] if self.fallback else self.settings.model().name
+
+    def stood_in_for(self, name: str) -> bool:
+        """Whether `name` is the default model the demo stands in for."""
+        return self.fallback is not None and self.fallback["requested"] == name
 
     def servable(self) -> list[str]:
         """The models a request can use now, the default first: loaded ones and those not tried
@@ -136,8 +141,9 @@ class ModelPool:
         if demo.name == requested:
             return
         if mx.default_device() == mx.cpu:
-            # On MLX's CPU backend a 16-token verify costs about 16 decode steps, and the demo
-            # drafter is accepted little: the stand-in answers fastest with its target alone.
+            # The demo drafter is accepted little and a CPU verify costs several steps: `auto`
+            # would come to plain steps too, but only after probe cycles that cost seconds in the
+            # first answers a newcomer sees. The stand-in answers with its target alone.
             demo = demo.model_copy(update={"drafter": None})
         if demo.name not in self.names():
             self.settings.models.append(demo)
@@ -147,7 +153,7 @@ class ModelPool:
             self.loading_errors[demo.name] = e.message
             log.error("the offline demo %s could not be loaded either: %s", demo.name, e.message)
             return
-        self.fallback = {"requested": requested, "serving": demo.name, "reason": reason}
+        self.fallback = {"requested": requested, "serving": demo.name, "reason": reason, "note": DEMO_DESCRIPTION}
         for line in ("=" * 78, f"{requested} cannot be loaded: {reason}",
                      f"SERVING THE OFFLINE DEMO {demo.name!r} INSTEAD: {DEMO_DESCRIPTION}",
                      f"Requests for {requested!r} fail with this reason; the model name 'default' and "
@@ -180,7 +186,7 @@ class ModelPool:
             except (FileNotFoundError, ValueError) as e:  # missing files, bad checkpoints
                 log.error("model %s could not be loaded: %s", name, e)
                 instead = (f" The server serves the offline demo {self.fallback['serving']!r} instead (model 'default')."
-                           if self.fallback and self.fallback["requested"] == name else "")
+                           if self.stood_in_for(name) else "")
                 raise APIError(503, f"model {name!r} could not be loaded: {e}{instead}", type="server_error",
                                code="model_unavailable", headers={"Retry-After": "30"}) from e
             except Exception as e:
@@ -188,7 +194,7 @@ class ModelPool:
                 raise APIError(503, f"model {name!r} could not be loaded: {type(e).__name__}: {e}",
                                type="server_error", code="model_unavailable") from e
             self.loading_errors.pop(name, None)
-            if self.fallback and self.fallback["requested"] == name:  # the network came back
+            if self.stood_in_for(name):  # the network came back
                 log.info("%s is loaded: the default model is %s again, not the demo", name, name)
                 self.fallback = None
             return served

@@ -10,7 +10,7 @@ from forced import ForcedDrafter
 
 from dflash_core.engine import Engine
 from dflash_core.sampling import SamplingParams
-from dflash_core.speculation import AcceptancePrior, AutoSpeculation, Timings
+from dflash_core.speculation import AcceptanceCounts, AutoSpeculation, Timings
 
 N_TOKENS = 200
 # Every plan in turn next to every other: plain steps alone and in runs, every width 2..16.
@@ -41,8 +41,8 @@ class Scheduled:
         self.i += 1
         return width
 
-    def observe(self, width, context, seconds, tokens, accepted):
-        self.seen.append((width, tokens, accepted))
+    def observe(self, width, context, seconds, accepted):
+        self.seen.append((width, accepted))
 
     def note(self):
         return None
@@ -76,11 +76,11 @@ def test_switching_at_every_point_is_lossless(engines, family, sampling):
     policy = Scheduled(PLANS)
     tokens, stats = _tokens(forced_engine, prompt, params, speculation=policy)
     assert tokens == reference
-    assert {a for w, _, a in policy.seen if w} == set(range(16))
+    assert {a for w, a in policy.seen if w} == set(range(16))
 
 
 def _controller(block=16):
-    return AutoSpeculation(Timings(), AcceptancePrior(block - 1), block)
+    return AutoSpeculation(Timings(), AcceptanceCounts(block - 1, decay=0.98), block)
 
 
 def _feed(policy, context, step, cycle, accepted, n):
@@ -91,7 +91,7 @@ def _feed(policy, context, step, cycle, accepted, n):
         width = policy.plan(context)
         plans.append(width)
         a = accepted(width) if width else 0
-        policy.observe(width, context, step if width == 0 else cycle(width), a + 1, a)
+        policy.observe(width, context, step if width == 0 else cycle(width), a)
         context += a + 1
     return plans
 
