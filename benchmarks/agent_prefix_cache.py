@@ -59,7 +59,7 @@ def start_server(target: str, drafter: str, cache_gb: float, workdir: Path):
                     "chat_template_kwargs": {"enable_thinking": False}}],
     }))
     log = open(workdir / f"server-{cache_gb}.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "dflash_core.cli", "serve", "--config", str(config)],
+    process = subprocess.Popen([sys.executable, "-m", "dflash_core.launch", "serve", "--config", str(config)],
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -115,7 +115,8 @@ def conversation(url: str, turns: int, max_tokens: int) -> list[dict]:
 
 
 def synthetic_model(workdir: Path, family: str, shape: dict) -> tuple[str, str]:
-    from dflash_core.synthetic import tiny_pair
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from synthetic import tiny_pair  # the tests' fixtures: a tiny checkpoint on disk, with a tokenizer
 
     target, drafter = tiny_pair(workdir / "model", family, target_kwargs={"shape": shape})
     return str(target), str(drafter)

@@ -50,7 +50,8 @@ def pairs(work: Path):
     from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
     from dflash_core.loading import load_model
     from dflash_core.random_models import ForcedAcceptance
-    from dflash_core.synthetic import tiny_pair
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from synthetic import tiny_pair  # the tests' fixtures: a tiny checkpoint on disk, with a tokenizer
 
     demo = load_model(str(demo_target_dir()), str(DEMO_DRAFTER)).engine
     yield "demo", demo

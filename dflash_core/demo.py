@@ -55,10 +55,3 @@ def demo_target_dir(root: Path | None = None) -> Path:
 # A base model does not end its turn (it goes on until a limit): a chat to it stops after this
 # many tokens unless the request says otherwise, so that it answers in seconds on a CPU.
 DEMO_MAX_TOKENS = 64
-
-
-def demo_model_settings():
-    from .settings import ModelSettings, SamplingDefaults
-
-    return ModelSettings(name=DEMO_NAME, target=DEMO_TARGET, drafter=str(DEMO_DRAFTER),
-                         sampling=SamplingDefaults(max_tokens=DEMO_MAX_TOKENS))

@@ -202,12 +202,16 @@ class DrafterConfig:
             )
 
 
-def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Taps spread over the target when a checkpoint omits them (z-lab's rule)."""
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [int(round(1 + j * span / (num_taps - 1))) for j in range(num_taps)]
+def default_target_layer_ids(num_target_layers: int, num_taps: Optional[int] = None) -> list[int]:
+    """Taps spread over the target when a checkpoint (or `dflash train`) names none: z-lab's
+    round(1 + j * (n - 4) / (k - 1)), 5 taps by default; targets under 12 layers (the tests') get
+    2-3 distinct ones, at most the last layer."""
+    n = num_target_layers
+    k = num_taps or (5 if n >= 12 else 2 if n <= 4 else 3)
+    if k == 1:
+        return [n // 2]
+    span = max(n - 4, k - 1)
+    return [min(n - 1, int(round(1 + j * span / (k - 1)))) for j in range(k)]
 
 
 class DrafterAttention(nn.Module):

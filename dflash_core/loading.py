@@ -45,7 +45,7 @@ def load_target(path: Path, *, dtype: Optional[str] = None, quantize_bits: Optio
         if "quantization" in config:
             raise ValueError(f"{path}: already quantized ({config['quantization']}); remove quantize_bits")
         nn.quantize(model, group_size=quantize_group_size, bits=quantize_bits,
-                    class_predicate=_quantizable(model, quantize_group_size))
+                    class_predicate=quantizable(model, quantize_group_size))
     mx.eval(model.parameters())
     text_config = config.get("text_config") or {}
     eos = config.get("eos_token_id", text_config.get("eos_token_id"))
@@ -64,7 +64,16 @@ def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
         model.parameters()))
 
 
-def _quantizable(model: nn.Module, group_size: int):
+def parameter_bytes(*modules: Optional[nn.Module]) -> int:
+    """Bytes of the modules' parameters (None: no module)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for m in modules if m is not None for _, v in tree_flatten(m.parameters()))
+
+
+def quantizable(model: nn.Module, group_size: int):
+    """nn.quantize's class_predicate: layers that can be quantized at this group size, as far as the
+    model's own `quant_predicate` (where it has one) allows."""
     model_predicate = getattr(model, "quant_predicate", None)
 
     def predicate(path: str, module: nn.Module):
@@ -110,10 +119,7 @@ class LoadedModel:
     @property
     def nbytes(self) -> int:
         """Weights in memory: the target's and the drafter's."""
-        from mlx.utils import tree_flatten
-
-        modules = [self.engine.target.model] + ([self.engine.drafter] if self.engine.drafter is not None else [])
-        return sum(v.nbytes for m in modules for _, v in tree_flatten(m.parameters()))
+        return parameter_bytes(self.engine.target.model, self.engine.drafter)
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

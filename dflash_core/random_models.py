@@ -1,7 +1,7 @@
 """Random-weight targets and drafters built in memory at the released shapes (speed only).
 
-`synthetic.py` writes random checkpoints to disk for the loading code; this module builds them
-straight into adapters for speed measurements (`dflash bench --random-weights`,
+The tests write random checkpoints to disk for the loading code (tests/synthetic.py); this module
+builds them straight into adapters for speed measurements (`dflash bench --random-weights`,
 `benchmarks/gpu_cycle.py`, `benchmarks/gpu_profile.py`), so nothing is downloaded or written.
 Random drafters accept almost nothing, so these pairs measure speed, never acceptance;
 `ForcedAcceptance` makes the target agree with a fixed number of drafts per cycle instead.
@@ -17,9 +17,10 @@ import mlx.nn as nn
 
 from .adapters import TargetAdapter, adapter_for
 from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
-from .synthetic import FAMILIES, REAL_SHAPES, random_model, target_config
+from .loading import quantizable
+from .shapes import FAMILIES, REAL_SHAPES, random_model, target_config
 
-# Released drafters' shapes (REFERENCE.md §2): layers, heads, kv heads, intermediate, taps, mask,
+# Released drafters' shapes (docs/formats.md): layers, heads, kv heads, intermediate, taps, mask,
 # layer types (sliding window) of the z-lab checkpoint for each target.
 RELEASED_DRAFTERS: dict[str, dict] = {
     "qwen3-8b": dict(layers=5, heads=32, kv=8, inter=12288, taps=[1, 9, 17, 25, 33], mask=151669),
@@ -60,9 +61,7 @@ def random_target(name: str, quant: str = "bf16", layers: Optional[int] = None, 
             shape["layer_types"] = REAL_SHAPES[name]["layer_types"][:layers]
     model = random_model(target_config(family, shape), dtype="float32" if tiny else "bfloat16")
     if quant == "4bit":
-        predicate = getattr(model, "quant_predicate", None)
-        nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: (
-            hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0 and (predicate(p, m) if predicate else True)))
+        nn.quantize(model, group_size=64, bits=4, class_predicate=quantizable(model, 64))
     mx.eval(model.parameters())
     return adapter_for(model)
 

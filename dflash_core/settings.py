@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .demo import DEMO_DRAFTER, DEMO_MAX_TOKENS, DEMO_NAME, DEMO_TARGET
+
 
 class ConfigError(ValueError):
     pass
@@ -154,11 +156,15 @@ class Settings(Strict):
         for m in self.models:
             if m.name == name:
                 return m
-        from .demo import DEMO_NAME, demo_model_settings
-
         if name == DEMO_NAME:
             return demo_model_settings()
         return ModelSettings(name=name, target=name)
+
+
+def demo_model_settings() -> ModelSettings:
+    """The bundled offline demo as a configured model (dflash_core/demo.py has its files)."""
+    return ModelSettings(name=DEMO_NAME, target=DEMO_TARGET, drafter=str(DEMO_DRAFTER),
+                         sampling=SamplingDefaults(max_tokens=DEMO_MAX_TOKENS))
 
 
 def config_path(explicit: Optional[str] = None) -> Optional[Path]:

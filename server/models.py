@@ -20,12 +20,12 @@ from typing import Callable, Optional, Union
 
 import mlx.core as mx
 
-from dflash_core.demo import DEMO_DESCRIPTION, demo_model_settings
+from dflash_core.demo import DEMO_DESCRIPTION
 from dflash_core.hub import DRAFTER_FILES, TARGET_FILES, ModelNotFoundError, resolve
 from dflash_core.loading import LoadedModel, choose_drafter, load_configured
 from dflash_core.prefix_cache import SnapshotBudget
 from dflash_core.prompts import hf_tokenizer
-from dflash_core.settings import ModelSettings, Settings
+from dflash_core.settings import ModelSettings, Settings, demo_model_settings
 
 from .errors import APIError
 from .scheduler import Scheduler

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
-from server.tool_calls import (
+from .tool_calls import (
     GEMMA4_MARKERS,
     PLAIN,
     QWEN_JSON_MARKERS,

@@ -38,7 +38,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx_lm.utils import load_model, load_tokenizer, save_model
 
-from dflash_core.synthetic import _WORDS, _corpus, build_drafter, build_target, train_tokenizer
+from synthetic import _WORDS, _corpus, build_drafter, build_target, train_tokenizer
 
 WINDOW = 64
 LAYERS = 2

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from families import ENGINE_FAMILIES
 
-from dflash_core.synthetic import tiny_pair
+from synthetic import tiny_pair
 
 # The suite runs on the default device, so on a GPU machine the accelerator paths (our CUDA
 # kernels, mlx-lm's Metal ones) face the same lossless tests. DFLASH_TEST_DEVICE=cpu forces the CPU.

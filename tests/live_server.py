@@ -9,8 +9,8 @@ import time
 import httpx
 import uvicorn
 
-from server.app import create_app
-from server.process import DrainingServer
+from dflash_server.app import create_app
+from dflash_server.process import DrainingServer
 
 
 class RecordRequests:

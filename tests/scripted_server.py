@@ -9,7 +9,7 @@ from dataclasses import replace
 from dflash_core.settings import ModelSettings, Settings
 from live_server import LiveServer
 from scripted import scripted_engine
-from server.models import load_served
+from dflash_server.models import load_served
 
 
 def scripted_server(pairs: dict, settings: Settings | None = None) -> LiveServer:

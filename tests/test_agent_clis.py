@@ -25,10 +25,10 @@ from agent_clis import ANSWER, CLIS, NOTE, TITLE, generation_requests
 from agent_model import RECEPTIVE, SHAPE, agent_pair
 from dflash_core.loading import load_engine
 from dflash_core.settings import ModelSettings, Settings
-from dflash_core.synthetic import build_target
+from synthetic import build_target
 from live_server import LiveServer
 from scripted import routed_engine
-from server.models import load_served
+from dflash_server.models import load_served
 
 MODEL = "tiny-agent"
 pytestmark = pytest.mark.skipif(

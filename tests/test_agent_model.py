@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dflash_core.loading import load_engine
-from dflash_core.synthetic import _WORDS, _corpus
+from synthetic import _WORDS, _corpus
 
 from agent_model import agent_pair, agent_tokenizer, shared_tail
 

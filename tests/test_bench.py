@@ -10,9 +10,10 @@ import pydantic
 import pytest
 
 from dflash_core import bench, cli
+from dflash_core.cli import bench as bench_command
 from dflash_core.bench_prompts import PROMPTS, filler_tokens, select_prompts
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
-from dflash_core.synthetic import TINY_VOCAB
+from dflash_core.shapes import TINY_VOCAB
 from live_server import LiveServer
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -127,7 +128,7 @@ def test_planted_divergence_is_reported(qwen3_pair, tmp_path, capsys, monkeypatc
         model = real(settings)
         return dataclasses.replace(model, engine=PlantedDivergence(model.engine, index=5))
 
-    monkeypatch.setattr(bench, "checkpoint_bench_model", planted)
+    monkeypatch.setattr(bench_command, "checkpoint_bench_model", planted)
     target, drafter = qwen3_pair
     out = tmp_path / "r.json"
     code = _bench("--target", str(target), "--drafter", str(drafter), "--contexts", "160", "--sets", "chat",

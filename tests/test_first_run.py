@@ -36,7 +36,7 @@ def _serve(settings, pair, **kwargs):
 
 
 def test_an_unavailable_default_is_stood_in_for_loudly(offline, qwen3_pair, caplog):
-    caplog.set_level(logging.WARNING, logger="server.models")
+    caplog.set_level(logging.WARNING, logger="dflash_server.models")
     with _serve(Settings(models=[MISSING]), qwen3_pair) as server:
         health = httpx.get(server.url + "/health").json()
         assert health["status"] == "ok" and health["default_model"] == "stand-in"

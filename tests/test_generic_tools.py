@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from scripted_server import script, scripted_server
-from server import chat
-from server.schemas import ChatCompletionRequest
+from dflash_server import chat
+from dflash_server.schemas import ChatCompletionRequest
 
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up",
                                           "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from dflash_core.gguf import BYTE, CONTROL, NORMAL, GGUFError, convert_gguf  # noqa: E402
 from dflash_core.loading import load_target  # noqa: E402
-from dflash_core.synthetic import random_model, target_config  # noqa: E402
+from dflash_core.shapes import random_model, target_config  # noqa: E402
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "he", "ll", "llo", "ello", "hello", "\u2581hello",

@@ -13,9 +13,9 @@ from pydantic import TypeAdapter
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
 from live_server import LiveServer
 from scripted_server import script, scripted_server
-from server import chat
-from server.messages import to_chat
-from server.messages_schemas import MessagesRequest
+from dflash_server import chat
+from dflash_server.messages import to_chat
+from dflash_server.messages_schemas import MessagesRequest
 
 KEY = "sk-ant-test"
 EVENTS = TypeAdapter(RawMessageStreamEvent)

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
-from server.output_text import (
+from dflash_server.output_text import (
     GEMMA4_MARKERS,
     PLAIN,
     QWEN_JSON_MARKERS,

@@ -357,3 +357,24 @@ def test_cuda_image_install_outside_docker(tmp_path):
         gpu = subprocess.run([python, "-c", "import mlx.core as mx; assert mx.cuda.is_available()"], env=image.env,
                              capture_output=True, text=True, timeout=300)
         assert gpu.returncode == 0, gpu.stderr
+
+
+def test_wheel_installs_the_server_under_our_name(tmp_path):
+    """`server/` (the repo's layout) goes into the wheel as `dflash_server`, every package with it,
+    and nothing generic such as a top-level `server` or `tests` lands in site-packages."""
+    import zipfile
+
+    _registry_or_skip(tmp_path)  # the build backend (setuptools >= 77) comes from the registry
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                             "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = tmp_path.glob("dflash-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"dflash_core", "dflash_server"}
+    assert "dflash_server/app.py" in names and "dflash_core/cli/serve.py" in names
+    # Every folder of the source with an __init__.py is packaged (the package list is explicit).
+    for init in [*(ROOT / "dflash_core").rglob("__init__.py"), *(ROOT / "server").rglob("__init__.py")]:
+        rel = init.relative_to(ROOT).as_posix().replace("server/", "dflash_server/", 1)
+        assert rel in names, rel
+    assert "dflash_core/demo/prompts.txt" in names

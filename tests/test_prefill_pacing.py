@@ -10,8 +10,8 @@ import pytest
 
 from dflash_core.loading import load_model
 from dflash_core.prefill import ChunkPacer, chunk_ends
-from dflash_core.synthetic import build_target
-from server.scheduler import Job, Scheduler
+from synthetic import build_target
+from dflash_server.scheduler import Job, Scheduler
 
 STEP_SECONDS = 0.2
 # What a step may take at most in these tests: the pace plus room for a noisy 2-core machine.

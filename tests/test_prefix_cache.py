@@ -237,8 +237,8 @@ def test_server_reports_cached_tokens_and_shared_prefix_is_safe_concurrently(qwe
 
 
 def test_a_servers_models_share_one_budget(qwen3_pair, gemma3_pair):
-    from server.models import ModelPool
-    from server.scheduler import Scheduler
+    from dflash_server.models import ModelPool
+    from dflash_server.scheduler import Scheduler
 
     settings = Settings(prefix_cache_gb=0.5, prefill_chunk_seconds=None, models=[
         ModelSettings(name=name, target=str(pair[0]), drafter=str(pair[1]))

@@ -14,9 +14,9 @@ from pydantic import TypeAdapter
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
 from live_server import LiveServer
 from scripted_server import script, scripted_server
-from server import chat
-from server.responses import ResponseBuilder, to_chat, tool_names
-from server.responses_schemas import ResponsesRequest
+from dflash_server import chat
+from dflash_server.responses import ResponseBuilder, to_chat, tool_names
+from dflash_server.responses_schemas import ResponsesRequest
 
 KEY = "sk-test"
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -190,7 +190,7 @@ def test_namespace_and_custom_tools(scripted):
 
 def test_builder_closes_each_item_before_the_next():
     builder = ResponseBuilder(tool_names(None))
-    from server.output_text import Delta, ToolCallDelta
+    from dflash_server.output_text import Delta, ToolCallDelta
     types = [e["type"] for d in (Delta(reasoning="a"), Delta(content="b"), Delta(tool_call=ToolCallDelta(0, "c1", "f")),
                                  Delta(tool_call=ToolCallDelta(0, arguments="{}")), Delta(content="c"))
              for e in builder.feed(d)] + [e["type"] for e in builder.close()]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from server.scheduler import Job, Scheduler, SchedulerStopped
+from dflash_server.scheduler import Job, Scheduler, SchedulerStopped
 
 
 class Fatal(BaseException):

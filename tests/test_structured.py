@@ -9,9 +9,9 @@ from mlx_lm.utils import load_tokenizer
 
 from dflash_core.grammar import compile_grammar, tokenizer_info
 from dflash_core.prompts import hf_tokenizer
-from server.schemas import ResponseFormat
-from server.structured import Literals, response_format_grammar, strict_tools_grammar
-from server.tool_calls import GEMMA4_MARKERS, QWEN_JSON_MARKERS, QWEN_XML_MARKERS
+from dflash_server.schemas import ResponseFormat
+from dflash_server.structured import Literals, response_format_grammar, strict_tools_grammar
+from dflash_server.tool_calls import GEMMA4_MARKERS, QWEN_JSON_MARKERS, QWEN_XML_MARKERS
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "required": ["city", "days"],

@@ -6,19 +6,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from dflash_core.synthetic import (
-    FAMILIES,
-    REAL_SHAPES,
-    TINY_VOCAB,
-    build_drafter,
-    build_target,
-    default_target_layer_ids,
-    drafter_tensor_shapes,
-    parameter_bytes,
-    random_model,
-    target_config,
-    train_tokenizer,
-)
+from synthetic import build_drafter, build_target, drafter_tensor_shapes, train_tokenizer
+
+from dflash_core.drafter import default_target_layer_ids
+from dflash_core.loading import parameter_bytes
+from dflash_core.shapes import FAMILIES, REAL_SHAPES, TINY_VOCAB, random_model, target_config
 
 MARKERS = {
     "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",

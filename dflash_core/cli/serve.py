@@ -1,0 +1,49 @@
+"""`dflash serve`: the HTTP server (the only subcommand that imports the server package)."""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+
+from ..settings import ConfigError, ServerSettings
+from .args import add_model_flags, settings_from_args
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server (default model: config.yaml's)")
+    add_model_flags(p, what="served first; other configured models stay available")
+    p.add_argument("--name", help="model name clients send with --target (default: the target's name)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--api-key", help="require the key (Authorization: Bearer KEY or x-api-key: KEY)")
+    p.add_argument("--allow-no-key", action="store_const", const=True, default=None,
+                   help="listen on a non-loopback --host without an API key (anyone who can reach it can use it)")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    from dflash_server.app import create_app
+    from dflash_server.process import serve
+
+    settings = settings_from_args(args)
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
+                                 ("allow_no_key", args.allow_no_key)) if v is not None}
+    try:  # validated as config.yaml's values are (a port out of range is an error, not a traceback)
+        server = ServerSettings.model_validate({**settings.server.model_dump(), **updates})
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ConfigError(f"--{'-'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    if not server.loopback:
+        if not server.api_key and not server.allow_no_key:
+            raise ConfigError(f"refusing to listen on {server.host} without an API key: any machine that reaches it "
+                              "could use it. Set --api-key (server.api_key), or --allow-no-key (server.allow_no_key)")
+        logging.getLogger("dflash").warning(
+            "listening on %s:%d: reachable from other machines, %s", server.host, server.port,
+            "API key required" if server.api_key else "WITHOUT an API key (--allow-no-key)")
+    # A model named on the command line is what the user wants: no demo standing in for it.
+    fallback = settings.demo_fallback and not (args.model or args.target)
+    settings = settings.model_copy(update={"server": server, "demo_fallback": fallback})
+    settings.apply_backend_settings()
+    serve(create_app(settings), settings.server.host, settings.server.port, settings.server.shutdown_timeout)
+    return 0
