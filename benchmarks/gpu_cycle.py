@@ -33,11 +33,14 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.engine import Engine  # noqa: E402
-from dflash_core.kernels import attention as block_attention  # noqa: E402
-from dflash_core.kernels import backend  # noqa: E402
-from dflash_core.kernels import gated_delta  # noqa: E402
+from dflash_core.kernels import (  # noqa: E402
+    KernelOptions,
+    backend,
+    gated_delta,  # noqa: E402
+)
 from dflash_core.kernels import matmul as small_m  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
+
 # One copy of the real-shape builders, shared with `dflash bench --random-weights` (and, through
 # these names, with gpu_profile.py).
 from dflash_core.random_models import ForcedAcceptance  # noqa: E402
@@ -45,6 +48,14 @@ from dflash_core.random_models import random_drafter as build_drafter  # noqa: E
 from dflash_core.random_models import random_target as build_target  # noqa: E402
 
 FORCED = {"3": [2], "5": [4], "6.5": [5, 6]}  # accepted drafts per cycle -> tokens per cycle
+# --paths label -> the kernel options its adapter and drafter run with.
+PATHS = {
+    "dflash": KernelOptions(),
+    "replay": KernelOptions(step_states=False),
+    "mlx": KernelOptions(block_attention=False, step_states=False, cuda_matmul=False),
+    "mlx-qmm": KernelOptions(cuda_matmul=False),
+    "unfused": KernelOptions(one_launch_per_input=False),
+}
 
 
 def weight_bytes_per_token(adapter) -> int:
@@ -129,8 +140,8 @@ def run_context(name, adapter, drafter, context, decode_tokens, prefill_chunk=40
 
         def step():
             out = adapter.forward(block, cache, taps, record=True)
-            adapter.rollback(cache, out.tape, keep=keep)
-            return [out.logits, out.taps] + [a for c in cache if c is not None for a in _arrays(c)]
+            adapter.rollback(cache, out.rollback, keep=keep)
+            return [out.logits, out.tapped_hidden] + [a for c in cache if c is not None for a in _arrays(c)]
         return per_iteration_ms(step)
 
     def build_ms():  # host time to build (not run) one verify graph
@@ -195,6 +206,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()
+    paths = args.paths.split(",")
+    if unknown := [p for p in paths if p not in PATHS]:
+        parser.error(f"--paths: unknown {', '.join(unknown)} (known: {', '.join(PATHS)})")
     report = {"device": str(mx.default_device()), "backend": backend(), "gated_delta": gated_delta.active_path(),
               "small_m_matmul": small_m.active_path(),
               "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "results": []}
@@ -207,14 +221,12 @@ def main() -> int:
             entry = {"model": name, "quant": quant, "layers": adapter.num_layers,
                      "weight_gb_per_token": weight_bytes_per_token(adapter) / 1e9, "contexts": []}
             for context in (int(c) for c in args.contexts.split(",")):
-                for paths in args.paths.split(","):
-                    block_attention.use_stacked = paths in ("dflash", "replay", "mlx-qmm", "unfused")
-                    gated_delta.use_step_states = paths in ("dflash", "mlx-qmm", "unfused")
-                    small_m.use_cuda_kernel = paths in ("dflash", "replay", "unfused")
-                    small_m.fuse_shared_input = paths != "unfused"
-                    adapter.clear_compiled()  # the matmul switch is read when a block is traced
-                    row = {"paths": paths, **run_context(name, adapter, drafter, context, args.decode_tokens,
-                                                             args.prefill_chunk)}
+                for label in paths:
+                    # The same weights (as stacked at load), run with this path's kernel options.
+                    kernels = PATHS[label]
+                    run = run_context(name, adapter.with_kernels(kernels), drafter.with_kernels(kernels), context,
+                                      args.decode_tokens, args.prefill_chunk)
+                    row = {"paths": label, **run}
                     row["weight_tb_s"] = entry["weight_gb_per_token"] / row["decode_ms"]  # GB/ms == TB/s
                     row["verify_over_decode"] = row["verify16_full_accept_ms"] / row["decode_ms"]
                     entry["contexts"].append(row)

@@ -32,12 +32,12 @@ import mlx.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dflash_core.kernels import backend  # noqa: E402
+import small_m_matmul_cuda as matmul_cuda  # noqa: E402  (benchmarks/, an experiment)
+
 from dflash_core.kernels import attention as block_attention  # noqa: E402
+from dflash_core.kernels import backend  # noqa: E402
 from dflash_core.kernels import gated_delta as gd  # noqa: E402
 from dflash_core.kernels import quantized_matmul_cuda as q4  # noqa: E402
-
-import small_m_matmul_cuda as matmul_cuda  # noqa: E402  (benchmarks/, an experiment)
 
 
 def bench(fn, warmup=3, iters=20) -> float:

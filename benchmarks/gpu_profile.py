@@ -30,13 +30,13 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_core.engine import Engine  # noqa: E402
-from dflash_core.kernels import attention as block_attention  # noqa: E402
-from dflash_core.kernels import gated_delta as gd  # noqa: E402
-from dflash_core.kernels import matmul as small_m  # noqa: E402
-from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 from gpu_cycle import build_drafter, build_target  # noqa: E402
 from gpu_cycle import per_iteration_ms as per_iteration  # noqa: E402
+
+from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.kernels import KernelOptions  # noqa: E402
+from dflash_core.kernels import gated_delta as gd  # noqa: E402
+from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 
 
 def build_only(fn, iters=8) -> float:
@@ -82,8 +82,8 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
 
         def verify_full():
             v = adapter.forward(block, cache, taps, record=True)
-            adapter.rollback(cache, v.tape, keep=16)
-            return [v.logits, v.taps]
+            adapter.rollback(cache, v.rollback, keep=16)
+            return [v.logits, v.tapped_hidden]
 
         verify = per_iteration(verify_full)
         verify_build = build_only(lambda: [adapter.forward(block, cache, taps, record=True).logits])
@@ -96,17 +96,16 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
     adapter.compile_max_tokens = 16
 
     def verify_and_rollback():
-        v = adapter.forward(block, cache, taps, record=True)
-        adapter.rollback(cache, v.tape, keep=next(keeps))
+        v = target.forward(block, cache, taps, record=True)
+        target.rollback(cache, v.rollback, keep=next(keeps))
         return [v.logits] + [a for c in cache if hasattr(c, "cache") for a in c.cache]
 
     for label, step_states in (("replay", False), ("step_states", True), ("replay", False), ("step_states", True)):
-        gd.use_step_states = step_states
+        target = adapter.with_kernels(KernelOptions(step_states=step_states))
         for keep_label, pattern in (("6_7", [6, 7]), ("7", [7]), ("16", [16])):
             keeps = iter(pattern * 40)
             cache, context_cache = snapshot.restore()
             out.setdefault(f"verify_rollback_{keep_label}_{label}_ms", []).append(per_iteration(verify_and_rollback))
-    gd.use_step_states = True
 
     def draft():
         drafter.add_context(mx.zeros((1, 1, len(taps) * adapter.hidden_size), adapter.dtype), context_cache)
@@ -142,40 +141,37 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
     return medians(out)
 
 
-# What an A/B flips: the module, its switch, and the labels of the switch on and off.
+# What an A/B turns on and off: the KernelOptions field, and the labels of its two arms.
 SWITCHES = {
-    "launches": (small_m, "fuse_shared_input", "fused", "apart"),  # one launch per shared input or per weight
-    "attention": (block_attention, "use_stacked", "block", "mlx"),  # block attention or MLX's fused
+    "launches": ("one_launch_per_input", "fused", "apart"),  # one launch per shared input or per weight
+    "attention": ("block_attention", "block", "mlx"),  # block attention or MLX's fused
 }
 
 
 def alternate(switch: str, name: str, quant: str, context: int, rounds: int = 6, layers=None, tiny=False) -> dict:
     """Decode and verify-16 ms (medians over `rounds` alternations) with a switch of SWITCHES on
     and off."""
-    module, attribute, on_label, off_label = SWITCHES[switch]
+    option, on_label, off_label = SWITCHES[switch]
     adapter = build_target(name, quant, layers, tiny)
     snapshot = prefilled(adapter, None, context)
     one, block = mx.array([[7]]), mx.random.randint(0, adapter.vocab_size, (1, 16))
     out = {"model": name, "quant": quant, "context": context, "rounds": rounds}
     for _ in range(rounds):
         for label, on in ((on_label, True), (off_label, False)):
-            setattr(module, attribute, on)
-            adapter.clear_compiled()  # the switch is read when a block is traced
+            target = adapter.with_kernels(KernelOptions(**{option: on}))  # blocks traced once per arm
             cache, _ = snapshot.restore()
-            out.setdefault(f"{label}_decode_ms", []).append(per_iteration(lambda: [adapter.forward(one, cache).logits]))
+            out.setdefault(f"{label}_decode_ms", []).append(per_iteration(lambda: [target.forward(one, cache).logits]))
             cache, _ = snapshot.restore()
 
             def verify():
                 # A full acceptance keeps all 16 (the rollback has nothing to undo), so each of the
                 # 13 timed and warm-up forwards adds 16 tokens: the context ends about 200 past the
                 # snapshot's, the same in both arms.
-                v = adapter.forward(block, cache, record=True)
-                adapter.rollback(cache, v.tape, keep=16)
+                v = target.forward(block, cache, record=True)
+                target.rollback(cache, v.rollback, keep=16)
                 return [v.logits]
 
             out.setdefault(f"{label}_verify16_ms", []).append(per_iteration(verify))
-    setattr(module, attribute, True)
-    adapter.clear_compiled()
     return medians(out)
 
 

@@ -92,7 +92,8 @@ PROMPTS: list[BenchPrompt] = [
         {"role": "user", "content": "Compare the weather in Oslo and Madrid for the next two days."},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}},
-            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Madrid", "days": 2}'}}]},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Madrid", "days": 2}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
          "content": '{"city": "Oslo", "forecast": [{"day": 1, "high_c": 4, "low_c": -2, "sky": "snow"}, '
                     '{"day": 2, "high_c": 2, "low_c": -5, "sky": "clear"}]}'},

@@ -1,7 +1,7 @@
 """A fast BLAS for MLX's Linux CPU backend.
 
-MLX's Linux CPU wheel links the netlib reference BLAS: a 1024x1024 float32 matmul takes ~360 ms
-on 2 cores, against ~6 ms with MKL. MLX calls the standard CBLAS entry points (cblas_sgemm, ...),
+MLX's Linux CPU wheel links the netlib reference BLAS, tens of times slower than MKL or OpenBLAS
+for float32 matmuls (docs/performance.md, "The CPU path"). MLX calls the standard CBLAS entry points (cblas_sgemm, ...),
 so a library that exports them, loaded with RTLD_GLOBAL before MLX is, takes those calls: the
 dynamic loader resolves a dlopen'ed library's symbols in the global scope first. `dflash` does
 this at start (`launch.py`), before anything imports MLX:

@@ -9,9 +9,11 @@ behind the next query and is masked out.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import KVCache
 
 
 class SlidingWindowCache:
@@ -89,6 +91,22 @@ class SlidingWindowCache:
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
+    # mlx-lm's cache protocol: `state` is everything the cache is, `from_state` builds one from it.
+    @property
+    def state(self) -> tuple:
+        return self.keys, self.values, self.offset, self.window, self.slack
+
+    @state.setter
+    def state(self, v: tuple) -> None:
+        self.keys, self.values, self.offset, self.window, self.slack = v
+        self.capacity = self.window + self.slack
+
+    @classmethod
+    def from_state(cls, state: tuple) -> "SlidingWindowCache":
+        cache = cls.__new__(cls)
+        cache.state = state
+        return cache
+
 
 def cache_arrays(cache: list) -> list[mx.array]:
     """Every array a list of layer caches holds (for eval and for memory accounting)."""
@@ -109,27 +127,35 @@ def cache_arrays(cache: list) -> list[mx.array]:
 # holds is what it counts): KV buffers cut to their used length, GatedDeltaNet states, rings.
 # Thawing builds new cache objects around new array objects, so requests sharing a snapshot
 # never write into each other's, or the snapshot's, arrays (MLX's slice updates copy a buffer
-# that something else still references).
+# that something else still references). Both go through mlx-lm's own protocol, which every
+# cache here follows (SlidingWindowCache too): `state` (arrays and numbers) and `from_state`.
 
 
-def freeze(cache: list) -> list:
-    from mlx_lm.models.cache import ArraysCache, KVCache
+class FrozenCache(NamedTuple):
+    cls: type  # the cache's class, whose `from_state` thaws it
+    state: Any  # its `state`, every array an owned copy
 
+
+def freeze(cache: list) -> list[Optional[FrozenCache]]:
     frozen = []
     for c in cache:
         if c is None:
             frozen.append(None)
-        elif isinstance(c, SlidingWindowCache):
-            frozen.append(("ring", c.window, c.slack, c.offset, owned(c.keys), owned(c.values)))
-        elif isinstance(c, ArraysCache):
-            frozen.append(("arrays", [owned(a) for a in c.cache]))
-        elif isinstance(c, KVCache):
-            keys = None if c.keys is None else owned(c.keys[..., : c.offset, :])
-            values = None if c.values is None else owned(c.values[..., : c.offset, :])
-            frozen.append(("kv", c.offset, keys, values))
-        else:
+        elif not hasattr(type(c), "from_state"):
             raise TypeError(f"cannot snapshot a {type(c).__name__}")
+        else:
+            frozen.append(FrozenCache(type(c), tree_map(_owned_leaf, held_state(c))))
     return frozen
+
+
+def held_state(c) -> Any:
+    """`c.state`, with a KV cache's buffers cut to the tokens written: the rest is room for more
+    (it grows in steps of 256), which a snapshot need not keep."""
+    state = c.state
+    if isinstance(c, KVCache) and c.keys is not None:
+        keys, values, offset = state
+        state = (keys[..., :offset, :], values[..., :offset, :], offset)
+    return state
 
 
 def owned(array: Optional[mx.array]) -> Optional[mx.array]:
@@ -139,38 +165,18 @@ def owned(array: Optional[mx.array]) -> Optional[mx.array]:
     return None if array is None else mx.array(array)
 
 
-def thaw(frozen: list) -> list:
-    from mlx_lm.models.cache import ArraysCache, KVCache
-
-    cache = []
-    for f in frozen:
-        if f is None:
-            cache.append(None)
-        elif f[0] == "ring":
-            _, window, slack, offset, keys, values = f
-            c = SlidingWindowCache(window, slack)
-            c.offset = offset
-            c.keys = None if keys is None else keys[...]
-            c.values = None if values is None else values[...]
-            cache.append(c)
-        elif f[0] == "arrays":
-            c = ArraysCache(size=len(f[1]))
-            c.cache = list(f[1])
-            cache.append(c)
-        else:
-            _, offset, keys, values = f
-            c = KVCache()
-            c.offset = offset
-            c.keys = None if keys is None else keys[...]
-            c.values = None if values is None else values[...]
-            cache.append(c)
-    return cache
+def _owned_leaf(leaf):
+    return owned(leaf) if isinstance(leaf, mx.array) else leaf
 
 
-def frozen_arrays(frozen: list) -> list[mx.array]:
-    out = []
-    for f in frozen:
-        if f is None:
-            continue
-        out.extend(a for a in (f[1] if f[0] == "arrays" else f[-2:]) if a is not None)
-    return out
+def _fresh_leaf(leaf):
+    return leaf[...] if isinstance(leaf, mx.array) else leaf  # a new array object, the same buffer
+
+
+def thaw(frozen: list[Optional[FrozenCache]]) -> list:
+    return [None if f is None else f.cls.from_state(tree_map(_fresh_leaf, f.state)) for f in frozen]
+
+
+def frozen_arrays(frozen: list[Optional[FrozenCache]]) -> list[mx.array]:
+    """Every array the snapshots of `frozen` hold."""
+    return [a for f in frozen if f is not None for _, a in tree_flatten(f.state) if isinstance(a, mx.array)]

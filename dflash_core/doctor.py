@@ -15,7 +15,6 @@ from .kernels import attention, backend, gated_delta, matmul
 from .registry import KNOWN_PAIRS, find_pair
 from .settings import Settings
 
-
 CPU_SPECULATION = ("MLX's CPU backend: a verify costs about as many decode steps as it has tokens, so DFlash "
                    "cycles often lose here; speculation 'auto' (the default) runs them only while they beat "
                    "plain target steps, measured on this machine")
@@ -101,7 +100,8 @@ def doctor_report(check_hub: bool = True, settings: Optional[Settings] = None) -
         "model_cache": str(hub_cache_dir()),
         "demo_cache": str(cache_root()),
         "hub": hub,
-        "speculation": CPU_SPECULATION if mx.default_device() == mx.cpu else "a 16-token verify streams the weights once, as DFlash needs",
+        "speculation": (CPU_SPECULATION if mx.default_device() == mx.cpu
+                        else "a 16-token verify streams the weights once, as DFlash needs"),
     }
     if settings is not None:
         report["default_model"] = default_model_status(settings, hub) if check_hub else (

@@ -6,11 +6,12 @@ cycles, never rolled back because only committed positions are ever added) and l
 `[bonus, MASK * (B-1)]` queries attend over `[context K/V ; block K/V]`. One forward pass proposes
 B-1 tokens (argmax of each row: one denoising step).
 
-Checkpoint format and config layouts: ../shared/REFERENCE.md §1-2 (z-lab `DFlashDraftModel`).
+Checkpoint format and config layouts: docs/formats.md (z-lab `DFlashDraftModel`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass, field
@@ -24,8 +25,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .kernels import DEFAULT_KERNELS, KernelOptions
 from .kernels.attention import attention
-from .kernels.matmul import gated_mlp, linear, linears, stack_shared_input
+from .kernels.matmul import SharedInput, gated_mlp, linear, linears
 
 log = logging.getLogger(__name__)
 
@@ -235,23 +237,26 @@ class DrafterAttention(nn.Module):
             scaling_config=cfg.rope_scaling,
             max_position_embeddings=cfg.max_position_embeddings,
         )
+        self.kv_input: Optional[SharedInput] = None  # k and v, once stacked (DFlashDrafter.stack_shared_inputs)
 
-    def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+    def keys_values(self, x: mx.array, offset: int, kernels: KernelOptions = DEFAULT_KERNELS):
         """K/V of `x` at absolute positions offset.. (input_layernorm is not applied to context)."""
         B, L, _ = x.shape
-        k, v = linears([self.k_proj, self.v_proj], x)
+        kv = self.kv_input if self.kv_input is not None else [self.k_proj, self.v_proj]
+        k, v = linears(kv, x, kernels)
         k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def __call__(self, x, context: tuple[mx.array, mx.array], start: int, mask) -> mx.array:
+    def __call__(self, x, context: tuple[mx.array, mx.array], start: int, mask,
+                 kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_norm(linear(self.q_proj, x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.q_norm(linear(self.q_proj, x, kernels).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
-        k, v = self.keys_values(x, start)
+        k, v = self.keys_values(x, start, kernels)
         ctx_k, ctx_v = context
-        out = attention(q, [ctx_k, k], [ctx_v, v], self.scale, mask)
-        return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = attention(q, [ctx_k, k], [ctx_v, v], self.scale, mask, kernels)
+        return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
 
 
 class DrafterLayer(nn.Module):
@@ -261,18 +266,21 @@ class DrafterLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.gate_up_input: Optional[SharedInput] = None  # the MLP's gate and up, once stacked
 
-    def __call__(self, h, context, start, mask):
-        h = h + self.self_attn(self.input_layernorm(h), context, start, mask)
-        return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu)
+    def __call__(self, h, context, start, mask, kernels: KernelOptions = DEFAULT_KERNELS):
+        h = h + self.self_attn(self.input_layernorm(h), context, start, mask, kernels)
+        return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu, kernels, self.gate_up_input)
 
 
 class DFlashDrafter(nn.Module):
-    """Weights named exactly as z-lab's checkpoints (fc, hidden_norm, layers.N..., norm)."""
+    """Weights named exactly as z-lab's checkpoints (fc, hidden_norm, layers.N..., norm). Its
+    forwards run with `kernels` (not a parameter: an attribute of the object)."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
         self.config = cfg
+        self.kernels = kernels
         n_taps = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -286,20 +294,27 @@ class DFlashDrafter(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
+    def with_kernels(self, kernels: KernelOptions) -> "DFlashDrafter":
+        """This drafter, same layers and weights (as stacked), with other kernel options."""
+        other = copy.copy(self)
+        other.kernels = kernels
+        return other
+
     def stack_shared_inputs(self) -> None:
         """On CUDA, one matrix for each layer's k and v (the block and the context both multiply
-        them by one input) and for its MLP's gate and up (kernels/matmul.py). Call it once the
-        weights are loaded: new weights put in later (training) drop their stack by themselves."""
+        them by one input) and for its MLP's gate and up (a `SharedInput`, kernels/matmul.py). Call
+        it once the weights are loaded: new weights put in later (training) drop their stack by
+        themselves."""
         for layer in self.layers:
-            stack_shared_input([layer.self_attn.k_proj, layer.self_attn.v_proj])
-            stack_shared_input([layer.mlp.gate_proj, layer.mlp.up_proj])
+            layer.self_attn.kv_input = SharedInput([layer.self_attn.k_proj, layer.self_attn.v_proj], self.kernels)
+            layer.gate_up_input = SharedInput([layer.mlp.gate_proj, layer.mlp.up_proj], self.kernels)
 
     def add_context(self, taps: mx.array, cache: list[KVCache]) -> None:
         """Project target taps [1, n, n_taps*H] of the next n positions into every layer's context
         K/V. Positions are implied: they continue from what the cache already holds."""
         c = self.hidden_norm(self.fc(taps))
         for layer, layer_cache in zip(self.layers, cache):
-            k, v = layer.self_attn.keys_values(c, layer_cache.offset)
+            k, v = layer.self_attn.keys_values(c, layer_cache.offset, self.kernels)
             layer_cache.update_and_fetch(k, v)
 
     def _context_and_mask(self, layer: int, cache: KVCache, start: int, block: int):
@@ -336,7 +351,7 @@ class DFlashDrafter(nn.Module):
         h = embeddings * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeddings
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             context, mask = self._context_and_mask(i, layer_cache, start, block)
-            h = layer(h, context, start, mask)
+            h = layer(h, context, start, mask, self.kernels)
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head) -> mx.array:
@@ -366,7 +381,8 @@ def _empty_context(attn: "DrafterAttention", dtype) -> tuple[mx.array, mx.array]
     return empty, empty
 
 
-def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
+def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS) -> DFlashDrafter:
     """Load a z-lab DFlash checkpoint directory (config.json + *.safetensors), strictly."""
     path = Path(path)
     config_file = path / "config.json"
@@ -384,7 +400,7 @@ def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None) -> DFlas
     for f in files:
         weights.update(mx.load(str(f)))
     weights = _sanitize(weights, source=str(path))
-    model = DFlashDrafter(cfg)
+    model = DFlashDrafter(cfg, kernels)
     expected = {k for k, _ in _flat_parameters(model)}
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:

@@ -15,18 +15,24 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .adapters import TargetAdapter
+from .adapters import RollbackRecord, TargetAdapter
 from .cache import cache_arrays
 from .detokenize import IncrementalDetokenizer, TokenBytes
 from .drafter import DFlashDrafter
-from .grammar import (AllConstraints, CompiledGrammar, Constraint, GrammarSpec, ReasoningBudget, compile_grammar,
-                      tokenizer_info)
+from .grammar import AllConstraints, CompiledGrammar, Constraint, GrammarSpec, ReasoningBudget, compile_grammar, tokenizer_info
 from .logprobs import MAX_TOP_LOGPROBS, LogprobScorer, TokenLogprob
 from .prefill import ChunkPacer, chunk_ends
 from .prefix_cache import PrefixCache
 from .prompts import hf_tokenizer
 from .sampling import Sampler, SamplingParams
 from .speculation import MODES, ModelSpeculation, SpeculationPolicy
+
+# The rollback room of the caches of an engine without a drafter: the released drafters' block,
+# so that they are shaped as a speculating engine's are.
+ROLLBACK_WITHOUT_DRAFTER = 16
+# The token budget of max_tokens=None: a generation then ends at a stop token or at the context
+# limit. An int all the same (the budget is compared and sliced with), one that nothing reaches.
+NO_TOKEN_LIMIT = 1 << 62
 
 
 @dataclass
@@ -125,7 +131,7 @@ class DecodeState:
     cache: list
     context: Optional[list]
     fed: list[int]
-    pending: Any = None  # the tape of a verify queued ahead, not yet accepted or rolled back
+    pending: Optional[RollbackRecord] = None  # of a step queued ahead, not yet accepted or rolled back
     # Taps of plain steps not yet in the drafter's context: added in one block before the next
     # cycle (or a snapshot), not one drafter forward per token while cycles are off.
     untapped: list = field(default_factory=list)
@@ -169,7 +175,7 @@ class Engine:
         self.drafter_off_reason = drafter_off_reason or "no drafter configured"
         self.prefix_cache = prefix_cache
         # Caches keep room to roll back one block in every mode, so snapshots fit every request.
-        self.max_rollback = drafter.block_size if drafter is not None else 16
+        self.max_rollback = drafter.block_size if drafter is not None else ROLLBACK_WITHOUT_DRAFTER
         if speculation not in MODES:
             raise ValueError(f"speculation must be one of {MODES}, got {speculation!r}")
         self.speculation = speculation  # what generate() does unless told otherwise
@@ -238,7 +244,7 @@ class Engine:
         sampling.validate(self.target.vocab_size)
         if logprobs is not None and (isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise RequestError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
-        budget = max_tokens if max_tokens is not None else 1 << 62
+        budget = max_tokens if max_tokens is not None else NO_TOKEN_LIMIT
         if self.max_context is not None:
             budget = min(budget, self.max_context - len(prompt_tokens))
         if budget < 1:
@@ -265,7 +271,8 @@ class Engine:
             if isinstance(grammar, GrammarSpec):
                 grammar = compile_grammar(grammar, self.grammar_tokenizer)
             elif grammar.tokenizer.vocab_size < vocab:
-                raise RequestError(f"the grammar was compiled for a vocabulary of {grammar.tokenizer.vocab_size} tokens, not {vocab}")
+                raise RequestError(f"the grammar was compiled for a vocabulary of {grammar.tokenizer.vocab_size} tokens, "
+                                   f"not {vocab}")
             constraint = Constraint(grammar, vocab, eos)
         if reasoning_budget is not None:
             limit = ReasoningBudget(*reasoning_budget, vocab)
@@ -374,7 +381,7 @@ class Engine:
             began = time.perf_counter()
             out = self.target.forward(tokens[:, begin:end], state.cache, tap_ids, last_logits_only=True)
             if state.context is not None:
-                self.drafter.add_context(out.taps, state.context)
+                self.drafter.add_context(out.tapped_hidden, state.context)
             state.fed += prompt[begin:end]
             if end < len(prompt):
                 mx.eval(out.logits, cache_arrays(state.cache))  # bound the graph and the memory of one chunk
@@ -457,22 +464,22 @@ class Engine:
         (committed tokens, the next `token`, their logprobs, drafts accepted); a plain step's
         `choice` is its output, on the device. Each step adds its input to `state.fed` when read (a
         cycle its taps to the drafter's context; a plain step keeps them in `state.untapped`), and
-        leaves a tape in `state.pending` until then, so a generation that ends with a step queued
-        can undo it."""
+        leaves its rollback record in `state.pending` until then, so a generation that ends with a
+        step queued can undo it."""
         target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
         tap_ids = drafter.config.target_layer_ids
         if width == 0:
             out = target.forward(token[None], cache, tap_ids, record=True)
             choice = sampler.choose(out.logits[0], None, index + 1, constraint.masks() if constraint else None)
             sampler.commit(choice)  # on the device: a step queued after this one samples after it
-            mx.async_eval(choice, out.taps)
+            mx.async_eval(choice, out.tapped_hidden)
             scored = scorer.queue(out.logits[0], choice)
-            state.pending = out.tape
+            state.pending = out.rollback
 
             def read_step():
-                if state.pending is out.tape:
+                if state.pending is out.rollback:
                     state.pending = None
-                state.untapped.append(out.taps)
+                state.untapped.append(out.tapped_hidden)
                 state.fed += token.tolist()  # known by now: the step before was read first
                 committed = choice.tolist()
                 if constraint is not None:
@@ -486,20 +493,20 @@ class Engine:
         verify = target.forward(mx.concatenate([token, drafts])[None], cache, tap_ids, record=True)
         allowed = None
         if constraint is not None:  # each row's mask follows the drafts before it: read them
-            mx.async_eval(verify.logits, verify.taps)  # the verify runs while the host builds masks
+            mx.async_eval(verify.logits, verify.tapped_hidden)  # the verify runs while the host builds masks
             allowed = constraint.masks(drafts.tolist())
         choices = sampler.choose(verify.logits[0], drafts, index + 1, allowed)
-        mx.async_eval(choices, verify.taps)
-        state.pending = verify.tape
+        mx.async_eval(choices, verify.tapped_hidden)
+        state.pending = verify.rollback
         scored = scorer.queue(verify.logits[0], choices)
 
         def read_cycle():
             host = mx.concatenate([drafts, choices]).tolist()
             proposed, picks = host[: width - 1], host[width - 1 :]
             accepted = accepted_length(proposed, picks)
-            target.rollback(cache, verify.tape, keep=accepted + 1)
+            target.rollback(cache, verify.rollback, keep=accepted + 1)
             state.pending = None
-            drafter.add_context(verify.taps[:, : accepted + 1], context)
+            drafter.add_context(verify.tapped_hidden[:, : accepted + 1], context)
             state.fed += token.tolist() + proposed[:accepted]
             committed = proposed[:accepted] + [picks[accepted]]
             sampler.commit(mx.array(committed, dtype=mx.int32))

@@ -51,7 +51,8 @@ def tokenizer_info(hf_tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     try:
         return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=max(vocab_size, len(hf_tokenizer)))
     except ValueError as e:  # llguidance reads the Rust tokenizer of a "fast" one
-        raise GrammarError(f"grammars need a fast Hugging Face tokenizer, this model has {type(hf_tokenizer).__name__}: {e}") from e
+        raise GrammarError(f"grammars need a fast Hugging Face tokenizer, this model has "
+                           f"{type(hf_tokenizer).__name__}: {e}") from e
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> CompiledGrammar:

@@ -85,7 +85,7 @@ def quantizable(model: nn.Module, group_size: int):
 
 
 def load_checked_drafter(path: Path, target: TargetAdapter, block_size: Optional[int] = None) -> DFlashDrafter:
-    drafter = load_drafter(path, dtype=target.dtype)
+    drafter = load_drafter(path, dtype=target.dtype, kernels=target.kernels)
     drafter.config.check_target(
         str(Path(path) / "config.json"),
         hidden_size=target.hidden_size,

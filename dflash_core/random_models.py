@@ -9,7 +9,7 @@ Random drafters accept almost nothing, so these pairs measure speed, never accep
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -67,7 +67,8 @@ def random_target(name: str, quant: str = "bf16", layers: Optional[int] = None, 
 
 
 def random_drafter(name: str, target: TargetAdapter, tiny: bool = False) -> DFlashDrafter:
-    """A random drafter with the released z-lab drafter's shape for target `name`."""
+    """A random drafter with the released z-lab drafter's shape for target `name` (and the
+    target's kernel options)."""
     d = RELEASED_DRAFTERS[name]
     if tiny:
         d = {**d, "layers": 2, "heads": 4, "kv": 2, "inter": 128, "taps": [1, 2], "mask": 3,
@@ -83,7 +84,7 @@ def random_drafter(name: str, target: TargetAdapter, tiny: bool = False) -> DFla
         "dflash_config": {"block_size": 16, "target_layer_ids": taps, "mask_token_id": d["mask"],
                           "final_logit_softcapping": d.get("softcap")},
     }
-    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw), target.kernels)
     drafter.set_dtype(target.dtype)
     mx.eval(drafter.parameters())
     drafter.stack_shared_inputs()
@@ -94,7 +95,7 @@ class ForcedAcceptance:
     """A target whose choice at each verify row is overridden so that exactly `schedule[cycle]`
     drafts are accepted. Everything else (forward, taps, rollback) is the real adapter.
 
-    Only verify forwards (the ones that record a rollback tape) are touched: prefill chunks and
+    Only verify forwards (the ones that record what a rollback needs) are touched: prefill chunks and
     target-alone decode steps pass through unchanged, whatever their length. A verify narrower than
     the block (speculation auto) accepts at most its drafts."""
 
@@ -115,7 +116,7 @@ class ForcedAcceptance:
         wanted = mx.concatenate([drafts[:accept], (drafts[accept: accept + 1] + 1) % self.vocab_size,
                                  drafts[accept + 1:], mx.zeros((1,), mx.int32)])[:width]
         boost = (mx.arange(self.vocab_size)[None] == wanted[:, None]).astype(out.logits.dtype) * 1e4
-        return SimpleNamespace(logits=out.logits + boost[None], taps=out.taps, tape=out.tape)
+        return replace(out, logits=out.logits + boost[None])
 
 
 class ByteTokenizer:

@@ -109,7 +109,8 @@ class Settings(Strict):
         "null: fixed chunks of prefill_chunk tokens")
     demo_fallback: bool = Field(
         True, description="serve the offline demo when the default model's files cannot be had (not on disk, no network)")
-    prefix_cache_gb: float = Field(2.0, ge=0, description="for reusing prompt prefixes, one budget shared by all models; 0 disables")
+    prefix_cache_gb: float = Field(
+        2.0, ge=0, description="for reusing prompt prefixes, one budget shared by all models; 0 disables")
     cuda_graphs: Optional[bool] = Field(
         None, description="MLX's CUDA graphs; null: off when a drafter is configured (see docs/performance.md)")
 
@@ -117,8 +118,8 @@ class Settings(Strict):
         """Settings MLX reads once, when its device starts: call before the first array op.
 
         A DFlash cycle's op sequence changes every cycle (accepted length, cache sizes), so MLX's
-        CUDA graphs are re-instantiated each cycle; measured on an H200, a Qwen3.5-9B cycle took
-        25.7 ms with them and 16.4 ms without. Target-alone decoding keeps them (6.0 vs 7.7 ms)."""
+        CUDA graphs are re-instantiated each cycle and cost a cycle more than they save; target-alone
+        decoding gains from them (docs/performance.md, "MLX's CUDA graphs and the cycle")."""
         if self.cuda_graphs is not None:  # said in the config: that wins over the environment
             os.environ["MLX_USE_CUDA_GRAPHS"] = "1" if self.cuda_graphs else "0"
         else:  # automatic: an MLX_USE_CUDA_GRAPHS already set by the user is left alone

@@ -1,6 +1,6 @@
 """`dflash train`: distil a DFlash drafter for any target the engine supports, in MLX.
 
-The recipe of the DFlash paper (REFERENCE §1): the target regenerates responses to the training
+The recipe of the DFlash paper (arXiv 2602.06036; docs/train.md): the target regenerates responses to the training
 prompts greedily, so the drafter learns the target's own choices. Each training sequence gives
 blocks anchored at sampled response positions: the block input is the anchor token followed by
 B-1 mask tokens, the context is the target's tapped hidden states of every position before the
@@ -12,7 +12,6 @@ and cosine decay. The result is saved in the z-lab checkpoint format the normal 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -173,7 +172,7 @@ def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
         "dflash_config": {"block_size": opts.block_size, "target_layer_ids": taps, "mask_token_id": int(mask)},
     }
-    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw), target.kernels)
     drafter.config.raw = raw  # written out as config.json
     mx.eval(drafter.parameters())
     return drafter
@@ -196,14 +195,14 @@ def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.arra
     key_pos = mx.concatenate([mx.broadcast_to(mx.arange(S)[None], (K, S)), q_pos], axis=1)  # [K, S+B]
     before_anchor = mx.concatenate([mx.arange(S)[None] < anchors[:, None], mx.ones((K, B), mx.bool_)], axis=1)
     for i, layer in enumerate(drafter.layers):
-        k, v = layer.self_attn.keys_values(context, 0)
+        k, v = layer.self_attn.keys_values(context, 0, drafter.kernels)
         k, v = (mx.broadcast_to(x, (K,) + x.shape[1:]) for x in (k, v))
         mask = before_anchor[:, None, :]
         if cfg.is_causal(i):
             mask = mask & (key_pos[:, None, :] <= q_pos[:, :, None])
         if cfg.is_sliding(i):
             mask = mask & (mx.abs(q_pos[:, :, None] - key_pos[:, None, :]) < cfg.sliding_window)
-        h = layer(h, (k, v), anchors, mask[:, None])
+        h = layer(h, (k, v), anchors, mask[:, None], drafter.kernels)
     return drafter.logits(drafter.norm(h)[:, 1:], lm_head or target.lm_head)
 
 
@@ -239,7 +238,7 @@ def sample_anchors(rng: random.Random, sequence: dict, count: int) -> Optional[m
 
 def target_taps(target, tokens: mx.array, tap_ids) -> mx.array:
     out = target.forward(tokens[None], target.make_cache(max_rollback=0), tap_ids, last_logits_only=True)
-    return mx.stop_gradient(out.taps)
+    return mx.stop_gradient(out.tapped_hidden)
 
 
 def acceptance_estimate(drafter, target, sequences, rng: random.Random, anchors: int = 8) -> float:

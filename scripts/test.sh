@@ -19,4 +19,6 @@ if command -v npm >/dev/null 2>&1; then
     echo "$clis" > .agent-clis/installed
   fi
 fi
-exec .venv-test/bin/python -m pytest "$@"
+.venv-test/bin/ruff check .
+# Every test, the slow ones too (plain `pytest` leaves them out: pyproject.toml).
+exec .venv-test/bin/python -m pytest -m "slow or not slow" "$@"

@@ -12,9 +12,9 @@ from dflash_core.grammar import GrammarSpec
 from dflash_core.prompts import MessageError, encode_rendered, hf_tokenizer, render_chat
 from dflash_core.sampling import SamplingError, SamplingParams
 
+from . import generic_tools, structured
 from .errors import APIError, bad_request
 from .schemas import NEUTRAL_ONLY, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from . import generic_tools, structured
 from .tool_calls import GEMMA4, PLAIN, QWEN_JSON, QWEN_XML, Markers, prompt_starts_in_reasoning
 
 

@@ -22,14 +22,19 @@ class Metrics:
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens received", registry=r)
         self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens actually computed", registry=r)
         self.generated_tokens = Counter("dflash_generated_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Request arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("dflash_inter_token_latency_seconds", "Time per generated token after the first", buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_tps = Histogram("dflash_prefill_tokens_per_second", "Prefill throughput per request", buckets=THROUGHPUT_BUCKETS, registry=r)
-        self.decode_tps = Histogram("dflash_decode_tokens_per_second", "Decode throughput per request", buckets=THROUGHPUT_BUCKETS, registry=r)
+        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Request arrival to first token",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dflash_inter_token_latency_seconds", "Time per generated token after the first",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_tps = Histogram("dflash_prefill_tokens_per_second", "Prefill throughput per request",
+            buckets=THROUGHPUT_BUCKETS, registry=r)
+        self.decode_tps = Histogram("dflash_decode_tokens_per_second", "Decode throughput per request",
+            buckets=THROUGHPUT_BUCKETS, registry=r)
         self.cycles = Counter("dflash_spec_cycles", "Draft-verify cycles", registry=r)
         self.proposed = Counter("dflash_spec_draft_tokens_proposed", "Draft tokens proposed", registry=r)
         self.accepted = Counter("dflash_spec_draft_tokens_accepted", "Draft tokens accepted", registry=r)
-        self.accepted_at = Counter("dflash_spec_accepted_by_position", "Accepted drafts by block position", ["position"], registry=r)
+        self.accepted_at = Counter("dflash_spec_accepted_by_position", "Accepted drafts by block position",
+            ["position"], registry=r)
         self.prefix_hits = Counter("dflash_prefix_cache_hits", "Requests that reused a cached prompt prefix", registry=r)
         self.prefix_misses = Counter("dflash_prefix_cache_misses", "Requests that computed their whole prompt", registry=r)
         self.prefix_cached_tokens = Counter("dflash_prefix_cache_tokens", "Prompt tokens reused from the cache", registry=r)

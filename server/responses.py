@@ -280,7 +280,8 @@ class ResponseBuilder:
             if item["type"] == "message":
                 items.append(MessageItem(role="assistant", content=item["content"][0]["text"]))
             elif item["type"] == "reasoning":
-                items.append(ReasoningItem(type="reasoning", content=[{"type": "reasoning_text", "text": item["content"][0]["text"]}]))
+                text = item["content"][0]["text"]
+                items.append(ReasoningItem(type="reasoning", content=[{"type": "reasoning_text", "text": text}]))
             elif item["type"] == "function_call":
                 items.append(FunctionCallItem(type="function_call", call_id=item["call_id"], name=item["name"],
                                               arguments=item["arguments"], namespace=item.get("namespace")))

@@ -173,7 +173,7 @@ def _gemma_any(rules: _Rules) -> str:
         quote = rules.lit('<|"|>')
         rules.lines.append(
             f'gany: {quote} /(.|\\n)*/ {quote} | /-?[0-9][0-9.eE+-]*/ | "true" | "false" | "null"'
-            ' | "[" (gany ("," gany)*)? "]" | "{" (/[A-Za-z_][A-Za-z0-9_-]*/ ":" gany ("," /[A-Za-z_][A-Za-z0-9_-]*/ ":" gany)*)? "}"')
+            ' | "[" (gany ("," gany)*)? "]" | "{" (/[A-Za-z_][A-Za-z0-9_-]*/ ":" gany ("," /[A-Za-z_][A-Za-z0-9_-]*/ ":" gany)*)? "}"')  # noqa: E501
     return "gany"
 
 

@@ -47,7 +47,8 @@ class AgentCLI:
         home.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI", "ANTHROPIC", "CODEX", "OPENCODE"))}
         # PWD too: opencode takes its working directory from it, not from the process.
-        env.update(HOME=str(home), PWD=str(workdir), HTTPS_PROXY=CLOSED_PORT, HTTP_PROXY=CLOSED_PORT, NO_PROXY="127.0.0.1,localhost",
+        env.update(HOME=str(home), PWD=str(workdir), HTTPS_PROXY=CLOSED_PORT, HTTP_PROXY=CLOSED_PORT,
+                   NO_PROXY="127.0.0.1,localhost",
                    NO_COLOR="1")
         if self.name == "codex":
             config = home / ".codex"

@@ -37,7 +37,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx_lm.utils import load_model, load_tokenizer, save_model
-
 from synthetic import _WORDS, _corpus, build_drafter, build_target, train_tokenizer
 
 WINDOW = 64
@@ -140,7 +139,10 @@ def default_filler(tokenizer, seed: int = 0, turns: int = 120) -> list[int]:
     filler also holds the turn markup that the CLIs' long histories are full of."""
     rng = random.Random(seed + 1)
     corpus = _corpus(seed=rng.randrange(1 << 30), lines=4 * turns)
-    words = lambda k: " ".join(rng.choice(_WORDS) for _ in range(k))
+
+    def words(k):
+        return " ".join(rng.choice(_WORDS) for _ in range(k))
+
     kinds = [
         lambda: "\n".join(words(rng.randint(5, 25)).capitalize() + "." for _ in range(4)),
         lambda: "\n".join(f"## {words(2).title()}\n- {words(8)}\n- `{words(1)}`" for _ in range(3)),

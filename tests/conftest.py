@@ -7,8 +7,7 @@ import os
 # 1-token step agree to the bit and the lossless tests can demand exact equality.
 import mlx.core as mx
 import pytest
-from families import ENGINE_FAMILIES
-
+from families import ENGINE_FAMILIES, FIXTURE_NAMES
 from synthetic import tiny_pair
 
 # The suite runs on the default device, so on a GPU machine the accelerator paths (our CUDA
@@ -20,33 +19,19 @@ if os.environ.get("DFLASH_TEST_DEVICE") == "cpu":
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
-def _pair(tmp_path_factory, family):
-    return tiny_pair(tmp_path_factory.mktemp(family), family)
+def _pair_fixture(name: str, family: str):
+    """A session fixture `{name}_pair`: the family's tiny (target_dir, drafter_dir)."""
+
+    @pytest.fixture(scope="session", name=f"{name}_pair")
+    def pair(tmp_path_factory):
+        return tiny_pair(tmp_path_factory.mktemp(family), family)
+
+    return pair
 
 
-@pytest.fixture(scope="session")
-def qwen3_pair(tmp_path_factory):
-    return _pair(tmp_path_factory, "qwen3")
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_pair(tmp_path_factory):
-    return _pair(tmp_path_factory, "qwen3_5")
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_moe_pair(tmp_path_factory):
-    return _pair(tmp_path_factory, "qwen3_5_moe")
-
-
-@pytest.fixture(scope="session")
-def gemma4_pair(tmp_path_factory):
-    return _pair(tmp_path_factory, "gemma4")
-
-
-@pytest.fixture(scope="session")
-def gemma3_pair(tmp_path_factory):
-    return _pair(tmp_path_factory, "gemma3_text")
+# qwen3_pair, qwen3_5_pair, qwen3_5_moe_pair, gemma4_pair, gemma3_pair: one per family.
+for _family, _name in FIXTURE_NAMES.items():
+    globals()[f"{_name}_pair"] = _pair_fixture(_name, _family)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +58,7 @@ def tiny_pair_factory(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gemma3_text_pair(gemma3_pair):
-    """The same pair under its model_type (tests that iterate over synthetic.FAMILIES)."""
+    """The same pair under its model type (tests that iterate over dflash_core.shapes.FAMILIES)."""
     return gemma3_pair
 
 

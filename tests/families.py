@@ -1,6 +1,12 @@
-"""What the engine-level lossless tests share: the families they run on and the prompt they use."""
+"""The families every engine-level test runs on (one list: dflash_core.shapes.FAMILIES, by model
+type), their fixture names (`{name}_pair`, conftest.py), and the prompt the lossless tests use."""
 
-ENGINE_FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]  # fixture names: {family}_pair
+from dflash_core.shapes import FAMILIES
+
+# Fixture names are the model types, but Gemma 3's ("gemma3_text") is shortened.
+FIXTURE_NAMES = {family: "gemma3" if family == "gemma3_text" else family for family in FAMILIES}
+ENGINE_FAMILIES = [FIXTURE_NAMES[family] for family in FAMILIES]
+MODEL_TYPES = {name: family for family, name in FIXTURE_NAMES.items()}
 
 
 def sample_prompt(engine) -> list[int]:

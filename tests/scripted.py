@@ -14,6 +14,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from dflash_core.adapters import RollbackRecord, TargetOutput
 from dflash_core.engine import Engine
 
 
@@ -61,10 +62,10 @@ class ScriptedTarget:
         logits = logits.at[mx.arange(len(choices)), mx.array(choices)].add(30.0)[None]
         position.offset += n
         taps = mx.zeros((1, n, self.hidden_size * len(tap_ids))) if tap_ids else None
-        return SimpleNamespace(logits=logits, taps=taps, tape=(n, None) if record else None)
+        return TargetOutput(logits, taps, RollbackRecord(n) if record else None)
 
-    def rollback(self, cache, tape, keep):
-        cache[0].trim(tape[0] - keep)
+    def rollback(self, cache, record, keep):
+        cache[0].trim(record.tokens - keep)
 
 
 class ScriptedDrafter:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dflash_core.settings import ModelSettings, Settings
 from live_server import LiveServer
 from scripted import scripted_engine
+
+from dflash_core.settings import ModelSettings, Settings
 from dflash_server.models import load_served
 
 

@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
 from dflash_core.drafter import default_target_layer_ids
-from dflash_core.shapes import FAMILIES, REAL_IDS, TINY_VOCAB, check_family, merge, random_model, target_config
-
+from dflash_core.shapes import REAL_IDS, TINY_VOCAB, check_family, merge, random_model, target_config
 
 # ----------------------------------------------------------------- tokenizers
 
@@ -99,8 +97,7 @@ def train_tokenizer(out_dir, family: str, *, vocab_size: int = TINY_VOCAB) -> Pa
 
     The vocabulary (including added tokens) has exactly `vocab_size` ids.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
-    from tokenizers import pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     check_family(family)
     out = Path(out_dir)

@@ -58,9 +58,9 @@ def test_taps_are_layer_outputs(request, family):
     manual = _manual_layer_outputs(adapter, tokens)
     H = adapter.hidden_size
     for i in tap_ids:
-        np.testing.assert_allclose(np.array(out.taps[..., i * H : (i + 1) * H]), np.array(manual[i]), **TOL)
+        np.testing.assert_allclose(np.array(out.tapped_hidden[..., i * H : (i + 1) * H]), np.array(manual[i]), **TOL)
     # Taps come back concatenated in the order asked for, not in layer order.
-    picked = adapter.forward(tokens, adapter.make_cache(16), [2, 0]).taps
+    picked = adapter.forward(tokens, adapter.make_cache(16), [2, 0]).tapped_hidden
     np.testing.assert_allclose(np.array(picked[..., :H]), np.array(manual[2]), **TOL)
     np.testing.assert_allclose(np.array(picked[..., H:]), np.array(manual[0]), **TOL)
 
@@ -71,7 +71,7 @@ def test_gemma4_last_tap_is_the_prenorm_hidden_state(gemma4_pair):
     tokens = _tokens(adapter, 21)
     last = adapter.num_layers - 1
     out = adapter.forward(tokens, adapter.make_cache(16), [last])
-    np.testing.assert_allclose(np.array(adapter.logits(out.taps)), np.array(out.logits), **TOL)
+    np.testing.assert_allclose(np.array(adapter.logits(out.tapped_hidden)), np.array(out.logits), **TOL)
     # Gemma's embedding scale belongs to the target, not to what the drafter is given.
     raw = adapter.embed(tokens)
     np.testing.assert_allclose(np.array(raw), np.array(adapter.inner.embed_tokens(tokens)), **TOL)
@@ -82,3 +82,29 @@ def test_wrapped_checkpoints_unwrap_to_the_language_model(qwen3_5_pair, gemma4_p
         adapter, _, config = load_target(target_dir)
         assert "text_config" in config
         assert adapter.text_model is adapter.model.language_model
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_other_kernel_options_trace_their_own_blocks(request, family):
+    """`with_kernels` (a benchmark's arm) runs the same model and weights with its own compiled
+    blocks, keyed by the options: nothing to clear, and switching back traces nothing again. On
+    this CPU every option's path is MLX's own, so the logits are the same."""
+    from dflash_core.kernels import KernelOptions
+
+    target_dir, _ = request.getfixturevalue(f"{family}_pair")
+    adapter, _, _ = load_target(target_dir)
+    tokens = _tokens(adapter, 12)  # a verify-sized forward: compiled blocks
+
+    def logits(target):
+        return target.forward(tokens, target.make_cache(16), record=True).logits
+
+    want = logits(adapter)
+    traced = set(adapter._compiled_fns)
+    other = adapter.with_kernels(KernelOptions(block_attention=False, step_states=False, cuda_matmul=False))
+    assert other.model is adapter.model and other.shared_inputs is adapter.shared_inputs
+    assert adapter.kernels == KernelOptions()  # the original keeps its own
+    assert mx.array_equal(logits(other), want)
+    added = set(adapter._compiled_fns) - traced
+    assert added and {kernels for kernels, _ in added} == {other.kernels}
+    assert mx.array_equal(logits(adapter), want)
+    assert set(adapter._compiled_fns) == traced | added

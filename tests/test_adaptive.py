@@ -140,9 +140,9 @@ def _text(path, out):
 
 def test_every_endpoint_takes_the_speculation_mode(qwen3_pair):
     import httpx
+    from live_server import LiveServer
 
     from dflash_core.settings import ModelSettings, Settings
-    from live_server import LiveServer
 
     target, drafter = qwen3_pair
     settings = Settings(models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter))])

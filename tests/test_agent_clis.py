@@ -19,21 +19,23 @@ import shutil
 from dataclasses import replace
 
 import pytest
-from mlx_lm.utils import load_tokenizer
-
 from agent_clis import ANSWER, CLIS, NOTE, TITLE, generation_requests
 from agent_model import RECEPTIVE, SHAPE, agent_pair
+from live_server import LiveServer
+from mlx_lm.utils import load_tokenizer
+from scripted import routed_engine
+from synthetic import build_target
+
 from dflash_core.loading import load_engine
 from dflash_core.settings import ModelSettings, Settings
-from synthetic import build_target
-from live_server import LiveServer
-from scripted import routed_engine
 from dflash_server.models import load_served
 
 MODEL = "tiny-agent"
-pytestmark = pytest.mark.skipif(
-    not all(cli.installed() for cli in CLIS.values()) and not os.environ.get("CI"),
-    reason="the agent CLIs are not installed (bash scripts/test.sh installs them with npm)")
+pytestmark = [
+    pytest.mark.slow,  # captures the CLIs' prompts and trains a model on them (about 3 minutes on 2 cores)
+    pytest.mark.skipif(not all(cli.installed() for cli in CLIS.values()) and not os.environ.get("CI"),
+                       reason="the agent CLIs are not installed (bash scripts/test.sh installs them with npm)"),
+]
 
 
 def _settings(target, drafter) -> Settings:

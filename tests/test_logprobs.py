@@ -15,7 +15,6 @@ from forced import ForcedDrafter
 from dflash_core.engine import Engine, RequestError
 from dflash_core.sampling import SamplingParams
 
-FAMILIES = ENGINE_FAMILIES
 MODES = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, seed=11)}
 N_TOKENS = 256  # room for every acceptance length of the forced schedule
 N_REAL = 48  # the random drafters accept almost nothing: every token is a cycle
@@ -63,7 +62,7 @@ def _forced_engine(engine: Engine, prompt, reference, schedule=SCHEDULE) -> Engi
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_speculative_logprobs_equal_target_alone(engines, references, family, mode):
     engine, params = engines[family], MODES[mode]
     prompt, reference, expected = references[family, mode]
@@ -79,7 +78,7 @@ def test_speculative_logprobs_equal_target_alone(engines, references, family, mo
     assert set(per_cycle) == set(range(16))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_values_are_the_raw_distribution(engines, references, family):
     engine = engines[family]
     prompt, greedy, greedy_logprobs = references[family, "greedy"]

@@ -8,11 +8,11 @@ import httpx
 import openai
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
+from live_server import LiveServer
 from pydantic import TypeAdapter
+from scripted_server import script, scripted_server
 
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
-from live_server import LiveServer
-from scripted_server import script, scripted_server
 from dflash_server import chat
 from dflash_server.messages import to_chat
 from dflash_server.messages_schemas import MessagesRequest
@@ -111,7 +111,8 @@ def test_both_key_headers_authenticate(live):
         assert httpx.post(live.url + "/v1/messages", json=body, headers=headers, timeout=30).status_code == 200
     wrong = httpx.post(live.url + "/v1/messages", json=body, headers={"x-api-key": "nope"}, timeout=30)
     assert wrong.status_code == 401
-    assert wrong.json() == {"type": "error", "error": {"type": "authentication_error", "message": wrong.json()["error"]["message"]}}
+    message = wrong.json()["error"]["message"]
+    assert wrong.json() == {"type": "error", "error": {"type": "authentication_error", "message": message}}
 
 
 @pytest.mark.parametrize("body, status", [

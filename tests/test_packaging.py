@@ -290,6 +290,7 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
         proc.wait()
 
 
+@pytest.mark.slow  # a pip install from the registry
 @pytest.mark.skipif(sys.platform != "linux", reason="the image is Linux: its install gets mlx-cpu only on Linux")
 def test_cpu_image_install_and_entrypoint_outside_docker(tmp_path, qwen3_pair):
     _registry_or_skip(tmp_path)
@@ -365,8 +366,11 @@ def test_wheel_installs_the_server_under_our_name(tmp_path):
     import zipfile
 
     _registry_or_skip(tmp_path)  # the build backend (setuptools >= 77) comes from the registry
+    source = tmp_path / "source"  # a copy: setuptools writes build/ and *.egg-info into the tree it builds
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", ".agent-clis", ".mlx-device", "build", "*.egg-info", "__pycache__", "bench-results"))
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
-                             "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                             "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     (wheel,) = tmp_path.glob("dflash-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -7,10 +7,10 @@ import asyncio
 import time
 
 import pytest
+from synthetic import build_target
 
 from dflash_core.loading import load_model
 from dflash_core.prefill import ChunkPacer, chunk_ends
-from synthetic import build_target
 from dflash_server.scheduler import Job, Scheduler
 
 STEP_SECONDS = 0.2

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
+import random
 
 import httpx
-
 import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-
-import gc
-import random
+from live_server import LiveServer
 
 from dflash_core.cache import cache_arrays, frozen_arrays
 from dflash_core.engine import Engine
 from dflash_core.loading import load_model
 from dflash_core.prefix_cache import PrefixCache, SnapshotBudget
 from dflash_core.settings import ModelSettings, Settings
-from live_server import LiveServer
 
 FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
 
@@ -86,7 +84,7 @@ def test_hit_restores_target_and_drafter_state(qwen3_5_pair):
     target_cache, context = snapshot.restore()
     fresh, fresh_context = cold.target.make_cache(16), cold.drafter.make_cache()
     out = cold.target.forward(mx.array(prompt)[None], fresh, cold.drafter.config.target_layer_ids)
-    cold.drafter.add_context(out.taps, fresh_context)
+    cold.drafter.add_context(out.tapped_hidden, fresh_context)
     def used(cache):  # what each cache holds for the prompt (KV buffers grow in steps)
         return [a[..., : c.offset, :] if hasattr(c, "offset") else a for c in cache for a in cache_arrays([c])]
 
@@ -164,6 +162,7 @@ def test_booked_bytes_are_the_memory_really_held(request, family):
     assert abs(freed - booked) <= 0.1 * booked, (family, booked, freed)
 
 
+@pytest.mark.slow  # 300 requests
 def test_budget_holds_under_a_soak(qwen3_5_pair):
     """300 requests of random lengths through a cache that holds a few snapshots: the memory the
     process holds stays within the budget (plus the live request's own caches)."""

@@ -44,6 +44,7 @@ def _checkout(dest: Path) -> None:
             shutil.copy2(source, dest / name)
 
 
+@pytest.mark.slow  # installs and serves the real demo, as a newcomer would
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU install path is Linux's")
 def test_readme_first_command_serves_offline_and_its_examples_answer(tmp_path):
     _registry_or_skip(tmp_path)

@@ -8,12 +8,12 @@ import json
 import httpx
 import openai
 import pytest
+from live_server import LiveServer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from scripted_server import script, scripted_server
 
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
-from live_server import LiveServer
-from scripted_server import script, scripted_server
 from dflash_server import chat
 from dflash_server.responses import ResponseBuilder, to_chat, tool_names
 from dflash_server.responses_schemas import ResponsesRequest

@@ -72,11 +72,11 @@ def _check_rollback(request, family):
         rolled = adapter.make_cache(max_rollback=BLOCK)
         adapter.forward(prompt, rolled)
         verify = adapter.forward(block, rolled, record=True)
-        if family.startswith("qwen3_5"):  # the tape holds what this backend's rollback uses
+        if family.startswith("qwen3_5"):  # the record holds what this backend's rollback uses
             from dflash_core.adapters.qwen3_5 import records_step_states
 
-            assert all((r.step_states is not None) == records_step_states() for r in verify.tape[1])
-        adapter.rollback(rolled, verify.tape, keep=keep)
+            assert all((r.step_states is not None) == records_step_states() for r in verify.rollback.states)
+        adapter.rollback(rolled, verify.rollback, keep=keep)
 
         fresh = adapter.make_cache(max_rollback=BLOCK)
         adapter.forward(prompt, fresh)

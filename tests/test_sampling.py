@@ -8,11 +8,11 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from forced import ForcedDrafter
 
 from dflash_core.engine import Engine
 from dflash_core.loading import load_engine
 from dflash_core.sampling import Sampler, SamplingError, SamplingParams
-from forced import ForcedDrafter
 
 PARAMS = [
     SamplingParams(temperature=1.0, seed=1),

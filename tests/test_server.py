@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import json
+import threading
 import time
 
 import httpx
 import openai
 import pytest
-
-from dflash_core.settings import ModelSettings, ServerSettings, Settings
 from live_server import LiveServer
 from scripted_server import script, scripted_server
+
+from dflash_core.settings import ModelSettings, ServerSettings, Settings
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -630,7 +630,8 @@ def test_tokenizing_a_large_prompt_does_not_freeze_the_server(live, client):
 
 
 def test_client_template_arguments_are_refused(live, client):
-    body = {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{% for i in range(9) %}x{% endfor %}"}}
+    template = "{% for i in range(9) %}x{% endfor %}"
+    body = {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"chat_template": template}}
     _error(_post(live, "/v1/chat/completions", body), 400, "chat_template_kwargs.chat_template")
     ok = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
     assert _post(live, "/v1/chat/completions", ok).status_code == 200

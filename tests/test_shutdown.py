@@ -9,9 +9,9 @@ import threading
 import time
 
 import httpx
+from live_server import LiveServer
 
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
-from live_server import LiveServer
 
 
 def test_sigterm_drains_then_ends_what_still_runs(qwen3_5_pair):

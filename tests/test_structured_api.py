@@ -9,10 +9,10 @@ import anthropic
 import httpx
 import openai
 import pytest
-
-from dflash_core.settings import ModelSettings, Settings
 from live_server import LiveServer
 from scripted_server import script, scripted_server
+
+from dflash_core.settings import ModelSettings, Settings
 
 # Compact JSON (llguidance's own schema option) so the random model cannot pad with whitespace.
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},

@@ -5,7 +5,6 @@ import json
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
-
 from synthetic import build_drafter, build_target, drafter_tensor_shapes, train_tokenizer
 
 from dflash_core.drafter import default_target_layer_ids

@@ -29,7 +29,7 @@ def test_training_forward_matches_inference(qwen3_pair):
                         intermediate_size=96)
     drafter = new_drafter(target, tokenizer, opts)
     tokens = mx.array(tokenizer.encode("A sequence long enough to anchor several blocks in it."), dtype=mx.int32)
-    taps = target.forward(tokens[None], target.make_cache(16), drafter.config.target_layer_ids).taps
+    taps = target.forward(tokens[None], target.make_cache(16), drafter.config.target_layer_ids).tapped_hidden
     anchors = mx.array([3, 7, 11], dtype=mx.int32)
     batched = block_logits(drafter, target, taps, tokens, anchors)
     for k, anchor in enumerate(anchors.tolist()):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from .base import Forward, TargetAdapter
+from ..kernels import DEFAULT_KERNELS, KernelOptions
+from .base import RollbackRecord, TargetAdapter, TargetOutput
 from .dense import DenseAdapter
 from .gemma3 import Gemma3Adapter
 from .gemma4 import Gemma4Adapter
@@ -25,13 +26,13 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def adapter_for(model: nn.Module) -> TargetAdapter:
+def adapter_for(model: nn.Module, kernels: KernelOptions = DEFAULT_KERNELS) -> TargetAdapter:
     module = type(model).__module__.rsplit(".", 1)[-1]
     if module not in ADAPTERS:
         raise UnsupportedModelError(
             f"no dflash adapter for mlx-lm model type {module!r}; supported: {', '.join(sorted(ADAPTERS))}"
         )
-    return ADAPTERS[module](model)
+    return ADAPTERS[module](model, kernels)
 
 
-__all__ = ["ADAPTERS", "Forward", "TargetAdapter", "UnsupportedModelError", "adapter_for"]
+__all__ = ["ADAPTERS", "RollbackRecord", "TargetAdapter", "TargetOutput", "UnsupportedModelError", "adapter_for"]

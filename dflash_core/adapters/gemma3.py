@@ -26,13 +26,13 @@ def gelu_approx_gate(gate: mx.array, up: mx.array) -> mx.array:
     return nn.gelu_approx(gate) * up
 
 
-def attention_inputs(layer):
+def attention_inputs(layer, groups: dict, kernels):
     """input norm -> q, k, v with per-head norms and RoPE at an array offset (mlx-lm's Attention)."""
     attn = layer.self_attn
 
     def pre(h, offset):
         B, L, _ = h.shape
-        q, k, v = linears([attn.q_proj, attn.k_proj, attn.v_proj], layer.input_layernorm(h))
+        q, k, v = linears(groups["qkv"], layer.input_layernorm(h), kernels)
         q = attn.q_norm(q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3))
         k = attn.k_norm(k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3))
         v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -41,15 +41,15 @@ def attention_inputs(layer):
     return pre
 
 
-def attention_output_and_mlp(layer):
+def attention_output_and_mlp(layer, groups: dict, kernels):
     """What mlx-lm's TransformerBlock does after attention (its float16 residual clip included)."""
     from mlx_lm.models.gemma3_text import clip_residual
 
     def post(h, attended):
         B, L, _ = h.shape
-        r = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        r = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
         h = clip_residual(h, layer.post_attention_layernorm(r))
-        r = gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), gelu_approx_gate)
+        r = gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), gelu_approx_gate, kernels, groups.get("gate_up"))
         return clip_residual(h, layer.post_feedforward_layernorm(r))
 
     return post
@@ -66,9 +66,9 @@ class Gemma3Adapter(TargetAdapter):
         pattern = self.args.sliding_window_pattern
         return i % pattern == pattern - 1
 
-    def shared_input_groups(self):
-        return [group for layer in self.layers for group in (
-            [[layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]] + gated_mlp_group(layer.mlp))]
+    def layer_groups(self, layer):
+        attn = layer.self_attn
+        return {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], **gated_mlp_group(layer.mlp)}
 
     def make_cache(self, max_rollback: int) -> list:
         return [
@@ -76,7 +76,7 @@ class Gemma3Adapter(TargetAdapter):
             for i in range(len(self.layers))
         ]
 
-    def run_layers(self, tokens, cache, tap_ids, tape):
+    def run_layers(self, tokens, cache, tap_ids, states):
         h = self.embed(tokens)
         h = h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
         n = tokens.shape[1]
@@ -98,9 +98,9 @@ class Gemma3Adapter(TargetAdapter):
         offset = mx.array(start)
         buffer_masks = {}  # by buffer length
         tapped = {}
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+        for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
             attn = layer.self_attn
-            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer))(h, offset)
+            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h, offset)
             k, v = layer_cache.update_and_fetch(k, v)
             if self._is_global(i):
                 if n == 1:
@@ -110,12 +110,12 @@ class Gemma3Adapter(TargetAdapter):
                     length = k.shape[2]
                     if length not in buffer_masks:
                         buffer_masks[length] = buffer_mask(length, start, n)
-                    attended = attention(q, [k], [v], attn.scale, buffer_masks[length])
+                    attended = attention(q, [k], [v], attn.scale, buffer_masks[length], self.kernels)
             elif n == 1:
                 attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=attn.scale, mask=sliding_mask)
             else:
-                attended = attention(q, [k], [v], attn.scale, sliding_mask)
-            h = self.compiled(("post", i), lambda: attention_output_and_mlp(layer))(h, attended)
+                attended = attention(q, [k], [v], attn.scale, sliding_mask, self.kernels)
+            h = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))(h, attended)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

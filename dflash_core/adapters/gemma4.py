@@ -20,17 +20,14 @@ from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, gated_mlp_group
 
 
-def attention_inputs(layer):
+def attention_inputs(layer, groups: dict, kernels):
     """Gemma 4 attention up to the cache: q, and k, v unless this layer shares another's."""
     attn = layer.self_attn
 
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        projections = [attn.q_proj]
-        if attn.has_kv:
-            projections += [attn.k_proj] if attn.use_k_eq_v else [attn.k_proj, attn.v_proj]
-        q, *kv = linears(projections, x)
+        q, *kv = linears(groups["qkv"] if attn.has_kv else [attn.q_proj], x, kernels)
         q = attn.q_norm(q.reshape(B, L, attn.n_heads, attn.head_dim)).transpose(0, 2, 1, 3)
         q = attn.rope(q, offset=offset)
         if not attn.has_kv:
@@ -44,26 +41,29 @@ def attention_inputs(layer):
     return pre
 
 
-def attention_output_and_feed_forward(layer):
+def attention_output_and_feed_forward(layer, groups: dict, kernels):
     """Everything mlx-lm's DecoderLayer does after attention (MoE and per-layer input included)."""
+
+    def mlp(x):
+        return gated_mlp(layer.mlp, x, geglu, kernels, groups.get("gate_up"))
 
     def post(h, attended, *per_layer_input):
         per_layer_input = per_layer_input[0] if per_layer_input else None
         B, L, _ = h.shape
-        out = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
         h = h + layer.post_attention_layernorm(out)
         residual = h
         if layer.enable_moe:
-            dense = layer.post_feedforward_layernorm_1(gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), geglu))
+            dense = layer.post_feedforward_layernorm_1(mlp(layer.pre_feedforward_layernorm(h)))
             top_k_indices, top_k_weights = layer.router(h)
             experts = layer.experts(layer.pre_feedforward_layernorm_2(h), top_k_indices, top_k_weights)
             h = dense + layer.post_feedforward_layernorm_2(experts)
         else:
-            h = gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), geglu)
+            h = mlp(layer.pre_feedforward_layernorm(h))
         h = residual + layer.post_feedforward_layernorm(h)
         if layer.per_layer_input_gate is not None and per_layer_input is not None:
-            gate = nn.gelu_approx(linear(layer.per_layer_input_gate, h)) * per_layer_input
-            h = h + layer.post_per_layer_input_norm(linear(layer.per_layer_projection, gate))
+            gate = nn.gelu_approx(linear(layer.per_layer_input_gate, h, kernels)) * per_layer_input
+            h = h + layer.post_per_layer_input_norm(linear(layer.per_layer_projection, gate, kernels))
         return h * layer.layer_scalar if layer.layer_scalar is not None else h
 
     return post
@@ -76,14 +76,12 @@ class Gemma4Adapter(TargetAdapter):
     def args(self):
         return self.text_model.args
 
-    def shared_input_groups(self):
-        groups = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            if attn.has_kv:
-                groups.append([attn.q_proj, attn.k_proj] + ([] if attn.use_k_eq_v else [attn.v_proj]))
-            groups += gated_mlp_group(layer.mlp)
-        return groups
+    def layer_groups(self, layer):
+        attn = layer.self_attn
+        groups = {}
+        if attn.has_kv:  # (a layer reusing another's K/V projects q alone)
+            groups["qkv"] = [attn.q_proj, attn.k_proj] + ([] if attn.use_k_eq_v else [attn.v_proj])
+        return {**groups, **gated_mlp_group(layer.mlp)}
 
     def make_cache(self, max_rollback: int) -> list:
         first_shared = self.args.num_hidden_layers - self.args.num_kv_shared_layers
@@ -111,7 +109,7 @@ class Gemma4Adapter(TargetAdapter):
                 masks[kind] = None if n == 1 else "causal"
         return masks
 
-    def run_layers(self, tokens, cache, tap_ids, tape):
+    def run_layers(self, tokens, cache, tap_ids, states):
         inner = self.inner
         embeddings = inner.embed_tokens(tokens)
         h = embeddings * inner.embed_scale
@@ -150,9 +148,9 @@ class Gemma4Adapter(TargetAdapter):
         shared = [None] * len(self.layers)
         buffer_masks = {}  # by buffer length
         tapped = {}
-        for i, layer in enumerate(self.layers):
+        for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             attn = layer.self_attn
-            inputs = self.compiled(("pre", i), lambda: attention_inputs(layer))(h, offset)
+            inputs = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h, offset)
             if attn.has_kv:
                 q, k, v = inputs
                 k, v = cache[i].update_and_fetch(k, v)
@@ -169,10 +167,10 @@ class Gemma4Adapter(TargetAdapter):
                     if length not in buffer_masks:
                         buffer_masks[length] = buffer_mask(length, start, n)
                     mask = buffer_masks[length]
-                attended = attention(q, [k], [v], attn.scale, mask)
+                attended = attention(q, [k], [v], attn.scale, mask, self.kernels)
             else:
                 attended = scaled_dot_product_attention(q, k, v, cache=cache[i], scale=attn.scale, mask=mask)
-            post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer))
+            post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer, groups, self.kernels))
             h = post(h, attended, *(() if per_layer[i] is None else (per_layer[i],)))
             if i in tap_ids:
                 tapped[i] = h

@@ -35,7 +35,7 @@ class GatedDeltaRecord(NamedTuple):
     step_states: Optional[mx.array]  # the state after every step [B, T, Hv, Dv, Dk]
 
 
-def gated_delta_layer(layer, step_states: bool = False):
+def gated_delta_layer(layer, groups: dict, kernels, step_states: bool = False):
     """A whole GatedDeltaNet decoder layer as a pure function of (h, conv state, recurrent state):
     mlx-lm's GatedDeltaNet.__call__ for one unpadded sequence, plus the MLP, returning what a
     rollback needs: the conv input and either the recurrence's step inputs or its per-step states."""
@@ -44,7 +44,7 @@ def gated_delta_layer(layer, step_states: bool = False):
     def block(h, conv_state, state):
         B, S, _ = h.shape
         x = layer.input_layernorm(h)
-        qkv, z, b, a = linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], x)
+        qkv, z, b, a = linears(groups["in_proj"], x, kernels)
         z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         conv_out = nn.silu(m.conv1d(conv_input))
@@ -65,22 +65,22 @@ def gated_delta_layer(layer, step_states: bool = False):
         else:
             y, new_state = gated_delta(q, k, v, g, beta, state)
             kept = (q, k, v, g, beta)
-        h = h + linear(m.out_proj, m.norm(y, z).reshape(B, S, -1))
-        h = h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu)
+        h = h + linear(m.out_proj, m.norm(y, z).reshape(B, S, -1), kernels)
+        h = h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
         new_conv_state = conv_input[:, -(m.conv_kernel_size - 1) :]
         return h, new_conv_state, new_state, (conv_input, kept)
 
     return block
 
 
-def gated_attention_inputs(layer):
+def gated_attention_inputs(layer, groups: dict, kernels):
     """Qwen3-Next attention up to the cache: q (with its output gate), k, v, RoPE at an array offset."""
     attn = layer.self_attn
 
     def pre(h, offset):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
-        q, k, v = linears([attn.q_proj, attn.k_proj, attn.v_proj], x)
+        q, k, v = linears(groups["qkv"], x, kernels)
         queries, gate = mx.split(q.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
         q = attn.q_norm(queries).transpose(0, 2, 1, 3)
         k = attn.k_norm(k.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
@@ -90,12 +90,12 @@ def gated_attention_inputs(layer):
     return pre
 
 
-def gated_attention_output_and_mlp(layer):
+def gated_attention_output_and_mlp(layer, groups: dict, kernels):
     def post(h, attended, gate):
         B, L, _ = h.shape
         out = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        h = h + linear(layer.self_attn.o_proj, out * mx.sigmoid(gate))
-        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu)
+        h = h + linear(layer.self_attn.o_proj, out * mx.sigmoid(gate), kernels)
+        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
 
     return post
 
@@ -106,18 +106,15 @@ class Qwen35Adapter(TargetAdapter):
     def make_cache(self, max_rollback: int) -> list:
         return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
 
-    def shared_input_groups(self):
-        groups = []
-        for layer in self.layers:
-            if layer.is_linear:
-                m = layer.linear_attn
-                groups.append([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
-            else:
-                groups.append([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-            groups += gated_mlp_group(layer.mlp)
-        return groups
+    def layer_groups(self, layer):
+        if layer.is_linear:
+            m = layer.linear_attn
+            groups = {"in_proj": [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]}
+        else:
+            groups = {"qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]}
+        return {**groups, **gated_mlp_group(layer.mlp)}
 
-    def run_layers(self, tokens, cache, tap_ids, tape):
+    def run_layers(self, tokens, cache, tap_ids, states):
         h = self.embed(tokens)
         B, S = tokens.shape
         small = S <= self.compile_max_tokens  # decode and verify: compiled blocks
@@ -128,52 +125,52 @@ class Qwen35Adapter(TargetAdapter):
         masks = {}  # a verify's boolean masks over the whole KV buffer, shared by its layers
         tapped = {}
         # A verify (recorded, more than one token) keeps per-step states where that is cheap.
-        step_states = tape is not None and S > 1 and records_step_states()
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+        step_states = states is not None and S > 1 and self.kernels.step_states and records_step_states()
+        for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
             if layer.is_linear:
                 m = layer.linear_attn
                 conv_state, state = layer_cache[0], layer_cache[1]
                 if conv_state is None:
                     conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
                     state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-                def make(layer=layer):
-                    return gated_delta_layer(layer, step_states)
+                def make(layer=layer, groups=groups):
+                    return gated_delta_layer(layer, groups, self.kernels, step_states)
 
                 block = self.compiled(("gdn", i, step_states), make) if small else make()
-                h, layer_cache[0], layer_cache[1], record = block(h, conv_state, state)
-                if tape is not None:
-                    conv_input, kept = record
-                    steps, states = (None, kept) if step_states else (tuple(kept), None)
-                    tape.append(GatedDeltaRecord(conv_input, state, steps, states))
+                h, layer_cache[0], layer_cache[1], (conv_input, kept) = block(h, conv_state, state)
+                if states is not None:
+                    steps, after_each = (None, kept) if step_states else (tuple(kept), None)
+                    states.append(GatedDeltaRecord(conv_input, state, steps, after_each))
             elif small:
-                q, k, v, gate = self.compiled(("pre", i), lambda: gated_attention_inputs(layer))(h, offset)
-                attended = cached_attention(q, k, v, layer_cache, layer.self_attn.scale, start, masks)
-                h = self.compiled(("post", i), lambda: gated_attention_output_and_mlp(layer))(h, attended, gate)
+                pre = self.compiled(("pre", i), lambda: gated_attention_inputs(layer, groups, self.kernels))
+                q, k, v, gate = pre(h, offset)
+                attended = cached_attention(q, k, v, layer_cache, layer.self_attn.scale, start, masks, self.kernels)
+                post = self.compiled(("post", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels))
+                h = post(h, attended, gate)
             else:
                 h = layer(h, mask, layer_cache)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped
 
-    def rollback(self, cache, tape, keep):
-        length, steps = tape
-        if keep >= length:
+    def rollback(self, cache, record, keep):
+        if keep >= record.tokens:
             return
-        steps = iter(steps)
+        states = iter(record.states)
         for layer, layer_cache in zip(self.layers, cache):
             if not layer.is_linear:
-                layer_cache.trim(length - keep)
+                layer_cache.trim(record.tokens - keep)
                 continue
-            record = next(steps)
+            layer_record = next(states)
             # Conv state after `keep` tokens: the K-1 inputs ending at the last kept token.
             kernel = layer.linear_attn.conv_kernel_size
-            layer_cache[0] = mx.contiguous(record.conv_input[:, keep : keep + kernel - 1])
+            layer_cache[0] = mx.contiguous(layer_record.conv_input[:, keep : keep + kernel - 1])
             if keep == 0:
-                layer_cache[1] = record.state
-            elif record.step_states is not None:
+                layer_cache[1] = layer_record.state
+            elif layer_record.step_states is not None:
                 # A copy (MLX copies a view much smaller than its buffer), so that the cache and
                 # prefix-cache snapshots of it do not pin all T states.
-                layer_cache[1] = mx.contiguous(record.step_states[:, keep - 1])
+                layer_cache[1] = mx.contiguous(layer_record.step_states[:, keep - 1])
             else:
-                q, k, v, g, beta = (x[:, :keep] for x in record.steps)
-                _, layer_cache[1] = gated_delta(q, k, v, g, beta, record.state)
+                q, k, v, g, beta = (x[:, :keep] for x in layer_record.steps)
+                _, layer_cache[1] = gated_delta(q, k, v, g, beta, layer_record.state)

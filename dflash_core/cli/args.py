@@ -10,7 +10,8 @@ from ..settings import ConfigError, ModelSettings, Settings, config_path, load_s
 
 def add_model_flags(p, *, what: str) -> None:
     p.add_argument("--config", help="config file (default: $DFLASH_CONFIG, else ./config.yaml)")
-    p.add_argument("--model", help=f"a configured model name, or a target repo/path whose drafter comes from the registry ({what})")
+    p.add_argument("--model", help="a configured model name, or a target repo/path whose drafter comes from the registry "
+                                   f"({what})")
     p.add_argument("--target", help="target model: Hugging Face repo id or local directory")
     p.add_argument("--drafter", help="DFlash drafter: repo id or local directory ('none' for the target alone); "
                         "with --model, replaces that model's drafter")

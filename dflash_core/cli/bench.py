@@ -7,8 +7,17 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ..bench import (EngineSettings, checkpoint_bench_model, engine_table, random_bench_model, run_engine_bench,
-                     run_server_bench, server_table, write_plots)
+from ..bench import (
+    EngineSettings,
+    PlotsUnavailable,
+    checkpoint_bench_model,
+    engine_table,
+    random_bench_model,
+    run_engine_bench,
+    run_server_bench,
+    server_table,
+    write_plots,
+)
 from ..bench_prompts import PROMPT_SETS, select_prompts
 from ..random_models import QUANTS
 from .args import add_model_flags, positive_int, positive_ints, settings_from_args
@@ -92,7 +101,14 @@ def run_bench(args) -> int:
     _write_json(report, args.out)
     print(engine_table(report))
     if not args.no_plots:
-        for path in write_plots(report, args.plots or args.out.parent, args.out.stem):
+        # Without matplotlib (an optional extra) the measurements still count: the table and the
+        # JSON are written, the plots are skipped with one line saying how to get them.
+        try:
+            paths = write_plots(report, args.plots or args.out.parent, args.out.stem)
+        except PlotsUnavailable as e:
+            print(f"plots skipped: {e}", file=sys.stderr)
+            paths = []
+        for path in paths:
             print(f"plot: {path}")
     return 1 if report.all_matched is False else 0
 

@@ -1,4 +1,4 @@
-"""The one backend gate for custom kernels.
+"""The one backend gate for custom kernels, and the options that pick among their paths.
 
 Every kernel has a pure-MLX fallback that is always correct and tested; a backend-specific
 implementation is used only where `backend()` says it can run. Metal keeps mlx-lm's own kernels.
@@ -7,6 +7,7 @@ implementation is used only where `backend()` says it can run. Metal keeps mlx-l
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -21,3 +22,19 @@ def backend() -> str:
     if hasattr(mx, "cuda") and mx.cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which of this project's own paths may run where the backend has them; all on by default.
+    Benchmarks turn one off to measure MLX's own in the same process: an adapter and a drafter are
+    given one (`with_kernels`), and it is part of the key of their compiled functions, since a
+    block reads it when it is traced. Frozen, so that a key never changes under a traced block."""
+
+    block_attention: bool = True  # verify and draft blocks as stacked GEMMs (attention.py), else MLX's fused
+    step_states: bool = True  # verifies keep every GatedDeltaNet step's state, else rollbacks replay
+    cuda_matmul: bool = True  # the 4-bit small-M kernel and stacked bf16 GEMMs (matmul.py), else MLX's own
+    one_launch_per_input: bool = True  # projections sharing an input in one launch, else one per weight
+
+
+DEFAULT_KERNELS = KernelOptions()

@@ -17,15 +17,13 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from . import backend
+from . import DEFAULT_KERNELS, KernelOptions, backend
 
 MAX_QUERIES = 16
 # Above 128 as well: MLX runs head_dim 129..512 on its unfused path (scores as a bf16 GEMM, as here,
 # but with each query head's GEMM reading the keys again), which stacking measured 10-25% faster at
 # 256 (Qwen3.5); 512 is Gemma 4's global layers.
 MAX_HEAD_DIM = 512
-# Switched off by benchmarks to measure MLX's fused attention in the same process.
-use_stacked = True
 
 
 def buffer_mask(length: int, start: int, queries: int) -> mx.array:
@@ -36,19 +34,20 @@ def buffer_mask(length: int, start: int, queries: int) -> mx.array:
     return mx.arange(length)[None] <= mx.arange(start, start + queries)[:, None]
 
 
-def path_for(q: mx.array, mask) -> str:
+def path_for(q: mx.array, mask, kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     L, D = q.shape[2], q.shape[3]
     boolean_mask = isinstance(mask, mx.array) and mask.dtype == mx.bool_  # not an additive one
-    if use_stacked and backend() == "cuda" and 1 < L <= MAX_QUERIES and boolean_mask and D <= MAX_HEAD_DIM:
+    if kernels.block_attention and backend() == "cuda" and 1 < L <= MAX_QUERIES and boolean_mask and D <= MAX_HEAD_DIM:
         return "stacked"
     return "fused"
 
 
-def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], scale: float, mask) -> mx.array:
+def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], scale: float, mask,
+              kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
     """Softmax attention of q [B, Hq, L, D] over the concatenation of key/value segments
     [B, Hkv, T_i, D]; `mask` (bool, [L, T], or [B, 1 or Hq, L, T] with T = sum T_i) says which
     keys a query sees."""
-    if path_for(q, mask) == "stacked":
+    if path_for(q, mask, kernels) == "stacked":
         return stacked(q, keys, values, scale, mask)
     k = keys[0] if len(keys) == 1 else mx.concatenate(list(keys), axis=2)
     v = values[0] if len(values) == 1 else mx.concatenate(list(values), axis=2)
@@ -80,8 +79,8 @@ def stacked(q, keys, values, scale, mask) -> mx.array:
     return out.reshape(B, Hq, L, -1)
 
 
-def active_path() -> str:
+def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """Which implementation a verify or draft block's attention uses here (for `dflash doctor`)."""
-    if backend() == "cuda" and use_stacked:
+    if backend() == "cuda" and kernels.block_attention:
         return f"stacked GEMMs for 2-{MAX_QUERIES} queries with a mask (head_dim <= {MAX_HEAD_DIM}); MLX fused otherwise"
     return "MLX fused attention"

@@ -12,8 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import gated_delta as mlx_lm_gated_delta
 
-from . import backend
-from . import gated_delta_cuda
+from . import backend, gated_delta_cuda
 
 
 def path_for(q, v, g) -> str:
@@ -24,18 +23,15 @@ def path_for(q, v, g) -> str:
     return "reference"
 
 
-# Switched off by benchmarks to measure the replay in the same process.
-use_step_states = True
-
-
 def records_step_states() -> bool:
     """Whether a verify should keep the state after every step (`gated_delta_step_states`) so that a
-    rollback picks one instead of replaying the recurrence. On CUDA our kernel writes them in the
-    same launch; elsewhere a replay is cheaper than a per-step loop. The price is memory: a verify's
-    tape holds T states per layer (16 x 2 MB x 24 layers = 0.8 GB for Qwen3.5-9B, about 2.4 GB for
-    Qwen3.5-27B) until its cycle is accepted or rolled back, one per generation in flight. (Shapes
-    the CUDA kernel does not take would get the per-step loop; no released Qwen3.5 has them.)"""
-    return use_step_states and backend() == "cuda"
+    rollback picks one instead of replaying the recurrence (unless `KernelOptions.step_states` is
+    off). On CUDA our kernel writes them in the same launch; elsewhere a replay is cheaper than a
+    per-step loop. The price is memory: a verify's rollback record holds T states per layer (16 x
+    2 MB x 24 layers = 0.8 GB for Qwen3.5-9B, about 2.4 GB for Qwen3.5-27B) until its cycle is
+    accepted or rolled back, one per generation in flight. (Shapes the CUDA kernel does not take
+    would get the per-step loop; no released Qwen3.5 has them.)"""
+    return backend() == "cuda"
 
 
 def gated_delta_step_states(q, k, v, g, beta, state) -> tuple[mx.array, mx.array, mx.array]:

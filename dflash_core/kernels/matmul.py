@@ -1,93 +1,97 @@
 """The weight products of decode and verify forwards (`x @ W.T` for a few rows), behind the gate.
 
-Adapters call `linear(layer, x)` where mlx-lm would call `layer(x)`, `linears(layers, x)` for
+Adapters call `linear(layer, x)` where mlx-lm would call `layer(x)`, `linears(group, x)` for
 projections that share an input (one launch on the kernel's path), `gated_mlp(mlp, x, act)` for
-its gated MLPs and `tied_lm_head(embedding, x)` for a tied head. On CUDA, 4-bit affine weights
-(`nn.QuantizedLinear`, `nn.QuantizedEmbedding`) multiplied by at most 16 rows use our kernel
-(quantized_matmul_cuda.py), because MLX's CUDA quantized matmul streams them at a fraction of the
-card's bandwidth. Everything else, on every backend, is mlx-lm's own call, which is what tests
-compare the kernel against. bf16 weights keep MLX's GEMM: a kernel of ours for them did not beat
-it (docs/performance.md, "Weight streaming"). What does pay for bf16 on CUDA is one GEMM for the
-projections that share an input instead of one each (up to 2.5x for a verify's 16 rows, where MLX's
-GEMM handles a 32-row weight poorly): `stack_shared_input` puts their weights into one matrix at
-load, each layer's weight becoming a view of its rows, so memory does not grow and mlx-lm's own
-calls (prefill) read the same numbers.
+its gated MLPs and `tied_lm_head(embedding, x)` for a tied head, each with the `KernelOptions` of
+the adapter. On CUDA, 4-bit affine weights (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`)
+multiplied by at most 16 rows use our kernel (quantized_matmul_cuda.py), because MLX's CUDA
+quantized matmul streams them at a fraction of the card's bandwidth. Everything else, on every
+backend, is mlx-lm's own call, which is what tests compare the kernel against. bf16 weights keep
+MLX's GEMM: a kernel of ours for them did not beat it (docs/performance.md, "Weight streaming").
+What does pay for bf16 on CUDA is one GEMM for the projections that share an input instead of one
+each (up to 2.5x for a verify's 16 rows, where MLX's GEMM handles a 32-row weight poorly): a
+`SharedInput` built at load puts their weights into one matrix, each layer's weight becoming a view
+of its rows, so memory does not grow and mlx-lm's own calls (prefill) read the same numbers.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import weakref
-from typing import NamedTuple
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import backend
-from . import quantized_matmul_cuda
-
-# Switched off by benchmarks to measure MLX's own quantized matmul in the same process, or a
-# launch per weight instead of one per input.
-use_cuda_kernel = True
-fuse_shared_input = True
+from . import DEFAULT_KERNELS, KernelOptions, backend, quantized_matmul_cuda
 
 
-def _on_cuda() -> bool:
+def _on_cuda(kernels: KernelOptions) -> bool:
     """Whether this module's CUDA paths (the 4-bit kernel, stacked GEMMs) are on here."""
-    return use_cuda_kernel and backend() == "cuda"
+    return kernels.cuda_matmul and backend() == "cuda"
 
 
-class _Stack(NamedTuple):
-    weight: mx.array  # [sum of N, K]: the layers' weights, one after another
-    views: tuple  # each layer's weight as stacked, a view of `weight`
-    splits: list[int]  # where each layer's output columns start, after the first
+class SharedInput:
+    """Projections a forward multiplies by one input (q, k, v; gate and up), built once at load by
+    whoever owns them (an adapter, the drafter) and handed to `linears`. On CUDA, plain linear
+    layers (same K and dtype) get their weights stored as one matrix, each layer's `weight` a view
+    of its rows, so that `linears` multiplies them in one GEMM. Memory stays the same; every other
+    call of the layers sees the same numbers. Layers with a bias are left alone: nn.Linear adds it
+    inside the GEMM (addmm), which rounds once. Elsewhere (and for quantized layers, which have the
+    kernel's one launch already) it only holds the layers."""
+
+    def __init__(self, layers: Sequence[nn.Module], kernels: KernelOptions = DEFAULT_KERNELS):
+        self.layers = list(layers)
+        self.weight: Optional[mx.array] = None  # [sum of N, K]: the layers' weights, one after another
+        self.views: tuple = ()  # each layer's weight as stacked, a view of `weight`
+        self.splits: list[int] = []  # where each layer's output columns start, after the first
+        if _on_cuda(kernels) and _stackable(self.layers):
+            self._stack()
+
+    @property
+    def stacked(self) -> bool:
+        return self.weight is not None
+
+    def _stack(self) -> None:
+        weights = [layer.weight for layer in self.layers]
+        stacked = mx.concatenate(weights)
+        starts = [0, *itertools.accumulate(w.shape[0] for w in weights)]
+        for layer, start, end in zip(self.layers, starts, starts[1:]):
+            layer.weight = stacked[start:end]
+        self.views = tuple(layer.weight for layer in self.layers)
+        mx.eval(stacked, self.views)
+        self.weight, self.splits = stacked, starts[1:-1]
+
+    def products(self, x: mx.array) -> Optional[list[mx.array]]:
+        """The layers' outputs from one GEMM, if they were stacked and still hold their views."""
+        if self.weight is None:
+            return None
+        if not all(view is layer.weight for view, layer in zip(self.views, self.layers)):
+            # Weights replaced since (new weights loaded, or traced ones in training): let the old
+            # matrix go.
+            self.weight, self.views, self.splits = None, (), []
+            return None
+        return mx.split(x @ self.weight.T, self.splits, axis=-1)
 
 
-# Stacked groups by the ids of their layers; an entry goes when its first layer is collected.
-_stacks: dict[tuple[int, ...], _Stack] = {}
-
-
-def stack_shared_input(layers: list[nn.Module]) -> bool:
-    """On CUDA, store the weights of plain linear layers that share an input (same K and dtype)
-    as one matrix, each layer's `weight` a view of its rows, so that `linears` multiplies them in
-    one GEMM. Memory stays the same; every other call of the layers sees the same numbers. Layers
-    with a bias are left alone: nn.Linear adds it inside the GEMM (addmm), which rounds once."""
-    if not (_on_cuda() and len(layers) > 1):
-        return False
+def _stackable(layers: list[nn.Module]) -> bool:
     # Quantized layers have the kernel (one launch already); plain ones only, without a bias.
-    if not all(type(layer) is nn.Linear and "bias" not in layer for layer in layers):
+    if len(layers) < 2 or not all(type(layer) is nn.Linear and "bias" not in layer for layer in layers):
         return False
-    weights = [layer.weight for layer in layers]
-    if len({(w.shape[1], w.dtype) for w in weights}) != 1:
-        return False
-    stacked = mx.concatenate(weights)
-    starts = [0, *itertools.accumulate(w.shape[0] for w in weights)]
-    for layer, start, end in zip(layers, starts, starts[1:]):
-        layer.weight = stacked[start:end]
-    views = tuple(layer.weight for layer in layers)
-    mx.eval(stacked, views)
-    key = tuple(id(layer) for layer in layers)
-    _stacks[key] = _Stack(stacked, views, starts[1:-1])
-    weakref.finalize(layers[0], _stacks.pop, key, None)
-    return True
+    return len({(layer.weight.shape[1], layer.weight.dtype) for layer in layers}) == 1
 
 
-def _stacked_products(layers: list[nn.Module], x: mx.array):
-    """The layers' outputs from one GEMM, if they were stacked and still hold their views."""
-    key = tuple(id(layer) for layer in layers)
-    stack = _stacks.get(key)
-    if stack is None:
-        return None
-    if not all(view is layer.weight for view, layer in zip(stack.views, layers)):
-        del _stacks[key]  # weights replaced since (new weights loaded): let the old matrix go
-        return None
-    return mx.split(x @ stack.weight.T, stack.splits, axis=-1)
+Group = Union[Sequence[nn.Module], SharedInput]
 
 
-def path_for(layer: nn.Module, x: mx.array) -> str:
+def _stacked_products(group: Group, x: mx.array) -> Optional[list[mx.array]]:
+    """The group's outputs from one GEMM, if it is a SharedInput whose weights were stacked."""
+    return group.products(x) if isinstance(group, SharedInput) else None
+
+
+def path_for(layer: nn.Module, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """'cuda' where `layer`'s product with `x` runs through our kernel, else 'mlx'."""
-    if not (_on_cuda() and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))):
+    if not (_on_cuda(kernels) and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))):
         return "mlx"
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     ok = "biases" in layer and quantized_matmul_cuda.supported(
@@ -121,19 +125,21 @@ def _quantized_products(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 
-def linears(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
-    """`[layer(x) for layer in layers]`, with the layers the kernel takes (by group size) in one
-    launch, or bf16 layers stacked at load in one GEMM: a launch costs about what streaming a small
-    weight does (q, k, v; gate and up)."""
-    if fuse_shared_input and len(layers) > 1 and _on_cuda():
-        stacked = _stacked_products(layers, x)
+def linears(group: Group, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS) -> list[mx.array]:
+    """`[layer(x) for layer in group]`, with the layers the kernel takes (by group size) in one
+    launch, or bf16 layers stacked at load (a `SharedInput`) in one GEMM: a launch costs about what
+    streaming a small weight does (q, k, v; gate and up)."""
+    layers = group.layers if isinstance(group, SharedInput) else list(group)
+    fused = kernels.one_launch_per_input
+    if fused and len(layers) > 1 and _on_cuda(kernels):
+        stacked = _stacked_products(group, x)
         if stacked is not None:
             return stacked
     ys = [None] * len(layers)
     launches = {}
     for i, layer in enumerate(layers):
-        if path_for(layer, x) == "cuda":
-            launches.setdefault(layer.group_size if fuse_shared_input else -1 - i, []).append(i)
+        if path_for(layer, x, kernels) == "cuda":
+            launches.setdefault(layer.group_size if fused else -1 - i, []).append(i)
         else:
             ys[i] = layer(x)
     for members in launches.values():
@@ -142,14 +148,14 @@ def linears(layers: list[nn.Module], x: mx.array) -> list[mx.array]:
     return ys
 
 
-def linear(layer: nn.Module, x: mx.array) -> mx.array:
+def linear(layer: nn.Module, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
     """`layer(x)`, through the 4-bit small-M kernel where it runs."""
-    return linears([layer], x)[0]
+    return linears([layer], x, kernels)[0]
 
 
-def tied_lm_head(embedding: nn.Module, x: mx.array) -> mx.array:
+def tied_lm_head(embedding: nn.Module, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
     """`embedding.as_linear(x)`, through the kernel for a 4-bit embedding where it runs."""
-    if path_for(embedding, x) == "cuda":
+    if path_for(embedding, x, kernels) == "cuda":
         return _quantized_products([embedding], x)[0]
     return embedding.as_linear(x)
 
@@ -159,19 +165,20 @@ def is_gated_mlp(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
-def gated_mlp(mlp: nn.Module, x: mx.array, activation) -> mx.array:
+def gated_mlp(mlp: nn.Module, x: mx.array, activation, kernels: KernelOptions = DEFAULT_KERNELS,
+              gate_up: Optional[SharedInput] = None) -> mx.array:
     """mlx-lm's gated MLP `down(activation(gate(x), up(x)))` (activation: mlx-lm's own `swiglu` or
-    `geglu`) with its projections through `linear`; other feed-forwards (MoE blocks) are the
-    module's own call."""
+    `geglu`) with its projections through `linears` (`gate_up`: its gate and up as built at load);
+    other feed-forwards (MoE blocks) are the module's own call."""
     if not is_gated_mlp(mlp):
         return mlp(x)
-    gate, up = linears([mlp.gate_proj, mlp.up_proj], x)
-    return linear(mlp.down_proj, activation(gate, up))
+    gate, up = linears(gate_up if gate_up is not None else [mlp.gate_proj, mlp.up_proj], x, kernels)
+    return linear(mlp.down_proj, activation(gate, up), kernels)
 
 
-def active_path() -> str:
+def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """Which implementation small-M weight products use here (for `dflash doctor`)."""
-    if _on_cuda():
+    if _on_cuda(kernels):
         return ("dflash CUDA kernel for 4-bit affine weights and <= 16 rows; MLX otherwise, with bf16 "
                 "projections that share an input stacked into one GEMM")
     return "MLX matmul"
