@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from ..kernels import DEFAULT_KERNELS, KernelOptions
-from .base import RollbackRecord, TargetAdapter, TargetOutput
+from .base import ForwardRow, RollbackRecord, TargetAdapter, TargetOutput
 from .dense import DenseAdapter
 from .gemma3 import Gemma3Adapter
 from .gemma4 import Gemma4Adapter
@@ -35,4 +35,4 @@ def adapter_for(model: nn.Module, kernels: KernelOptions = DEFAULT_KERNELS) -> T
     return ADAPTERS[module](model, kernels)
 
 
-__all__ = ["ADAPTERS", "RollbackRecord", "TargetAdapter", "TargetOutput", "UnsupportedModelError", "adapter_for"]
+__all__ = ["ADAPTERS", "ForwardRow", "RollbackRecord", "TargetAdapter", "TargetOutput", "UnsupportedModelError", "adapter_for"]

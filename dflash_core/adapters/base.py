@@ -44,6 +44,17 @@ class TargetOutput:
     rollback: Optional[RollbackRecord]  # None unless record=True
 
 
+@dataclass
+class ForwardRow:
+    """One generation's part of a batched forward (`TargetAdapter.forward_rows`): its tokens
+    [1, L] and its own caches, as `forward` takes them."""
+
+    tokens: mx.array
+    cache: list
+    last_logits_only: bool = False
+    record: bool = False
+
+
 # Decode and verify forwards (at most this many tokens) run each layer as a few compiled
 # functions: building a graph of thousands of small ops on the host otherwise bounds a step.
 COMPILED_MAX_TOKENS = 16
@@ -179,6 +190,14 @@ class TargetAdapter:
             h = h[:, -1:]
         tapped_hidden = mx.concatenate([tapped[i] for i in tap_ids], axis=-1) if tap_ids else None
         return TargetOutput(self.logits(h), tapped_hidden, rollback)
+
+    def forward_rows(self, rows: Sequence[ForwardRow], tap_ids: Sequence[int] = ()) -> list[TargetOutput]:
+        """One forward for several generations (continuous batching): each row's output, and what
+        it does to the row's caches, is exactly what `forward` gives that row alone, while the
+        weights are read once for all rows. This fallback runs the rows one after another;
+        families override it."""
+        return [self.forward(r.tokens, r.cache, tap_ids, last_logits_only=r.last_logits_only, record=r.record)
+                for r in rows]
 
     def rollback(self, cache: list, record: RollbackRecord, keep: int) -> None:
         """Undo all but the first `keep` tokens of the recorded forward."""
