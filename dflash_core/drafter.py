@@ -6,17 +6,23 @@ cycles, never rolled back because only committed positions are ever added) and l
 `[bonus, MASK * (B-1)]` queries attend over `[context K/V ; block K/V]`. One forward pass proposes
 B-1 tokens (argmax of each row: one denoising step).
 
+Several generations draft in one forward (`propose_rows`, `add_context_rows`): their blocks are
+concatenated along the token axis for the per-token work, RoPE and attention run per row. One
+generation is the one-row case, so where a product's rows are independent (the CPU's reference
+BLAS) a row's drafts are exactly what it gets alone.
+
 Checkpoint format and config layouts: docs/formats.md (z-lab `DFlashDraftModel`).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -239,24 +245,53 @@ class DrafterAttention(nn.Module):
         )
         self.kv_input: Optional[SharedInput] = None  # k and v, once stacked (DFlashDrafter.stack_shared_inputs)
 
-    def keys_values(self, x: mx.array, offset: int, kernels: KernelOptions = DEFAULT_KERNELS):
-        """K/V of `x` at absolute positions offset.. (input_layernorm is not applied to context)."""
+    def unrotated_keys_values(self, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS):
+        """K (normed) and V of `x` as [B, Hkv, L, D], before RoPE: per token, so for several rows at once."""
         B, L, _ = x.shape
         kv = self.kv_input if self.kv_input is not None else [self.k_proj, self.v_proj]
         k, v = linears(kv, x, kernels)
         k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return k, v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+
+    def keys_values(self, x: mx.array, offset, kernels: KernelOptions = DEFAULT_KERNELS):
+        """K/V of `x` at absolute positions offset.. (input_layernorm is not applied to context)."""
+        k, v = self.unrotated_keys_values(x, kernels)
         return self.rope(k, offset=offset), v
 
-    def __call__(self, x, context: tuple[mx.array, mx.array], start: int, mask,
+    def __call__(self, x, context: tuple[mx.array, mx.array], start, mask,
                  kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
+        return self.over_rows(x, [BlockRow(context, start, mask, x.shape[1])], kernels)
+
+    def over_rows(self, x: mx.array, rows: Sequence["BlockRow"], kernels: KernelOptions = DEFAULT_KERNELS):
+        """Attention of the rows' blocks, concatenated along x's token axis: projections once, RoPE and attention per row."""
         B, L, _ = x.shape
+        widths = [row.width for row in rows]
         q = self.q_norm(linear(self.q_proj, x, kernels).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=start)
-        k, v = self.keys_values(x, start, kernels)
-        ctx_k, ctx_v = context
-        out = attention(q, [ctx_k, k], [ctx_v, v], self.scale, mask, kernels)
+        k, v = self.unrotated_keys_values(x, kernels)
+        outs = []
+        for row, q_i, k_i, v_i in zip(rows, *(_split(a, widths, axis=2) for a in (q, k, v))):
+            q_i, k_i = self.rope(q_i, offset=row.start), self.rope(k_i, offset=row.start)
+            outs.append(attention(q_i, [row.context[0], k_i], [row.context[1], v_i], self.scale, row.mask, kernels))
+        out = _concat(outs, axis=2)
         return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
+
+
+class BlockRow(NamedTuple):
+    """One row of a layer's forward: its context (K, V), first query's position, mask over [context ; block], tokens."""
+
+    context: tuple[mx.array, mx.array]
+    start: Any
+    mask: Any
+    width: int
+
+
+@dataclass
+class DraftRow:
+    """One generation in `DFlashDrafter.propose_rows`: its bonus token (one id, may be lazy), cache and block width."""
+
+    bonus: mx.array
+    cache: list
+    width: int
 
 
 class DrafterLayer(nn.Module):
@@ -269,7 +304,10 @@ class DrafterLayer(nn.Module):
         self.gate_up_input: Optional[SharedInput] = None  # the MLP's gate and up, once stacked
 
     def __call__(self, h, context, start, mask, kernels: KernelOptions = DEFAULT_KERNELS):
-        h = h + self.self_attn(self.input_layernorm(h), context, start, mask, kernels)
+        return self.over_rows(h, [BlockRow(context, start, mask, h.shape[1])], kernels)
+
+    def over_rows(self, h, rows: Sequence[BlockRow], kernels: KernelOptions = DEFAULT_KERNELS):
+        h = h + self.self_attn.over_rows(self.input_layernorm(h), rows, kernels)
         return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu, kernels, self.gate_up_input)
 
 
@@ -312,13 +350,21 @@ class DFlashDrafter(nn.Module):
     def add_context(self, taps: mx.array, cache: list[KVCache]) -> None:
         """Project target taps [1, n, n_taps*H] of the next n positions into every layer's context
         K/V. Positions are implied: they continue from what the cache already holds."""
-        c = self.hidden_norm(self.fc(taps))
-        for layer, layer_cache in zip(self.layers, cache):
-            k, v = layer.self_attn.keys_values(c, layer_cache.offset, self.kernels)
-            layer_cache.update_and_fetch(k, v)
+        self.add_context_rows([(taps, cache)])
 
-    def _context_and_mask(self, layer: int, cache: KVCache, start: int, block: int):
-        """Keys [context buffer ; block] and the boolean mask of what each block query sees.
+    def add_context_rows(self, rows: Sequence[tuple[mx.array, list[KVCache]]]) -> None:
+        """`add_context(taps, cache)` for each row, with fc, hidden_norm and the k/v projections run
+        once over all rows' positions (RoPE and the cache writes per row)."""
+        widths = [taps.shape[1] for taps, _ in rows]
+        c = self.hidden_norm(self.fc(_concat([taps for taps, _ in rows], axis=1)))
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.unrotated_keys_values(c, self.kernels)
+            for (_, cache), k_i, v_i in zip(rows, _split(k, widths, axis=2), _split(v, widths, axis=2)):
+                cache[i].update_and_fetch(layer.self_attn.rope(k_i, offset=cache[i].offset), v_i)
+
+    def _block_row(self, layer: int, cache: KVCache, start: int, block: int) -> BlockRow:
+        """A block's row of one layer: its context buffer and the boolean mask of what each block
+        query sees of [context buffer ; block].
 
         The context is the cache's whole buffer (it grows in steps of 256) with the unused tail
         masked, so attention shapes change once per 256 positions rather than every cycle: on CUDA,
@@ -343,15 +389,19 @@ class DFlashDrafter(nn.Module):
             mask = mask & (k_pos <= q_pos)
         if cfg.is_sliding(layer):
             mask = mask & (mx.abs(q_pos - k_pos) < cfg.sliding_window)
-        return ctx, mask
+        return BlockRow(ctx, start, mask, block)
 
     def hidden(self, embeddings: mx.array, cache: list[KVCache]) -> mx.array:
         """Final-normed hidden states of a block whose first row sits at the cache's offset."""
-        start, block = cache[0].offset, embeddings.shape[1]
+        return self.hidden_rows(embeddings, [cache], [embeddings.shape[1]])
+
+    def hidden_rows(self, embeddings: mx.array, caches: Sequence[list[KVCache]], widths: Sequence[int]) -> mx.array:
+        """`hidden` of several blocks concatenated along the token axis, each at its own cache's offset."""
+        starts = [cache[0].offset for cache in caches]
         h = embeddings * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeddings
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            context, mask = self._context_and_mask(i, layer_cache, start, block)
-            h = layer(h, context, start, mask, self.kernels)
+        for i, layer in enumerate(self.layers):
+            rows = [self._block_row(i, cache[i], start, width) for cache, start, width in zip(caches, starts, widths)]
+            h = layer.over_rows(h, rows, self.kernels)
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head) -> mx.array:
@@ -367,13 +417,29 @@ class DFlashDrafter(nn.Module):
         """width-1 proposals (int32) for the positions after `bonus`, one forward pass over a block
         of `width` tokens (default: the block size; a narrower block costs less where a forward's
         cost grows with its rows, as on a CPU)."""
-        cfg = self.config
-        width = width or cfg.block_size
-        block = mx.concatenate(
-            [bonus.reshape(1).astype(mx.int32), mx.full((width - 1,), cfg.mask_token_id, mx.int32)]
-        )
-        h = self.hidden(target.embed(block[None]), cache)
-        return mx.argmax(self.logits(h[:, 1:], target.lm_head), axis=-1)[0].astype(mx.int32)
+        return self.propose_rows([DraftRow(bonus, cache, width or self.config.block_size)], target)[0]
+
+    def propose_rows(self, rows: Sequence[DraftRow], target) -> list[mx.array]:
+        """`propose` for each row (width-1 proposals each), in one forward over all their blocks."""
+        mask_id, widths = self.config.mask_token_id, [row.width for row in rows]
+        block = _concat([mx.concatenate([row.bonus.reshape(1).astype(mx.int32),
+                                         mx.full((row.width - 1,), mask_id, mx.int32)]) for row in rows])
+        h = self.hidden_rows(target.embed(block[None]), [row.cache for row in rows], widths)
+        # The bonus position predicts nothing: only the others go through the LM head.
+        h = _concat([h_i[:, 1:] for h_i in _split(h, widths, axis=1)], axis=1)
+        drafts = mx.argmax(self.logits(h, target.lm_head), axis=-1)[0].astype(mx.int32)
+        return _split(drafts, [w - 1 for w in widths], axis=0)
+
+
+def _split(a: mx.array, widths: Sequence[int], axis: int) -> list[mx.array]:
+    """`a` cut along `axis` into consecutive pieces of `widths` (one row: `a` itself)."""
+    if len(widths) == 1:
+        return [a]
+    return mx.split(a, list(itertools.accumulate(widths[:-1])), axis=axis)
+
+
+def _concat(parts: Sequence[mx.array], axis: int = 0) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(list(parts), axis=axis)
 
 
 def _empty_context(attn: "DrafterAttention", dtype) -> tuple[mx.array, mx.array]:

@@ -15,7 +15,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .adapters import RollbackRecord, TargetAdapter
+from .adapters import ForwardRow, RollbackRecord, TargetAdapter
+from .batching import DraftCall, TargetCall, serve_alone
 from .cache import cache_arrays
 from .detokenize import IncrementalDetokenizer, TokenBytes
 from .drafter import DFlashDrafter
@@ -215,6 +216,7 @@ class Engine:
         logprobs: Optional[int] = None,
         grammar: Union[GrammarSpec, CompiledGrammar, None] = None,
         reasoning_budget: Optional[tuple[int, int]] = None,
+        batched: bool = False,
     ) -> Iterator[GenerationChunk]:
         """Stream the generation of up to `max_tokens` tokens after `prompt_tokens`.
 
@@ -233,6 +235,9 @@ class Engine:
         `speculation.AutoSpeculation`), "on" (every step a full cycle), "off" (the target alone),
         or a SpeculationPolicy choosing each step; None: the engine's `speculation`.
         `speculative=False` is "off".
+        `batched=True`: the stream also yields the forwards it needs (`batching.TargetCall`,
+        `batching.DraftCall`) and takes their outputs back through `send`, so that a scheduler can
+        run the forwards of several generations as one (`batching.step_together`).
         """
         if not prompt_tokens:
             raise RequestError("the prompt is empty")
@@ -278,7 +283,8 @@ class Engine:
             limit = ReasoningBudget(*reasoning_budget, vocab)
             constraint = limit if constraint is None else AllConstraints([constraint, limit])
         scorer = LogprobScorer(logprobs, vocab)
-        return self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint, policy)
+        steps = self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint, policy)
+        return steps if batched else serve_alone(self, steps)
 
     def _stream(self, prompt, budget, sampling, stats, eos, scorer, constraint, policy) -> Iterator[GenerationChunk]:
         start = time.perf_counter()
@@ -301,8 +307,12 @@ class Engine:
         decode_start = None
         try:
             # Each commit: its tokens, their logprobs, and what made them: None for the prefill's
-            # token, 0 for a plain target step, else the width of a cycle.
-            for ids, logprobs, width in steps:
+            # token, 0 for a plain target step, else the width of a cycle. Forwards the steps need
+            # go out to whoever runs this stream, and their outputs come back.
+            for item in steps:
+                while isinstance(item, (TargetCall, DraftCall)):
+                    item = steps.send((yield item))
+                ids, logprobs, width = item
                 if not ids:  # a prefill chunk: give the caller a chance to interleave
                     yield GenerationChunk([], "", stats=stats.copy(), logprobs=no_logprobs)
                     continue
@@ -405,7 +415,7 @@ class Engine:
         index = 0
         while True:
             sampler.commit(token)
-            logits = self.target.forward(token[None], state.cache).logits[0]
+            logits = (yield TargetCall(ForwardRow(token[None], state.cache))).logits[0]
             if constraint is not None:  # the next mask needs this token: read it while the step runs
                 mx.async_eval(logits)
                 constraint.commit(token.tolist())
@@ -435,7 +445,7 @@ class Engine:
         if constraint is not None:
             constraint.commit(first)
         width = policy.plan(len(state.fed))
-        step = self._launch(token, index, width, sampler, state, scorer, constraint)
+        step = yield from self._launch(token, index, width, sampler, state, scorer, constraint)
         yield first, logprobs, None
         read = time.perf_counter()
         while True:
@@ -443,7 +453,7 @@ class Engine:
             if width == 0 and constraint is None:  # (a grammar's next mask needs this token's value)
                 planned = policy.plan(len(state.fed) + 1)
                 if planned == 0:
-                    ahead = self._launch(step.choice, index + 1, 0, sampler, state, scorer, constraint)
+                    ahead = yield from self._launch(step.choice, index + 1, 0, sampler, state, scorer, constraint)
             committed, token, logprobs, accepted = step.read()  # the one blocking read of a step
             now = time.perf_counter()
             policy.observe(width, len(state.fed), now - read, accepted)
@@ -454,7 +464,7 @@ class Engine:
                 step = ahead
             else:
                 width = planned if planned is not None else policy.plan(len(state.fed))
-                step = self._launch(token, index, width, sampler, state, scorer, constraint)
+                step = yield from self._launch(token, index, width, sampler, state, scorer, constraint)
             yield committed, logprobs, done
 
     def _launch(self, token, index: int, width: int, sampler: Sampler, state: DecodeState,
@@ -469,7 +479,7 @@ class Engine:
         target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
         tap_ids = drafter.config.target_layer_ids
         if width == 0:
-            out = target.forward(token[None], cache, tap_ids, record=True)
+            out = yield TargetCall(ForwardRow(token[None], cache, record=True), tap_ids)
             choice = sampler.choose(out.logits[0], None, index + 1, constraint.masks() if constraint else None)
             sampler.commit(choice)  # on the device: a step queued after this one samples after it
             mx.async_eval(choice, out.tapped_hidden)
@@ -488,9 +498,9 @@ class Engine:
 
             return Launched(read_step, choice)
         state.catch_up(drafter)  # the plain steps since the last cycle
-        drafts = drafter.propose(token, target, context, width)
+        drafts = yield DraftCall(token, context, width)
         mx.async_eval(drafts)  # the draft runs while the verify graph is built
-        verify = target.forward(mx.concatenate([token, drafts])[None], cache, tap_ids, record=True)
+        verify = yield TargetCall(ForwardRow(mx.concatenate([token, drafts])[None], cache, record=True), tap_ids)
         allowed = None
         if constraint is not None:  # each row's mask follows the drafts before it: read them
             mx.async_eval(verify.logits, verify.tapped_hidden)  # the verify runs while the host builds masks

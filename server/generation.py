@@ -63,8 +63,10 @@ class Run:
                 grammar=self.grammar,
                 reasoning_budget=self.prompt.reasoning_budget,
                 speculation=self.speculation,
+                batched=True,
             ),
             loop=asyncio.get_running_loop(),
+            engine=engine,  # steps together with the model's other generations
         )
         try:
             self.scheduler.submit(self.job)

@@ -1,9 +1,12 @@
 """One worker thread owns the accelerator and does all MLX work.
 
-Requests wait in a bounded queue. Active generations are served round-robin, one engine step (a
-prefill chunk or one draft-verify cycle) each, so a long generation cannot starve a short one. The
-worker hands each step's output to the request's asyncio queue; a cancelled request is closed at
-its next turn (within one cycle), which frees its caches. An exception fails only its request.
+Requests wait in a bounded queue. Every active generation advances one engine step (a prefill
+chunk, a plain target step or a draft-verify cycle) per round, so a long generation cannot starve
+a short one; the generations of one model step together, their forwards batched
+(dflash_core/batching.py: one drafter and one target forward for all), which changes none of their
+tokens. The worker hands each step's output to the request's asyncio queue; a cancelled request is
+closed at its next turn (within one step), which frees its caches. An exception fails only its
+request.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
+
+from dflash_core.batching import step_together
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,9 @@ class Job:
 
     start: Callable[[], Iterator[Any]]
     loop: asyncio.AbstractEventLoop
+    # The engine whose batched stream `start` returns (`generate(..., batched=True)`): jobs of one
+    # engine step together. None: a plain iterator, stepped alone.
+    engine: Any = None
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -177,15 +185,50 @@ class Scheduler:
                     self._active.append(self._waiting.popleft())
             for task, _ in tasks:
                 task()
-            for job in list(self._active):
-                self._step(job)
+            self._round()
         for job in self._active + list(self._waiting):
             self._finish(job, SchedulerStopped("the server is shutting down"))
 
+    def _round(self) -> None:
+        """One step of every active job: those of one engine together, the others alone."""
+        together: dict[int, tuple[Any, list[Job]]] = {}
+        for job in list(self._active):
+            if job.cancelled.is_set():
+                self._finish(job, None)
+            elif job.engine is None:
+                self._step(job)
+            elif self._started(job):
+                together.setdefault(id(job.engine), (job.engine, []))[1].append(job)
+        for engine, jobs in together.values():
+            try:
+                results = step_together(engine, [job.steps for job in jobs])
+            except Exception as e:  # a batched forward failed: every row in it fails, the worker goes on
+                log.exception("a batched step failed")
+                for job in jobs:
+                    self._finish(job, e)
+                continue
+            for job, result in zip(jobs, results):
+                if result.error is not None:
+                    log.error("generation failed", exc_info=result.error)
+                    self._finish(job, result.error)
+                elif result.done:
+                    self._finish(job, None)
+                else:
+                    job._deliver(result.chunk)
+
+    def _started(self, job: Job) -> bool:
+        if job.steps is not None:
+            return True
+        try:
+            job.steps = job.start()
+        except Exception as e:  # the request's own validation (a 400), or a bug: it fails alone
+            if not isinstance(e, ValueError):
+                log.exception("generation failed")
+            self._finish(job, e)
+            return False
+        return True
+
     def _step(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self._finish(job, None)
-            return
         try:
             if job.steps is None:
                 job.steps = job.start()

@@ -64,6 +64,11 @@ class ScriptedTarget:
         taps = mx.zeros((1, n, self.hidden_size * len(tap_ids))) if tap_ids else None
         return TargetOutput(logits, taps, RollbackRecord(n) if record else None)
 
+    def forward_rows(self, rows, tap_ids=()):
+        """The rows of a batched step, one after another (each row's script is its own)."""
+        return [self.forward(r.tokens, r.cache, tap_ids, last_logits_only=r.last_logits_only, record=r.record)
+                for r in rows]
+
     def rollback(self, cache, record, keep):
         cache[0].trim(record.tokens - keep)
 

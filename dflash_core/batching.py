@@ -1,0 +1,123 @@
+"""Continuous batching: the forwards of several generations of one model run as one.
+
+A generation's stream (`Engine.generate(..., batched=True)`) yields, besides its chunks, the
+forwards it needs: a `DraftCall` (the drafter's block for a cycle) or a `TargetCall` (a plain step
+or a verify), and takes each output back through `send`. Run alone, `serve_alone` answers each call
+with the plain forward; `step_together` advances many streams by one step each and answers their
+calls in batches: one drafter forward for every generation drafting, then one target forward for
+every generation's verify block or plain step (`TargetAdapter.forward_rows`). Each row's output is
+what it would get alone (the adapters guarantee it), so batching changes no token; the weights are
+read once per batch instead of once per generation, which is what decode is bound by.
+
+Prefill chunks are not batched: a generation in prefill does one chunk per step, as alone, so a
+long prompt delays the others by one chunk per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import mlx.core as mx
+
+from .adapters import ForwardRow
+
+
+@dataclass
+class TargetCall:
+    """A target forward a generation needs: its row, with the layers to tap."""
+
+    row: ForwardRow
+    tap_ids: Sequence[int] = ()
+
+
+@dataclass
+class DraftCall:
+    """A drafter block a generation needs: its last committed token (on the device), its drafter
+    context and the block's width. The answer is the width-1 proposals."""
+
+    bonus: mx.array
+    context: list
+    width: int
+
+
+def serve(engine, call):
+    """The output of one call, run alone."""
+    if isinstance(call, TargetCall):
+        r = call.row
+        return engine.target.forward(r.tokens, r.cache, call.tap_ids, last_logits_only=r.last_logits_only,
+                                     record=r.record)
+    return engine.drafter.propose(call.bonus, engine.target, call.context, call.width)
+
+
+def serve_alone(engine, stream) -> Iterator[Any]:
+    """A stream's chunks, its calls answered one by one: `Engine.generate` without batching."""
+    try:
+        item = next(stream)
+        while True:
+            while isinstance(item, (TargetCall, DraftCall)):
+                item = stream.send(serve(engine, item))
+            yield item
+            item = next(stream)
+    except StopIteration:
+        return
+    finally:
+        stream.close()
+
+
+@dataclass
+class Stepped:
+    """What one stream did in a `step_together`: its next chunk, or how it ended."""
+
+    chunk: Any = None
+    done: bool = False  # the stream ended (StopIteration)
+    error: Optional[BaseException] = None  # it raised: only this generation fails
+
+
+def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
+    """Advance every stream (all of one engine, started with batched=True) to its next chunk,
+    answering their calls in batches: drafts first (a verify needs its drafts), then the target
+    forwards, grouped by the layers they tap. A stream that raises fails alone."""
+    results = [Stepped() for _ in streams]
+    calls: dict[int, Any] = {}
+
+    def advance(i: int, value: Any = None, first: bool = False) -> None:
+        try:
+            item = next(streams[i]) if first else streams[i].send(value)
+        except StopIteration:
+            results[i].done = True
+            return
+        except Exception as e:  # noqa: BLE001 - one request's failure must not take the others down
+            results[i].error = e
+            return
+        if isinstance(item, (TargetCall, DraftCall)):
+            calls[i] = item
+        else:
+            results[i].chunk = item
+
+    for i in range(len(streams)):
+        advance(i, first=True)
+    while calls:
+        drafting = [i for i, c in calls.items() if isinstance(c, DraftCall)]
+        if drafting:
+            outputs = _draft_rows(engine, [calls.pop(i) for i in drafting])
+            for i, out in zip(drafting, outputs):
+                advance(i, out)
+            continue
+        by_taps: dict[tuple, list[int]] = {}
+        for i, c in calls.items():
+            by_taps.setdefault(tuple(c.tap_ids), []).append(i)
+        for taps, members in by_taps.items():
+            outputs = engine.target.forward_rows([calls.pop(i).row for i in members], taps)
+            for i, out in zip(members, outputs):
+                advance(i, out)
+    return results
+
+
+def _draft_rows(engine, calls: list[DraftCall]) -> list[mx.array]:
+    drafter = engine.drafter
+    if len(calls) > 1 and hasattr(drafter, "propose_rows"):
+        from .drafter import DraftRow
+
+        return drafter.propose_rows([DraftRow(c.bonus, c.context, c.width) for c in calls], engine.target)
+    return [drafter.propose(c.bonus, engine.target, c.context, c.width) for c in calls]

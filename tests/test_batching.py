@@ -1,0 +1,185 @@
+"""Continuous batching: generations that step together (one drafter forward and one target forward
+for all of them per step) each give exactly what they give alone, for every family.
+
+Rows differ in prompt length (Gemma's past their sliding window of 8), sampling (greedy and
+seeded), speculation (always on, auto, off, and a policy that switches between plain steps and
+cycles of every width at every point), acceptance (a forced drafter with every length 0..15), and
+in when they join and leave (different budgets, one cancelled mid-flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from families import ENGINE_FAMILIES
+from test_adaptive import Scheduled
+
+from dflash_core.batching import step_together
+from dflash_core.engine import Engine
+from dflash_core.sampling import SamplingParams
+
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+
+
+@dataclass
+class Row:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    speculation: object = "on"
+    join_at: int = 0  # the step at which it joins the batch
+    cancel_at: int = -1  # the step at which it is closed, -1: never
+
+
+def _prompt(engine, n: int, seed: int) -> list[int]:
+    text = " ".join(f"word{(seed * 31 + i * 7) % 97}" for i in range(n))
+    return engine.tokenizer.encode(text)[:n]
+
+
+def _alone(engine, row: Row) -> list[int]:
+    steps = engine.generate(row.prompt, max_tokens=row.max_tokens, sampling=row.sampling,
+                            speculation=_policy(row.speculation), stop_token_ids=set())
+    return [t for c in steps for t in c.token_ids]
+
+
+def _policy(speculation):
+    return Scheduled(speculation.plans) if isinstance(speculation, Scheduled) else speculation
+
+
+def _together(engine, rows: list[Row]) -> list[list[int]]:
+    """Run the rows' streams with step_together; each joins at its step, leaves at its end or its
+    cancel. Returns each row's tokens (a cancelled row's up to its cancel)."""
+    streams, outputs, live = {}, [[] for _ in rows], set()
+    step = 0
+    while step == 0 or live or any(r.join_at >= step for r in rows):
+        for i, r in enumerate(rows):
+            if r.join_at == step:
+                streams[i] = engine.generate(r.prompt, max_tokens=r.max_tokens, sampling=r.sampling,
+                                             speculation=_policy(r.speculation), stop_token_ids=set(), batched=True)
+                live.add(i)
+            if r.cancel_at == step and i in live:
+                streams[i].close()
+                live.discard(i)
+        order = sorted(live)
+        for i, stepped in zip(order, step_together(engine, [streams[i] for i in order])):
+            assert stepped.error is None, stepped.error
+            if stepped.done:
+                live.discard(i)
+            else:
+                outputs[i] += stepped.chunk.token_ids
+                if stepped.chunk.finish_reason:
+                    live.discard(i)
+        step += 1
+        assert step < 2000
+    return outputs
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_random_drafter_rows_are_each_exactly_alone(engines, family, monkeypatch):
+    engine = engines[family]
+    sizes = []  # rows per target forward: the batch really forms
+    forward_rows = engine.target.forward_rows
+    monkeypatch.setattr(engine.target, "forward_rows", lambda rows, taps=(): sizes.append(len(rows)) or
+                        forward_rows(rows, taps))
+    rows = [
+        Row(_prompt(engine, 5, 1), 30),
+        Row(_prompt(engine, 23, 2), 41, SEEDED),
+        Row(_prompt(engine, 12, 3), 26, speculation="off"),
+        Row(_prompt(engine, 17, 4), 35, SamplingParams(temperature=0.7, seed=3), speculation="auto", join_at=4),
+        Row(_prompt(engine, 9, 5), 50, join_at=2, cancel_at=9),
+    ]
+    together = _together(engine, rows)
+    assert max(sizes) >= 4
+    monkeypatch.undo()
+    for i, row in enumerate(rows):
+        alone = _alone(engine, row)
+        if row.cancel_at >= 0:
+            assert together[i] == alone[: len(together[i])] and 0 < len(together[i]) < len(alone)
+        else:
+            assert together[i] == alone, f"row {i}"
+
+
+@dataclass
+class _Context:
+    offset: int = 0
+    cycles: int = 0
+    reference: list = field(default_factory=list)
+
+
+class RowForcedDrafter:
+    """The tests' forced drafter (tests/forced.py) for several generations at once: each context
+    finds its row's reference by its prompt length (distinct per row) at its first block, and
+    plants one error so that `schedule[cycle]` drafts are accepted."""
+
+    def __init__(self, references: dict[int, list[int]], schedules: dict[int, list[int]], vocab_size: int,
+                 target_layer_ids, block_size: int = 16):
+        self.references, self.schedules, self.vocab_size = references, schedules, vocab_size
+        self.block_size = block_size
+        self.config = SimpleNamespace(target_layer_ids=list(target_layer_ids), block_size=block_size)
+
+    def make_cache(self):
+        return [_Context()]
+
+    def add_context(self, taps, cache):
+        cache[0].offset += taps.shape[1]
+
+    def propose(self, bonus, target, cache, width=None):
+        context = cache[0]
+        if not context.reference:
+            context.reference = self.references[context.offset]
+            context.schedule = self.schedules[context.offset]
+        accept = context.schedule[context.cycles % len(context.schedule)]
+        context.cycles += 1
+        drafts = []
+        for j in range(1, width or self.block_size):
+            position = context.offset + j
+            token = context.reference[position] if position < len(context.reference) else 0
+            drafts.append((token + 1) % self.vocab_size if j == accept + 1 else token)
+        return mx.array(drafts, dtype=mx.int32)
+
+
+SCHEDULE = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8, 15, 15, 0, 0]
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_every_acceptance_length_in_a_batch(engines, family):
+    """Rows accepting different lengths side by side, one of them also switching between plain
+    steps and cycles of every width: each row's greedy output is the target's."""
+    base = engines[family]
+    prompts = [_prompt(base, n, seed) for n, seed in ((6, 1), (14, 2), (21, 3))]
+    assert len({len(p) for p in prompts}) == 3
+    n_tokens = 90
+    references = {len(p): p + _alone(base, Row(p, n_tokens + 16, speculation="off")) for p in prompts}
+    schedules = {len(p): SCHEDULE[k * 5:] + SCHEDULE[: k * 5] for k, p in enumerate(prompts)}
+    forced = RowForcedDrafter(references, schedules, base.target.vocab_size, base.drafter.config.target_layer_ids)
+    engine = Engine(base.target, base.tokenizer, forced, prefill_chunk=16)
+    plans = Scheduled([16, 0, 0, 2, 16, 0, 5, 0, 3, 16, 9, 0, 15, 4, 16, 6, 0, 7, 8, 10, 0, 11, 12, 13, 14])
+    rows = [Row(prompts[0], n_tokens), Row(prompts[1], n_tokens - 7, join_at=3),
+            Row(prompts[2], n_tokens, speculation=plans, join_at=1)]
+    together = _together(engine, rows)
+    for i, row in enumerate(rows):
+        assert together[i] == references[len(row.prompt)][len(row.prompt):][: row.max_tokens], f"row {i}"
+
+
+def test_a_failing_row_fails_alone(engines):
+    engine = engines["qwen3"]
+    good = engine.generate(_prompt(engine, 8, 1), max_tokens=12, stop_token_ids=set(), batched=True)
+
+    def broken():
+        raise RuntimeError("this generation's step failed")
+        yield  # a generator, as an engine's stream is
+
+    first = step_together(engine, [good, broken()])
+    assert isinstance(first[1].error, RuntimeError) and first[0].error is None
+    tokens = list(first[0].chunk.token_ids)
+    while True:
+        (stepped,) = step_together(engine, [good])
+        if stepped.done:
+            break
+        tokens += stepped.chunk.token_ids
+        if stepped.chunk.finish_reason:
+            break
+    assert tokens == _alone(engine, Row(_prompt(engine, 8, 1), 12))
