@@ -182,6 +182,9 @@ class Engine:
         self.speculation = speculation  # what generate() does unless told otherwise
         # What `auto` measured on this machine, kept across this model's generations.
         self.speculation_state = ModelSpeculation(drafter.block_size) if drafter is not None else None
+        # Cache bytes per token held, the largest a finished generation had (target and drafter):
+        # what a scheduler admits new generations by. None until one finished.
+        self.cache_bytes_per_token: Optional[float] = None
         self._grammar_tokenizer = None
         self._token_bytes: Any = False  # not looked at yet (None: the tokenizer is not byte-level)
 
@@ -354,6 +357,12 @@ class Engine:
                 yield GenerationChunk(ids, text, stats=stats.copy(), logprobs=logprobs)
         finally:
             steps.close()
+            self._measure_caches(state)
+
+    def _measure_caches(self, state: DecodeState) -> None:
+        if state.fed:
+            held = sum(a.nbytes for a in cache_arrays(state.cache) + cache_arrays(state.context or []))
+            self.cache_bytes_per_token = max(self.cache_bytes_per_token or 0.0, held / len(state.fed))
 
     def _remember_generation(self, state: DecodeState, prompt, produced, kept: int) -> None:
         """Snapshot the end of a finished generation when the caches hold only tokens that were

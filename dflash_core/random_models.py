@@ -107,6 +107,13 @@ class ForcedAcceptance:
 
     def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
         out = self.target.forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
+        return self._forced(tokens, out, record)
+
+    def forward_rows(self, rows, tap_ids=()):
+        """The batched forward, each row's verify forced as `forward` forces it."""
+        return [self._forced(r.tokens, out, r.record) for r, out in zip(rows, self.target.forward_rows(rows, tap_ids))]
+
+    def _forced(self, tokens, out, record: bool):
         width = tokens.shape[1]
         if not record or width < 2:
             return out

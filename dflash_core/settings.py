@@ -36,7 +36,10 @@ class ServerSettings(Strict):
     api_key: Optional[str] = None
     cors_origins: list[str] = Field(default_factory=list)
     queue_size: int = Field(64, ge=1, description="requests that may wait for a turn; more get 429")
-    max_active: int = Field(8, ge=1, description="generations interleaved at once")
+    max_active: int = Field(8, ge=1, description="generations stepping together at most (one batched forward)")
+    batch_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="a waiting generation starts only while the memory in use plus what its "
+        "caches will take stays under this share of the device's memory; the others wait in the queue")
     request_timeout: Optional[float] = Field(600.0, gt=0, description="seconds a request may take")
     stored_responses: int = Field(1000, ge=0, description="Responses API: stored responses kept in memory (LRU)")
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger request bodies get 413")

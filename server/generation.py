@@ -67,6 +67,7 @@ class Run:
             ),
             loop=asyncio.get_running_loop(),
             engine=engine,  # steps together with the model's other generations
+            tokens=len(self.prompt.tokens) + (self.max_tokens or engine.max_context or 0),
         )
         try:
             self.scheduler.submit(self.job)

@@ -43,6 +43,7 @@ class Job:
     # The engine whose batched stream `start` returns (`generate(..., batched=True)`): jobs of one
     # engine step together. None: a plain iterator, stepped alone.
     engine: Any = None
+    tokens: int = 0  # the most tokens its caches will hold (prompt + max_tokens): its memory's measure
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -56,9 +57,12 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, *, queue_size: int = 64, max_active: int = 8):
+    def __init__(self, *, queue_size: int = 64, max_active: int = 8, memory_fraction: Optional[float] = None,
+                 memory_size: Optional[int] = None):
         self.queue_size = queue_size
         self.max_active = max_active
+        # Admission by memory (None: by max_active only): the device's memory (or `memory_size`).
+        self.memory_budget = None if memory_fraction is None else int(memory_fraction * (memory_size or _device_memory()))
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
         # (run, fail) pairs: fail(error) answers the caller when the worker will never run it.
@@ -181,13 +185,25 @@ class Scheduler:
                 tasks = list(self._tasks)
                 self._tasks.clear()
                 self._drop_cancelled_waiting()
-                while self._waiting and len(self._active) < self.max_active:
+                while self._waiting and len(self._active) < self.max_active and self._fits(self._waiting[0]):
                     self._active.append(self._waiting.popleft())
             for task, _ in tasks:
                 task()
             self._round()
         for job in self._active + list(self._waiting):
             self._finish(job, SchedulerStopped("the server is shutting down"))
+
+    def _fits(self, job: Job) -> bool:
+        """Whether the job's caches fit beside what is in use now. The first active job always
+        starts (its own limit is the model's max_context); jobs behind a large one wait in order."""
+        if self.memory_budget is None or not self._active or job.engine is None:
+            return True
+        per_token = getattr(job.engine, "cache_bytes_per_token", None)
+        if not per_token:
+            return True  # nothing measured yet: the first generations of a model tell
+        import mlx.core as mx
+
+        return mx.get_active_memory() + per_token * job.tokens <= self.memory_budget
 
     def _round(self) -> None:
         """One step of every active job: those of one engine together, the others alone."""
@@ -253,6 +269,12 @@ class Scheduler:
             self._active.remove(job)
             self._finished.append(time.perf_counter())
         job._deliver(end)
+
+
+def _device_memory() -> int:
+    import mlx.core as mx
+
+    return int(mx.device_info().get("memory_size", 0)) or 1 << 40
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -9,6 +9,7 @@ in when they join and leave (different budgets, one cancelled mid-flight).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -183,3 +184,52 @@ def test_a_failing_row_fails_alone(engines):
         if stepped.chunk.finish_reason:
             break
     assert tokens == _alone(engine, Row(_prompt(engine, 8, 1), 12))
+
+
+def _serve_jobs(engine, scheduler, prompts, max_tokens: int) -> list[list[int]]:
+    """Submit one job per prompt to a running scheduler at once; each job's tokens."""
+    from dflash_server.scheduler import Job
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(start=lambda p=p: engine.generate(p, max_tokens=max_tokens, stop_token_ids=set(), batched=True),
+                    loop=loop, engine=engine, tokens=len(p) + max_tokens) for p in prompts]
+        for job in jobs:
+            scheduler.submit(job)
+        out = []
+        for job in jobs:
+            tokens = []
+            while (item := await asyncio.wait_for(job.outputs.get(), 120)) is not None:
+                assert not isinstance(item, BaseException), item
+                tokens += item.token_ids
+            out.append(tokens)
+        return out
+
+    scheduler.start()
+    try:
+        return asyncio.run(scenario())
+    finally:
+        scheduler.stop()
+
+
+def test_the_scheduler_batches_within_memory_and_queues_beyond(engines, monkeypatch):
+    """Through the server's scheduler: jobs of one model step together (up to max_active) when
+    their caches fit; with no memory to spare beyond the first, they run one at a time. Either way
+    every job's output is what it gives alone."""
+    from dflash_server.scheduler import Scheduler
+
+    engine = engines["qwen3"]
+    prompts = [_prompt(engine, 6 + 3 * i, i) for i in range(4)]
+    alone = [_alone(engine, Row(p, 20)) for p in prompts]
+    assert engine.cache_bytes_per_token  # measured by the generations that finished
+    sizes = []
+    forward_rows = engine.target.forward_rows
+    monkeypatch.setattr(engine.target, "forward_rows", lambda rows, taps=(): sizes.append(len(rows)) or
+                        forward_rows(rows, taps))
+    roomy = Scheduler(max_active=8, memory_fraction=1.0, memory_size=1 << 40)
+    assert _serve_jobs(engine, roomy, prompts, 20) == alone
+    assert max(sizes) == 4
+    sizes.clear()
+    full = Scheduler(max_active=8, memory_fraction=1.0, memory_size=1)  # room for the first job only
+    assert _serve_jobs(engine, full, prompts, 20) == alone
+    assert max(sizes) == 1

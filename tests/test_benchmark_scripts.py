@@ -60,3 +60,16 @@ def test_cpu_matmul_runs():
     lines = done.stdout.splitlines()
     assert json.loads(lines[0])["shape"] == [256, 64]
     assert lines[1].startswith("M=  1:") and "1.0x M=1" in lines[1] and lines[2].startswith("M=  4:")
+
+
+def test_gpu_batch_runs_on_tiny_shapes(tmp_path):
+    out = tmp_path / "batch.json"
+    done = _run("benchmarks/gpu_batch.py", "--shape", "tiny-qwen3_5", "--streams", "1,3", "--context", "40",
+                "--max-tokens", "12", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["streams"] for r in rows] == [1, 3]
+    for row in rows:
+        assert row["dflash"]["tokens"] == row["target"]["tokens"] == 12 * row["streams"]
+        assert row["dflash"]["aggregate_tok_s"] > 0 and row["target"]["per_stream_tok_s"] > 0
+        assert "aggregate_tok_s" in row["mlx_lm"] or "error" in row["mlx_lm"]

@@ -1,0 +1,156 @@
+"""Continuous batching on this machine: N streamed requests at once against the same N one after
+another, through a real server, in one run.
+
+    python benchmarks/cpu_batch.py --streams 1,2,4,8 --out cpu_batch.json
+
+A tiny random Qwen3 target with an untrained drafter (the tests' fixtures, tests/synthetic.py) is
+served by `dflash serve` (one process per speculation mode: `off`, the target alone, and `on`,
+DFlash at about one token per cycle); each request asks for --max-tokens greedy tokens of a
+distinct prompt with EOS ignored. For each N: the wall time of N requests one after another and of
+N requests sent together, aggregate tok/s, per-stream tok/s and time to first token, and whether
+every answer was the same both ways (batching must not change a token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EOS: list[int] = []  # the target's end-of-sequence ids, read from its generation_config.json
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(target: Path, drafter: Path, speculation: str, workdir: Path):
+    port = free_port()
+    config = workdir / f"config-{speculation}.yaml"
+    config.write_text(yaml.safe_dump({
+        "server": {"port": port, "max_active": 16},
+        "prefix_cache_gb": 0,  # every request computes its prompt: the same work both ways
+        "models": [{"name": "bench", "target": str(target), "drafter": str(drafter), "speculation": speculation}],
+    }))
+    log = open(workdir / f"server-{speculation}.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "dflash_core.launch", "serve", "--config", str(config)],
+                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+def stream(url: str, prompt: str, max_tokens: int) -> dict:
+    # End-of-sequence banned (logit_bias), so that every request generates exactly max_tokens.
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "logit_bias": {str(t): -100 for t in EOS}, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, text = None, []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                assert chunk["usage"]["completion_tokens"] == max_tokens, chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    first = first if first is not None else time.perf_counter() - start
+                    text.append(choice["text"])
+    return {"seconds": time.perf_counter() - start, "ttft": first, "text": "".join(text)}
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Story {i}: the {['red', 'blue', 'green', 'old', 'new'][i % 5]} lighthouse number {i * 7 % 31} saw"
+            for i in range(n)]
+
+
+def measure(url: str, n: int, max_tokens: int) -> dict:
+    texts = prompts(n)
+    stream(url, texts[0], 8)  # warm-up: compiled blocks for these shapes
+    start = time.perf_counter()
+    alone = [stream(url, t, max_tokens) for t in texts]
+    one_by_one = time.perf_counter() - start
+    together = [None] * n
+
+    def run(i):
+        together[i] = stream(url, texts[i], max_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    at_once = time.perf_counter() - start
+    tokens = n * max_tokens
+    return {
+        "streams": n, "one_by_one_s": one_by_one, "together_s": at_once, "speedup": one_by_one / at_once,
+        "aggregate_tok_s": tokens / at_once, "aggregate_tok_s_one_by_one": tokens / one_by_one,
+        "per_stream_tok_s": sum(max_tokens / r["seconds"] for r in together) / n,
+        "solo_stream_tok_s": sum(max_tokens / r["seconds"] for r in alone) / n,
+        "ttft_s_together": sum(r["ttft"] for r in together) / n,
+        "same_output": [a["text"] for a in alone] == [b["text"] for b in together],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--modes", default="off,on")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from synthetic import tiny_pair  # the tests' fixtures: a tiny checkpoint on disk, with a tokenizer
+
+    report = {"machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens,
+              "rows": []}
+    with tempfile.TemporaryDirectory() as work:
+        target, drafter = tiny_pair(Path(work) / "tiny", "qwen3")
+        eos = json.loads((target / "generation_config.json").read_text())["eos_token_id"]
+        EOS.extend(eos if isinstance(eos, list) else [eos])
+        for mode in args.modes.split(","):
+            process, url = start_server(target, drafter, mode, Path(work))
+            try:
+                for n in args.streams:
+                    row = {"speculation": mode, **measure(url, n, args.max_tokens)}
+                    report["rows"].append(row)
+                    print(f"{mode:>4} {n:>3} streams | one by one {row['one_by_one_s']:6.2f} s, together "
+                          f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | aggregate {row['aggregate_tok_s']:7.1f} "
+                          f"tok/s, per stream {row['per_stream_tok_s']:6.1f} (alone {row['solo_stream_tok_s']:6.1f}) "
+                          f"| same output: {row['same_output']}", flush=True)
+            finally:
+                process.terminate()
+                process.wait(timeout=60)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

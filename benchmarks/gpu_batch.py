@@ -1,0 +1,155 @@
+"""Continuous batching with speculation on a GPU: aggregate and per-stream speed at 1..16 streams.
+
+    python benchmarks/gpu_batch.py --shape qwen3.5-9b --quants bf16,4bit --streams 1,2,4,8,16 --out gpu_batch.json
+
+A random-weight target at a real shape and a random drafter (`random_models`); N generations of
+--max-tokens tokens after prompts of --context tokens step together (`batching.step_together`: one
+drafter forward and one target forward per step for all of them), in two modes: DFlash with the
+target made to accept 5.4 drafts per cycle on average (6.4 tokens per cycle, `ForcedAcceptance`),
+and the target alone. The reference line is mlx-lm's own continuous batching (`BatchGenerator`,
+target alone) at the same batch sizes. Reported per N: aggregate tok/s over the decode phase (from
+the moment every stream has its first token to the last token), per-stream tok/s (each stream's
+tokens after its first over its own decode time), and mean time to first token (prefill is not
+batched: prompts are prefilled one chunk per step each). One process; MLX's CUDA graphs off as in
+a speculating server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FORCED = [5, 5, 6, 5, 6]  # accepted drafts per cycle: 6.4 tokens per cycle on average
+
+
+def _prompts(vocab: int, n: int, context: int):
+    import mlx.core as mx
+
+    return [mx.random.randint(0, vocab, (context,), key=mx.random.key(1000 + i)).tolist() for i in range(n)]
+
+
+def run_dflash(engine, prompts, max_tokens: int, mode: str) -> dict:
+    """N streams of one engine stepping together; times per stream."""
+    import mlx.core as mx
+
+    from dflash_core.batching import step_together
+
+    extra = {"speculation": mode} if mode != "off" else {"speculative": False}
+    mx.synchronize()
+    start = time.perf_counter()
+    streams = [engine.generate(p, max_tokens=max_tokens, stop_token_ids=set(), batched=True, **extra) for p in prompts]
+    first, last, counts = [None] * len(streams), [None] * len(streams), [0] * len(streams)
+    live = list(range(len(streams)))
+    while live:
+        results = step_together(engine, [streams[i] for i in live])
+        now = time.perf_counter()
+        for i, r in zip(list(live), results):
+            if r.error is not None:
+                raise r.error
+            if r.done or (r.chunk is not None and r.chunk.finish_reason):
+                live.remove(i)
+            if r.chunk is not None and r.chunk.token_ids:
+                counts[i] += len(r.chunk.token_ids)
+                first[i] = first[i] or now
+                last[i] = now
+    mx.synchronize()
+    return _summary(start, first, last, counts)
+
+
+def _summary(start, first, last, counts) -> dict:
+    all_started = max(first)
+    # Tokens handed out after every stream had its first one, over that window (stream by stream:
+    # the share of a stream's decode inside the window, assuming its tokens were evenly spread).
+    inside = sum((c - 1) * max(0.0, end - all_started) / (end - f) if end > f else 0
+                 for f, end, c in zip(first, last, counts))
+    window = max(last) - all_started
+    return {
+        "aggregate_tok_s": inside / window if window > 0 else None,
+        "per_stream_tok_s": statistics.mean((c - 1) / (end - f) for f, end, c in zip(first, last, counts) if end > f),
+        "ttft_s": statistics.mean(f - start for f in first),
+        "tokens": sum(counts),
+    }
+
+
+def run_mlx_lm(model, prompts, max_tokens: int) -> dict:
+    """mlx-lm's BatchGenerator, the target alone, greedy."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=max(32, len(prompts)),
+                         prefill_batch_size=len(prompts))
+    mx.synchronize()
+    start = time.perf_counter()
+    uids = gen.insert(prompts, [max_tokens] * len(prompts))
+    index = {u: i for i, u in enumerate(uids)}
+    first, last, counts = [None] * len(prompts), [None] * len(prompts), [0] * len(prompts)
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        for r in responses:
+            i = index[r.uid]
+            counts[i] += 1
+            first[i] = first[i] or now
+            last[i] = now
+    gen.close()
+    return _summary(start, first, last, counts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3.5-9b")
+    parser.add_argument("--quants", default="bf16")
+    parser.add_argument("--streams", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's BatchGenerator")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # as a speculating server runs
+    import mlx.core as mx
+
+    from dflash_core.engine import Engine
+    from dflash_core.random_models import ByteTokenizer, ForcedAcceptance, parse_shape, random_drafter, random_target
+
+    report = {"device": mx.device_info().get("device_name"), "shape": args.shape, "context": args.context,
+              "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d"), "rows": []}
+    name, tiny = parse_shape(args.shape)
+    for quant in args.quants.split(","):
+        target = random_target(name, quant, tiny=tiny)
+        drafter = random_drafter(name, target, tiny)
+        tokenizer = ByteTokenizer(target.vocab_size)
+        forced = Engine(ForcedAcceptance(target, FORCED, drafter.block_size), tokenizer, drafter)
+        alone = Engine(target, tokenizer)
+        warm = _prompts(target.vocab_size, 2, args.context)
+        run_dflash(forced, warm, 16, "on")  # compiles the blocks of these shapes
+        run_dflash(alone, warm, 16, "off")
+        print(f"{quant}: {'N':>3} | {'dflash agg':>10} {'per stream':>10} {'ttft':>6} | {'target agg':>10} "
+              f"{'per stream':>10} | {'mlx-lm agg':>10}", flush=True)
+        for n in args.streams:
+            prompts = _prompts(target.vocab_size, n, args.context)
+            row = {"quant": quant, "streams": n,
+                   "dflash": run_dflash(forced, prompts, args.max_tokens, "on"),
+                   "target": run_dflash(alone, prompts, args.max_tokens, "off")}
+            if not args.no_mlx_lm:
+                try:
+                    row["mlx_lm"] = run_mlx_lm(target.model, prompts, args.max_tokens)
+                except Exception as e:  # noqa: BLE001 - a family mlx-lm cannot batch: say so, go on
+                    row["mlx_lm"] = {"error": f"{type(e).__name__}: {e}"}
+            report["rows"].append(row)
+            d, t, m = row["dflash"], row["target"], row.get("mlx_lm", {})
+            print(f"{quant}: {n:>3} | {d['aggregate_tok_s']:10.1f} {d['per_stream_tok_s']:10.1f} {d['ttft_s']:6.2f} | "
+                  f"{t['aggregate_tok_s']:10.1f} {t['per_stream_tok_s']:10.1f} | "
+                  f"{m.get('aggregate_tok_s') or float('nan'):10.1f}", flush=True)
+        del forced, alone, target, drafter
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
