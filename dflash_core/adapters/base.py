@@ -8,6 +8,14 @@ caches back to any accepted prefix of the last forward.
 
 Kernel options (`KernelOptions`) are given at construction and read by every forward; the
 projections that share an input become `SharedInput`s at construction too (kernels/matmul.py).
+
+Decode and verify forwards (at most `compile_max_tokens` tokens) of the families that implement
+`run_rows` run as rows of `forward_rows`, a plain forward being the one-row case, so that a
+generation gets the same compiled functions and op order alone or batched with others. The rows'
+tokens are concatenated along the token axis: everything per token (norms, projections, the MLP,
+the LM head) runs once on the concatenation, what depends on a row's caches (RoPE at its offset,
+the cache update, attention) per row on its slice. With a matmul that rounds a row the same
+whatever the other rows (MLX's CPU reference BLAS), each row gets exactly what it gets alone.
 """
 
 from __future__ import annotations
@@ -58,6 +66,53 @@ class ForwardRow:
 # Decode and verify forwards (at most this many tokens) run each layer as a few compiled
 # functions: building a graph of thousands of small ops on the host otherwise bounds a step.
 COMPILED_MAX_TOKENS = 16
+
+
+@dataclass
+class Rows:
+    """The rows of one batched forward as its layers see them (`TargetAdapter.run_rows`)."""
+
+    rows: Sequence[ForwardRow]
+    bounds: list[tuple[int, int]]  # where each row's tokens sit in the concatenation
+    starts: list[int]  # each row's position before the forward (its caches' offset)
+    offsets: list[mx.array] = field(init=False)  # the same as arrays, for RoPE: no retracing
+    # Per row, what its layers share: masks by buffer length (`cached_attention`).
+    masks: list[dict] = field(init=False)
+
+    def __post_init__(self):
+        self.offsets = [mx.array(s) for s in self.starts]
+        self.masks = [{} for _ in self.rows]
+
+    def caches(self, i: int) -> list:
+        """Layer `i`'s cache of every row."""
+        return [r.cache[i] for r in self.rows]
+
+
+def part(x: mx.array, start: int, end: int, axis: int = 1) -> mx.array:
+    """x[start:end] along `axis`; x itself where that is all of it (one row adds no op)."""
+    if start == 0 and end == x.shape[axis]:
+        return x
+    return x[(slice(None),) * axis + (slice(start, end),)]
+
+
+def join(parts: Sequence[mx.array], axis: int = 1) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(list(parts), axis=axis)
+
+
+def heads_first(x: mx.array) -> mx.array:
+    """[B, L, heads, D] -> [B, heads, L, D], the layout the caches and attention take."""
+    return x.transpose(0, 2, 1, 3)
+
+
+def rotary(attn):
+    """One row's q (and k) [B, L, heads, D] -> [B, heads, L, D] with RoPE at the row's offset (an
+    array: offsets do not retrace). The projections stop before RoPE so that they run once for all
+    rows; token-major inputs give a row's slice the same layout however many rows there are."""
+
+    def rope(offset, *xs):
+        return tuple(attn.rope(heads_first(x), offset=offset) for x in xs)
+
+    return rope
 
 
 def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict, kernels: KernelOptions) -> mx.array:
@@ -172,8 +227,25 @@ class TargetAdapter:
 
     def run_layers(self, tokens: mx.array, cache: list, tap_ids: Sequence[int], states: Optional[list]):
         """Embed and run every decoder layer; returns (last hidden, {layer id: output}). `states`
-        (recorded forwards only) gets what rolling back a layer that cannot be trimmed needs."""
+        (recorded forwards only) gets what rolling back a layer that cannot be trimmed needs.
+        Families with `run_rows` get here only for forwards not in rows (prefill)."""
         raise NotImplementedError
+
+    def run_rows(self, tokens: mx.array, rows: Rows, tap_ids: Sequence[int]):
+        """`run_layers` for rows: `tokens` [1, sum L] are the rows' tokens one after another;
+        returns (last hidden, {layer id: output}) over all of them. Families whose caches all trim
+        implement it (their rollback records carry nothing per layer)."""
+        raise NotImplementedError
+
+    def position(self, cache: list) -> int:
+        """The number of tokens a generation's caches hold (every layer's cache has the same)."""
+        return cache[0].offset
+
+    def in_rows(self, tokens: mx.array) -> bool:
+        """Whether a forward of `tokens` runs as a row of `run_rows`: decode and verify, in the
+        families that have it."""
+        return (type(self).run_rows is not TargetAdapter.run_rows and tokens.shape[0] == 1
+                and tokens.shape[1] <= self.compile_max_tokens)
 
     def forward(
         self,
@@ -184,9 +256,16 @@ class TargetAdapter:
         last_logits_only: bool = False,
         record: bool = False,
     ) -> TargetOutput:
-        rollback = RollbackRecord(tokens.shape[1]) if record else None
-        h, tapped = self.run_layers(tokens, cache, tap_ids, rollback.states if record else None)
-        if last_logits_only:
+        row = ForwardRow(tokens, cache, last_logits_only, record)
+        if self.in_rows(tokens):  # the one-row case: the same functions as with other rows
+            return self.forward_rows([row], tap_ids)[0]
+        return self.forward_alone(row, tap_ids)
+
+    def forward_alone(self, row: ForwardRow, tap_ids: Sequence[int] = ()) -> TargetOutput:
+        """A forward through `run_layers` (prefill, and every forward of families without rows)."""
+        rollback = RollbackRecord(row.tokens.shape[1]) if row.record else None
+        h, tapped = self.run_layers(row.tokens, row.cache, tap_ids, rollback.states if row.record else None)
+        if row.last_logits_only:
             h = h[:, -1:]
         tapped_hidden = mx.concatenate([tapped[i] for i in tap_ids], axis=-1) if tap_ids else None
         return TargetOutput(self.logits(h), tapped_hidden, rollback)
@@ -194,10 +273,36 @@ class TargetAdapter:
     def forward_rows(self, rows: Sequence[ForwardRow], tap_ids: Sequence[int] = ()) -> list[TargetOutput]:
         """One forward for several generations (continuous batching): each row's output, and what
         it does to the row's caches, is exactly what `forward` gives that row alone, while the
-        weights are read once for all rows. This fallback runs the rows one after another;
-        families override it."""
-        return [self.forward(r.tokens, r.cache, tap_ids, last_logits_only=r.last_logits_only, record=r.record)
-                for r in rows]
+        weights are read once for all rows. Rows `in_rows` run together through `run_rows`; the
+        others (prefill, or every row where the family has no `run_rows`) one after another.
+        Every row must have caches of its own."""
+        outputs: list[Optional[TargetOutput]] = [None] * len(rows)
+        together = [i for i, r in enumerate(rows) if self.in_rows(r.tokens)]
+        for i, r in enumerate(rows):
+            if i not in together:
+                outputs[i] = self.forward_alone(r, tap_ids)
+        if together:
+            for i, out in zip(together, self._forward_together([rows[i] for i in together], tap_ids)):
+                outputs[i] = out
+        return outputs
+
+    def _forward_together(self, rows: Sequence[ForwardRow], tap_ids: Sequence[int]) -> list[TargetOutput]:
+        bounds, end = [], 0
+        for r in rows:
+            bounds.append((end, end + r.tokens.shape[1]))
+            end += r.tokens.shape[1]
+        state = Rows(rows, bounds, [self.position(r.cache) for r in rows])
+        h, tapped = self.run_rows(join([r.tokens for r in rows]), state, tap_ids)
+        # The LM head once, over the positions each row wants.
+        picks = [(e - 1, e) if r.last_logits_only else (s, e) for r, (s, e) in zip(rows, bounds)]
+        logits = self.logits(join([part(h, s, e) for s, e in picks]))
+        outputs, at = [], 0
+        for r, (s, e), (ps, pe) in zip(rows, bounds, picks):
+            taps = mx.concatenate([part(tapped[i], s, e) for i in tap_ids], axis=-1) if tap_ids else None
+            record = RollbackRecord(e - s) if r.record else None
+            outputs.append(TargetOutput(part(logits, at, at + pe - ps), taps, record))
+            at += pe - ps
+        return outputs
 
     def rollback(self, cache: list, record: RollbackRecord, keep: int) -> None:
         """Undo all but the first `keep` tokens of the recorded forward."""

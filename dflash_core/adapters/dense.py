@@ -1,30 +1,29 @@
 """Plain pre-norm decoders whose layers are called as `layer(h, mask, cache)`: Qwen3 (dense and
-MoE). Every cache is a trimmable KV cache, so rollback is a trim."""
+MoE). Every cache is a trimmable KV cache, so rollback is a trim. Prefill calls mlx-lm's layers;
+decode and verify run as rows (`TargetAdapter.run_rows`), each layer as compiled blocks for all
+rows around RoPE, the cache update and attention per row."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, cached_attention, gated_mlp_group
+from .base import TargetAdapter, cached_attention, gated_mlp_group, heads_first, join, part, rotary
 
 
 def attention_inputs(layer, groups: dict, kernels):
-    """input norm -> q, k, v with per-head norms and RoPE at an array offset (Qwen3 attention).
-    `groups`: the layer's SharedInputs by name (TargetAdapter.shared_inputs)."""
+    """input norm -> q, k, v [B, L, heads, D] with per-head norms (Qwen3 attention up to RoPE,
+    which needs a row's offset). `groups`: the layer's SharedInputs by name."""
     attn = layer.self_attn
 
-    def pre(h, offset):
+    def pre(h):
         B, L, _ = h.shape
-        x = layer.input_layernorm(h)
-        q, k, v = linears(groups["qkv"], x, kernels)
-        q = attn.q_norm(q.reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = attn.k_norm(k.reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+        q, k, v = linears(groups["qkv"], layer.input_layernorm(h), kernels)
+        q = attn.q_norm(q.reshape(B, L, attn.n_heads, -1))
+        k = attn.k_norm(k.reshape(B, L, attn.n_kv_heads, -1))
+        return q, k, v.reshape(B, L, attn.n_kv_heads, -1)
 
     return pre
 
@@ -49,22 +48,31 @@ class DenseAdapter(TargetAdapter):
         return {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], **gated_mlp_group(layer.mlp)}
 
     def run_layers(self, tokens, cache, tap_ids, states):
+        """Prefill: mlx-lm's layers (large ops, graph building is cheap)."""
+        h = self.embed(tokens)
+        mask = create_attention_mask(h, cache[0])
+        tapped = {}
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            h = layer(h, mask, layer_cache)
+            if i in tap_ids:
+                tapped[i] = h
+        return h, tapped
+
+    def run_rows(self, tokens, rows, tap_ids):
         h = self.embed(tokens)
         tapped = {}
-        if tokens.shape[1] > self.compile_max_tokens:  # prefill: large ops, graph building is cheap
-            mask = create_attention_mask(h, cache[0])
-            for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-                h = layer(h, mask, layer_cache)
-                if i in tap_ids:
-                    tapped[i] = h
-            return h, tapped
-        start = cache[0].offset
-        offset = mx.array(start)
-        masks = {}
-        for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
-            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h, offset)
-            attended = cached_attention(q, k, v, layer_cache, layer.self_attn.scale, start, masks, self.kernels)
-            h = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))(h, attended)
+        for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
+            attn = layer.self_attn
+            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
+            rope = self.compiled(("rope", i), lambda: rotary(attn))
+            attended = []
+            for (s, e), layer_cache, offset, start, masks in zip(rows.bounds, rows.caches(i), rows.offsets,
+                                                                 rows.starts, rows.masks):
+                q_row, k_row = rope(offset, part(q, s, e), part(k, s, e))
+                attended.append(cached_attention(q_row, k_row, heads_first(part(v, s, e)), layer_cache, attn.scale,
+                                                 start, masks, self.kernels))
+            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))
+            h = post(h, join(attended, axis=2))
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

@@ -4,8 +4,9 @@ Every `sliding_window_pattern`-th layer is global, the others attend within a sl
 embedding is scaled by sqrt(H) rounded to bfloat16 (as the model was trained), the drafter gets it
 unscaled. Sliding layers use `SlidingWindowCache`: mlx-lm's RotatingKVCache cannot be trimmed once
 it has wrapped. Prefill calls mlx-lm's layers as `layer(h, mask, cache)`; decode and verify run
-each layer as two compiled functions around the cache update, as the other adapters do (on a CPU,
-eager small ops cost a 270M model's decode step a fifth of its time).
+as rows (`TargetAdapter.run_rows`), each layer as compiled functions for all rows around RoPE, the
+cache update and attention per row, as the other adapters do (on a CPU, eager small ops cost a
+270M model's decode step a fifth of its time).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from ..cache import SlidingWindowCache
-from ..kernels.attention import attention, buffer_mask
+from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, gated_mlp_group
+from .base import TargetAdapter, cached_attention, gated_mlp_group, heads_first, join, part, rotary
 
 
 def gelu_approx_gate(gate: mx.array, up: mx.array) -> mx.array:
@@ -27,16 +28,16 @@ def gelu_approx_gate(gate: mx.array, up: mx.array) -> mx.array:
 
 
 def attention_inputs(layer, groups: dict, kernels):
-    """input norm -> q, k, v with per-head norms and RoPE at an array offset (mlx-lm's Attention)."""
+    """input norm -> q, k, v [B, L, heads, D] with per-head norms (mlx-lm's Attention up to RoPE,
+    which needs a row's offset)."""
     attn = layer.self_attn
 
-    def pre(h, offset):
+    def pre(h):
         B, L, _ = h.shape
         q, k, v = linears(groups["qkv"], layer.input_layernorm(h), kernels)
-        q = attn.q_norm(q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3))
-        k = attn.k_norm(k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3))
-        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+        q = attn.q_norm(q.reshape(B, L, attn.n_heads, -1))
+        k = attn.k_norm(k.reshape(B, L, attn.n_kv_heads, -1))
+        return q, k, v.reshape(B, L, attn.n_kv_heads, -1)
 
     return pre
 
@@ -53,6 +54,15 @@ def attention_output_and_mlp(layer, groups: dict, kernels):
         return clip_residual(h, layer.post_feedforward_layernorm(r))
 
     return post
+
+
+def window_attention(q, k, v, cache: SlidingWindowCache, scale: float, mask: mx.array, kernels) -> mx.array:
+    """Write k, v into a sliding layer's ring and attend over it with the row's mask: one query
+    through mlx-lm's attention, a block through the block attention."""
+    k, v = cache.update_and_fetch(k, v)
+    if q.shape[2] == 1:
+        return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)
+    return attention(q, [k], [v], scale, mask, kernels)
 
 
 class Gemma3Adapter(TargetAdapter):
@@ -76,14 +86,15 @@ class Gemma3Adapter(TargetAdapter):
             for i in range(len(self.layers))
         ]
 
-    def run_layers(self, tokens, cache, tap_ids, states):
+    def _embed(self, tokens):
         h = self.embed(tokens)
-        h = h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
-        n = tokens.shape[1]
+        return h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+
+    def run_layers(self, tokens, cache, tap_ids, states):
+        """Prefill: mlx-lm's layers."""
+        h = self._embed(tokens)
         sliding = next((c for c in cache if isinstance(c, SlidingWindowCache)), None)
-        sliding_mask = sliding.mask(n) if sliding is not None else None
-        if n <= self.compile_max_tokens:
-            return self._compiled_layers(h, cache, sliding_mask, tap_ids)
+        sliding_mask = sliding.mask(tokens.shape[1]) if sliding is not None else None
         tapped = {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             h = layer(h, "causal" if self._is_global(i) else sliding_mask, layer_cache)
@@ -91,31 +102,32 @@ class Gemma3Adapter(TargetAdapter):
                 tapped[i] = h
         return h, tapped
 
-    def _compiled_layers(self, h, cache, sliding_mask, tap_ids):
+    def run_rows(self, tokens, rows, tap_ids):
         """Decode and verify. A verify's global layers attend over their cache's whole buffer with
-        its tail masked (as in the dense adapter), sliding layers over their ring with its mask."""
-        start, n = cache[0].offset, h.shape[1]
-        offset = mx.array(start)
-        buffer_masks = {}  # by buffer length
+        its tail masked (`cached_attention`, as in the dense adapter), sliding layers over their ring
+        with its mask, taken per row before any layer writes."""
+        h = self._embed(tokens)
+        sliding_masks = []
+        for r, (s, e) in zip(rows.rows, rows.bounds):
+            sliding = next((c for c in r.cache if isinstance(c, SlidingWindowCache)), None)
+            sliding_masks.append(sliding.mask(e - s) if sliding is not None else None)
         tapped = {}
-        for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
+        for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             attn = layer.self_attn
-            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h, offset)
-            k, v = layer_cache.update_and_fetch(k, v)
-            if self._is_global(i):
-                if n == 1:
-                    attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=attn.scale, mask=None)
+            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
+            rope = self.compiled(("rope", i), lambda: rotary(attn))
+            attended = []
+            for (s, e), layer_cache, offset, start, masks, sliding_mask in zip(
+                    rows.bounds, rows.caches(i), rows.offsets, rows.starts, rows.masks, sliding_masks):
+                q_row, k_row = rope(offset, part(q, s, e), part(k, s, e))
+                v_row = heads_first(part(v, s, e))
+                if self._is_global(i):
+                    out = cached_attention(q_row, k_row, v_row, layer_cache, attn.scale, start, masks, self.kernels)
                 else:
-                    k, v = layer_cache.keys, layer_cache.values
-                    length = k.shape[2]
-                    if length not in buffer_masks:
-                        buffer_masks[length] = buffer_mask(length, start, n)
-                    attended = attention(q, [k], [v], attn.scale, buffer_masks[length], self.kernels)
-            elif n == 1:
-                attended = scaled_dot_product_attention(q, k, v, cache=layer_cache, scale=attn.scale, mask=sliding_mask)
-            else:
-                attended = attention(q, [k], [v], attn.scale, sliding_mask, self.kernels)
-            h = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))(h, attended)
+                    out = window_attention(q_row, k_row, v_row, layer_cache, attn.scale, sliding_mask, self.kernels)
+                attended.append(out)
+            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))
+            h = post(h, join(attended, axis=2))
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

@@ -4,6 +4,8 @@ Quirks owned here: the embedding is scaled by sqrt(H) inside the model (the draf
 one), per-layer input embeddings, the last `num_kv_shared_layers` layers reuse the K/V of the last
 earlier layer of the same type, sliding-window layers, and logit soft-capping. Sliding layers use
 `SlidingWindowCache` instead of mlx-lm's RotatingKVCache, which cannot be trimmed once wrapped.
+Decode and verify run as rows (`TargetAdapter.run_rows`): per-token work once for all rows, RoPE,
+the cache update, K/V sharing and attention per row.
 """
 
 from __future__ import annotations
@@ -17,26 +19,24 @@ from mlx_lm.models.gemma4_text import geglu
 from ..cache import SlidingWindowCache
 from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, gated_mlp_group
+from .base import TargetAdapter, gated_mlp_group, heads_first, join, part, rotary
 
 
 def attention_inputs(layer, groups: dict, kernels):
-    """Gemma 4 attention up to the cache: q, and k, v unless this layer shares another's."""
+    """Gemma 4 attention up to RoPE (which needs a row's offset): q, and k, v unless this layer
+    shares another's, each [B, L, heads, D] with its norm."""
     attn = layer.self_attn
 
-    def pre(h, offset):
+    def pre(h):
         B, L, _ = h.shape
         x = layer.input_layernorm(h)
         q, *kv = linears(groups["qkv"] if attn.has_kv else [attn.q_proj], x, kernels)
-        q = attn.q_norm(q.reshape(B, L, attn.n_heads, attn.head_dim)).transpose(0, 2, 1, 3)
-        q = attn.rope(q, offset=offset)
+        q = attn.q_norm(q.reshape(B, L, attn.n_heads, attn.head_dim))
         if not attn.has_kv:
             return (q,)
         k = kv[0].reshape(B, L, attn.n_kv_heads, attn.head_dim)
         v = k if attn.use_k_eq_v else kv[1].reshape(B, L, attn.n_kv_heads, attn.head_dim)
-        k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
-        v = attn.v_norm(v).transpose(0, 2, 1, 3)
-        return q, k, v
+        return q, attn.k_norm(k), attn.v_norm(v)
 
     return pre
 
@@ -109,7 +109,8 @@ class Gemma4Adapter(TargetAdapter):
                 masks[kind] = None if n == 1 else "causal"
         return masks
 
-    def run_layers(self, tokens, cache, tap_ids, states):
+    def _embed(self, tokens):
+        """h and each layer's per-layer input (None where the model has none), per token."""
         inner = self.inner
         embeddings = inner.embed_tokens(tokens)
         h = embeddings * inner.embed_scale
@@ -117,10 +118,14 @@ class Gemma4Adapter(TargetAdapter):
         if inner.hidden_size_per_layer_input:
             projected = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens, embeddings))
             per_layer = [projected[:, :, i, :] for i in range(len(self.layers))]
+        return h, per_layer
+
+    def run_layers(self, tokens, cache, tap_ids, states):
+        """Prefill: mlx-lm's layers."""
+        inner = self.inner
+        h, per_layer = self._embed(tokens)
         masks = self._masks(tokens.shape[1], cache)
         cache = cache + [None] * (len(self.layers) - len(cache))
-        if tokens.shape[1] <= self.compile_max_tokens:
-            return self._compiled_layers(h, cache, masks, per_layer, tap_ids)
         shared = [(None, None)] * len(self.layers)
         tapped = {}
         for i, layer in enumerate(self.layers):
@@ -138,40 +143,53 @@ class Gemma4Adapter(TargetAdapter):
                 tapped[i] = h
         return h, tapped
 
-    def _compiled_layers(self, h, cache, masks, per_layer, tap_ids):
-        """Decode and verify: each layer as two compiled functions around the cache update.
-        A verify attends through the block attention (kernels/attention.py) with boolean masks:
-        sliding layers' ring already has one; global layers attend over their cache's whole buffer
-        with its tail masked, as in the dense adapter, so shapes repeat across cycles."""
-        start, n = next(c for c in cache if c is not None).offset, h.shape[1]
-        offset = mx.array(start)
-        shared = [None] * len(self.layers)
-        buffer_masks = {}  # by buffer length
+    def run_rows(self, tokens, rows, tap_ids):
+        """Decode and verify: each layer as compiled functions for all rows around what is per row
+        (`_attend_row`)."""
+        h, per_layer = self._embed(tokens)
+        caches = [r.cache + [None] * (len(self.layers) - len(r.cache)) for r in rows.rows]
+        # Per row: its masks by layer type (taken before any layer writes) and the K/V each layer
+        # attended over, which the KV-shared layers reuse.
+        masks = [self._masks(e - s, c) for (s, e), c in zip(rows.bounds, caches)]
+        shared = [[None] * len(self.layers) for _ in caches]
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
-            attn = layer.self_attn
-            inputs = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h, offset)
-            if attn.has_kv:
-                q, k, v = inputs
-                k, v = cache[i].update_and_fetch(k, v)
-                if n > 1 and isinstance(cache[i], KVCache):
-                    k, v = cache[i].keys, cache[i].values
-                shared[i] = (k, v)
-            else:
-                (q,) = inputs
-                k, v = shared[i] = shared[self.inner.previous_kvs[i]]
-            mask = masks[layer.layer_type]
-            if n > 1:
-                if not isinstance(mask, mx.array):  # a global layer ("causal"): the buffer's mask
-                    length = k.shape[2]
-                    if length not in buffer_masks:
-                        buffer_masks[length] = buffer_mask(length, start, n)
-                    mask = buffer_masks[length]
-                attended = attention(q, [k], [v], attn.scale, mask, self.kernels)
-            else:
-                attended = scaled_dot_product_attention(q, k, v, cache=cache[i], scale=attn.scale, mask=mask)
+            inputs = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
+            attended = [
+                self._attend_row(i, [part(x, s, e) for x in inputs], caches[r], shared[r], masks[r], rows, r)
+                for r, (s, e) in enumerate(rows.bounds)
+            ]
             post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer, groups, self.kernels))
-            h = post(h, attended, *(() if per_layer[i] is None else (per_layer[i],)))
+            h = post(h, join(attended, axis=2), *(() if per_layer[i] is None else (per_layer[i],)))
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped
+
+    def _attend_row(self, i, inputs, cache, shared, masks, rows, r):
+        """Layer i's attention for row r from its slice of the layer's inputs: RoPE at its offset,
+        its cache update (or the K/V it shares) and attention. A verify attends through the block
+        attention (kernels/attention.py) with boolean masks: sliding layers' ring already has one;
+        global layers attend over their cache's whole buffer with its tail masked, as in the dense
+        adapter, so shapes repeat across cycles."""
+        layer = self.layers[i]
+        attn = layer.self_attn
+        rope = self.compiled(("rope", i), lambda: rotary(attn))
+        n = inputs[0].shape[1]
+        if attn.has_kv:
+            q, k = rope(rows.offsets[r], inputs[0], inputs[1])
+            k, v = cache[i].update_and_fetch(k, heads_first(inputs[2]))
+            if n > 1 and isinstance(cache[i], KVCache):
+                k, v = cache[i].keys, cache[i].values
+            shared[i] = (k, v)
+        else:
+            (q,) = rope(rows.offsets[r], inputs[0])
+            k, v = shared[i] = shared[self.inner.previous_kvs[i]]
+        mask = masks[layer.layer_type]
+        if n == 1:
+            return scaled_dot_product_attention(q, k, v, cache=cache[i], scale=attn.scale, mask=mask)
+        if not isinstance(mask, mx.array):  # a global layer ("causal"): the buffer's mask
+            length = k.shape[2]
+            if length not in rows.masks[r]:
+                rows.masks[r][length] = buffer_mask(length, rows.starts[r], n)
+            mask = rows.masks[r][length]
+        return attention(q, [k], [v], attn.scale, mask, self.kernels)

@@ -8,11 +8,19 @@ immutable, so keeping references is the snapshot. Rolling back to `keep` tokens 
 state after `keep` steps, or replays only the recurrence over those steps from the snapshot with
 the same kernel; either way no weight is read again and the state is the one a forward of the
 kept tokens alone would give.
+
+Decode and verify forwards (at most `compile_max_tokens` tokens) run as rows (`forward_rows`), a
+plain forward being the one-row case: the rows' tokens are concatenated along the token axis, and
+everything per token (norms, projections, the MLP or MoE block, the LM head) runs once on the
+concatenation, while what depends on a generation's caches (the conv window and the recurrence of a
+GatedDeltaNet layer; RoPE, the KV-cache update and attention of an attention layer) runs per row on
+its slice. With a matmul that rounds a row the same whatever the other rows (MLX's CPU reference
+BLAS), each row then gets exactly what it gets alone.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,7 +31,7 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, cached_attention, gated_mlp_group
+from .base import ForwardRow, RollbackRecord, TargetAdapter, TargetOutput, cached_attention, gated_mlp_group
 
 
 class GatedDeltaRecord(NamedTuple):
@@ -35,17 +43,26 @@ class GatedDeltaRecord(NamedTuple):
     step_states: Optional[mx.array]  # the state after every step [B, T, Hv, Dv, Dk]
 
 
-def gated_delta_layer(layer, groups: dict, kernels, step_states: bool = False):
-    """A whole GatedDeltaNet decoder layer as a pure function of (h, conv state, recurrent state):
-    mlx-lm's GatedDeltaNet.__call__ for one unpadded sequence, plus the MLP, returning what a
-    rollback needs: the conv input and either the recurrence's step inputs or its per-step states."""
+def gated_delta_inputs(layer, groups: dict, kernels):
+    """Everything of a GatedDeltaNet layer before its conv that is per token: the input norm and
+    projections, the decay g and the write strength beta (mlx-lm's GatedDeltaNet.__call__)."""
     m = layer.linear_attn
 
-    def block(h, conv_state, state):
+    def pre(h):
         B, S, _ = h.shape
-        x = layer.input_layernorm(h)
-        qkv, z, b, a = linears(groups["in_proj"], x, kernels)
-        z = z.reshape(B, S, m.num_v_heads, m.head_v_dim)
+        qkv, z, b, a = linears(groups["in_proj"], layer.input_layernorm(h), kernels)
+        return qkv, z.reshape(B, S, m.num_v_heads, m.head_v_dim), compute_g(m.A_log, a, m.dt_bias), mx.sigmoid(b)
+
+    return pre
+
+
+def gated_delta_mixer(m, step_states: bool):
+    """One sequence's conv and recurrence from its conv state and recurrent state; returns the
+    output, the new states and what a rollback needs: the conv input and either the recurrence's
+    q, k, v (g and beta are the caller's) or its per-step states."""
+
+    def mix(qkv, conv_state, state, g, beta):
+        B, S, _ = qkv.shape
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         conv_out = nn.silu(m.conv1d(conv_input))
         q, k, v = [
@@ -57,37 +74,52 @@ def gated_delta_layer(layer, groups: dict, kernels, step_states: bool = False):
             )
         ]
         q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
-        g = compute_g(m.A_log, a, m.dt_bias)
-        beta = mx.sigmoid(b)
-        # What a rollback needs besides the conv input: every step's state, or the steps to replay.
         if step_states:
             y, new_state, kept = gated_delta_step_states(q, k, v, g, beta, state)
         else:
             y, new_state = gated_delta(q, k, v, g, beta, state)
-            kept = (q, k, v, g, beta)
-        h = h + linear(m.out_proj, m.norm(y, z).reshape(B, S, -1), kernels)
-        h = h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
-        new_conv_state = conv_input[:, -(m.conv_kernel_size - 1) :]
-        return h, new_conv_state, new_state, (conv_input, kept)
+            kept = (q, k, v)
+        return y, conv_input[:, -(m.conv_kernel_size - 1) :], new_state, conv_input, kept
 
-    return block
+    return mix
+
+
+def gated_delta_output_and_mlp(layer, groups: dict, kernels):
+    m = layer.linear_attn
+
+    def post(h, y, z):
+        B, S, _ = h.shape
+        h = h + linear(m.out_proj, m.norm(y, z).reshape(B, S, -1), kernels)
+        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
+
+    return post
 
 
 def gated_attention_inputs(layer, groups: dict, kernels):
-    """Qwen3-Next attention up to the cache: q (with its output gate), k, v, RoPE at an array offset."""
+    """Qwen3-Next attention up to RoPE (which needs a row's offset): q [B, S, Hq, D] and its output
+    gate, k and v [B, S, Hkv, D]. Token-major, so that a row's slice is one contiguous block, laid
+    out as it is when the row runs alone."""
     attn = layer.self_attn
 
-    def pre(h, offset):
+    def pre(h):
         B, L, _ = h.shape
-        x = layer.input_layernorm(h)
-        q, k, v = linears(groups["qkv"], x, kernels)
+        q, k, v = linears(groups["qkv"], layer.input_layernorm(h), kernels)
         queries, gate = mx.split(q.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
-        q = attn.q_norm(queries).transpose(0, 2, 1, 3)
-        k = attn.k_norm(k.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v, gate.reshape(B, L, -1)
+        k = attn.k_norm(k.reshape(B, L, attn.num_key_value_heads, -1))
+        return attn.q_norm(queries), k, v.reshape(B, L, attn.num_key_value_heads, -1), gate.reshape(B, L, -1)
 
     return pre
+
+
+def rotary(attn):
+    """One row's q, k, v in the layout of the cache and attention [B, heads, L, D], with RoPE at the
+    row's offset (an array, so that offsets do not retrace)."""
+
+    def rope(q, k, v, offset):
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+    return rope
 
 
 def gated_attention_output_and_mlp(layer, groups: dict, kernels):
@@ -98,6 +130,17 @@ def gated_attention_output_and_mlp(layer, groups: dict, kernels):
         return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
 
     return post
+
+
+def _part(x: mx.array, start: int, end: int, axis: int = 1) -> mx.array:
+    """x[start:end] along `axis`; x itself where that is all of it (one row: no op is added)."""
+    if start == 0 and end == x.shape[axis]:
+        return x
+    return x[(slice(None),) * axis + (slice(start, end),)]
+
+
+def _join(parts: list, axis: int = 1) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
 class Qwen35Adapter(TargetAdapter):
@@ -114,39 +157,119 @@ class Qwen35Adapter(TargetAdapter):
             groups = {"qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]}
         return {**groups, **gated_mlp_group(layer.mlp)}
 
-    def run_layers(self, tokens, cache, tap_ids, states):
-        h = self.embed(tokens)
-        B, S = tokens.shape
-        small = S <= self.compile_max_tokens  # decode and verify: compiled blocks
-        attention_cache = next(c for c, layer in zip(cache, self.layers) if not layer.is_linear)
-        start = attention_cache.offset
-        offset = mx.array(start)
-        mask = None if small else create_attention_mask(h, attention_cache)  # prefill: mlx-lm's layers
-        masks = {}  # a verify's boolean masks over the whole KV buffer, shared by its layers
+    def _in_rows(self, tokens: mx.array) -> bool:
+        """Decode and verify forwards run as rows (compiled blocks); prefill keeps mlx-lm's layers."""
+        return tokens.shape[0] == 1 and tokens.shape[1] <= self.compile_max_tokens
+
+    def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False) -> TargetOutput:
+        # A small forward is the one-row case of `forward_rows`: the same compiled functions and op
+        # order whether a generation runs alone or with others.
+        if self._in_rows(tokens):
+            return self.forward_rows([ForwardRow(tokens, cache, last_logits_only, record)], tap_ids)[0]
+        return super().forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
+
+    def forward_rows(self, rows: Sequence[ForwardRow], tap_ids: Sequence[int] = ()) -> list[TargetOutput]:
+        """The small rows as one forward (rows concatenated along the token axis, in order), the
+        others (prefill) one by one. A row gets exactly its `forward` where a product rounds a row
+        the same whatever the other rows: MLX's CPU reference BLAS does; MKL (M=1 is a GEMV),
+        cuBLAS and our CUDA 4-bit kernel (at most 16 rows, MLX's matmul beyond) need not."""
+        outputs: list[Optional[TargetOutput]] = [None] * len(rows)
+        small = {i for i, r in enumerate(rows) if self._in_rows(r.tokens)}
+        for i, r in enumerate(rows):
+            if i not in small:  # prefill: alone, through mlx-lm's layers
+                outputs[i] = super().forward(r.tokens, r.cache, tap_ids, last_logits_only=r.last_logits_only,
+                                             record=r.record)
+        if small:
+            members = sorted(small)
+            for i, out in zip(members, self._run_rows([rows[i] for i in members], tap_ids)):
+                outputs[i] = out
+        return outputs
+
+    def _run_rows(self, rows: Sequence[ForwardRow], tap_ids: Sequence[int]) -> list[TargetOutput]:
+        # Every op on the concatenation is per token; a new total length traces the per-token
+        # blocks again (a row's own blocks trace once per row length).
+        records = [RollbackRecord(r.tokens.shape[1]) if r.record else None for r in rows]
+        bounds, end = [], 0
+        for r in rows:
+            bounds.append((end, end + r.tokens.shape[1]))
+            end += r.tokens.shape[1]
+        h = self.embed(_join([r.tokens for r in rows]))
+        # Each row's position (every attention cache of a row has the same offset), as an array
+        # for RoPE and as an int for the masks, which a row's attention layers share by buffer length.
+        starts = [next(c for c, layer in zip(r.cache, self.layers) if not layer.is_linear).offset for r in rows]
+        offsets = [mx.array(s) for s in starts]
+        masks = [{} for _ in rows]
+        states = [None if rec is None else rec.states for rec in records]
         tapped = {}
-        # A verify (recorded, more than one token) keeps per-step states where that is cheap.
-        step_states = states is not None and S > 1 and self.kernels.step_states and records_step_states()
+        for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
+            caches = [r.cache[i] for r in rows]
+            if layer.is_linear:
+                h = self._gated_delta(i, layer, groups, h, bounds, caches, states, compiled=True)
+            else:
+                h = self._attention_rows(i, layer, groups, h, bounds, caches, offsets, starts, masks)
+            if i in tap_ids:
+                tapped[i] = h
+        # The LM head once, over the positions each row wants.
+        picks = [(e - 1, e) if r.last_logits_only else (s, e) for r, (s, e) in zip(rows, bounds)]
+        logits = self.logits(_join([_part(h, s, e) for s, e in picks]))
+        outputs, at = [], 0
+        for r, (s, e), (ps, pe), rec in zip(rows, bounds, picks, records):
+            taps = mx.concatenate([_part(tapped[i], s, e) for i in tap_ids], axis=-1) if tap_ids else None
+            outputs.append(TargetOutput(_part(logits, at, at + pe - ps), taps, rec))
+            at += pe - ps
+        return outputs
+
+    def _gated_delta(self, i, layer, groups, h, bounds, caches, states, compiled: bool):
+        """A GatedDeltaNet layer over rows: projections and MLP on all of h, conv and recurrence per
+        row with its own states. `states[r]` (recorded rows) gets the row's GatedDeltaRecord."""
+        m = layer.linear_attn
+
+        def block(key, make):
+            return self.compiled((key, i), make) if compiled else make()
+
+        qkv, z, g, beta = block("gdn_in", lambda: gated_delta_inputs(layer, groups, self.kernels))(h)
+        ys = []
+        for (s, e), layer_cache, row_states in zip(bounds, caches, states):
+            conv_state, state = layer_cache[0], layer_cache[1]
+            if conv_state is None:
+                conv_state = mx.zeros((h.shape[0], m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
+                state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+            # A verify (recorded, more than one token) keeps per-step states where that is cheap.
+            step_states = (row_states is not None and e - s > 1 and self.kernels.step_states
+                           and records_step_states())
+            mix = block(("gdn_mix", step_states), lambda: gated_delta_mixer(m, step_states))
+            g_row, beta_row = _part(g, s, e), _part(beta, s, e)
+            y, layer_cache[0], layer_cache[1], conv_input, kept = mix(_part(qkv, s, e), conv_state, state, g_row,
+                                                                       beta_row)
+            if row_states is not None:
+                steps, after_each = (None, kept) if step_states else ((*kept, g_row, beta_row), None)
+                row_states.append(GatedDeltaRecord(conv_input, state, steps, after_each))
+            ys.append(y)
+        return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, self.kernels))(h, _join(ys), z)
+
+    def _attention_rows(self, i, layer, groups, h, bounds, caches, offsets, starts, masks):
+        """An attention layer over rows: projections and MLP on all of h; RoPE at the row's offset,
+        the cache update and attention per row."""
+        q, k, v, gate = self.compiled(("attn_in", i), lambda: gated_attention_inputs(layer, groups, self.kernels))(h)
+        rope = self.compiled(("rope", i), lambda: rotary(layer.self_attn))
+        attended = []
+        for (s, e), layer_cache, offset, start, row_masks in zip(bounds, caches, offsets, starts, masks):
+            q_row, k_row, v_row = rope(_part(q, s, e), _part(k, s, e), _part(v, s, e), offset)
+            attended.append(cached_attention(q_row, k_row, v_row, layer_cache, layer.self_attn.scale, start,
+                                             row_masks, self.kernels))
+        post = self.compiled(("attn_out", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels))
+        return post(h, _join(attended, 2), gate)
+
+    def run_layers(self, tokens, cache, tap_ids, states):
+        """Prefill (and any forward not in rows): eager, mlx-lm's own attention layers."""
+        h = self.embed(tokens)
+        attention_cache = next(c for c, layer in zip(cache, self.layers) if not layer.is_linear)
+        mask = create_attention_mask(h, attention_cache)
+        tapped = {}
         for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
             if layer.is_linear:
-                m = layer.linear_attn
-                conv_state, state = layer_cache[0], layer_cache[1]
-                if conv_state is None:
-                    conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
-                    state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-                def make(layer=layer, groups=groups):
-                    return gated_delta_layer(layer, groups, self.kernels, step_states)
-
-                block = self.compiled(("gdn", i, step_states), make) if small else make()
-                h, layer_cache[0], layer_cache[1], (conv_input, kept) = block(h, conv_state, state)
-                if states is not None:
-                    steps, after_each = (None, kept) if step_states else (tuple(kept), None)
-                    states.append(GatedDeltaRecord(conv_input, state, steps, after_each))
-            elif small:
-                pre = self.compiled(("pre", i), lambda: gated_attention_inputs(layer, groups, self.kernels))
-                q, k, v, gate = pre(h, offset)
-                attended = cached_attention(q, k, v, layer_cache, layer.self_attn.scale, start, masks, self.kernels)
-                post = self.compiled(("post", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels))
-                h = post(h, attended, gate)
+                h = self._gated_delta(i, layer, groups, h, [(0, tokens.shape[1])], [layer_cache], [states],
+                                      compiled=False)
             else:
                 h = layer(h, mask, layer_cache)
             if i in tap_ids:
