@@ -1,0 +1,132 @@
+"""`forward_rows` (several generations in one target forward) gives every row exactly what `forward`
+gives it alone: logits, tapped hidden states, rollback records and the caches afterwards, bit for
+bit on this CPU (float32, MLX's reference BLAS). Rows mix decode steps, verify blocks and a block of
+another length over prompts shorter and longer than the Gemma fixtures' sliding window of 8; the
+solo world runs the same rows on caches of its own, prefilled separately.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_core.adapters import ForwardRow
+from dflash_core.kernels import attention as block_attention
+from dflash_core.loading import load_target
+
+FAMILIES = ["qwen3", "gemma3", "gemma4"]
+TAPS = [0, 2]
+PROMPTS = [5, 13, 30, 30]  # prefill lengths, one per row
+FIRST = [1, 16, 7, 16]  # each row's tokens in the first batched round
+SECOND = [16, 1, 16, 1]  # and in the second, after each row's rollback
+KEEP = [0, 3, None, 1]  # what each row keeps of its first round (None: all of it)
+
+
+@pytest.fixture(scope="module")
+def adapters(request):
+    return {family: load_target(request.getfixturevalue(f"{family}_pair")[0])[0] for family in FAMILIES}
+
+
+def _tokens(adapter, n: int, seed: int) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(0, adapter.vocab_size, size=(1, n)), dtype=mx.int32)
+
+
+def _prefilled(adapter, lengths) -> list[list]:
+    """A fresh cache per row, prefilled with that row's prompt (through `forward`, as the engine)."""
+    caches = []
+    for row, n in enumerate(lengths):
+        cache = adapter.make_cache(max_rollback=16)
+        adapter.forward(_tokens(adapter, n, seed=row), cache)
+        caches.append(cache)
+    return caches
+
+
+def _same_output(solo, batched):
+    assert mx.array_equal(solo.logits, batched.logits)
+    assert (solo.tapped_hidden is None) == (batched.tapped_hidden is None)
+    if solo.tapped_hidden is not None:
+        assert mx.array_equal(solo.tapped_hidden, batched.tapped_hidden)
+    assert (solo.rollback is None) == (batched.rollback is None)
+    if solo.rollback is not None:
+        assert solo.rollback.tokens == batched.rollback.tokens and solo.rollback.states == batched.rollback.states
+
+
+def _same_cache(solo: list, batched: list):
+    for a, b in zip(solo, batched):
+        assert type(a) is type(b) and a.offset == b.offset
+        # Whole buffers, stale slots included: both worlds wrote the same numbers in the same places.
+        assert mx.array_equal(a.keys, b.keys) and mx.array_equal(a.values, b.values)
+
+
+def _round(adapter, solo_caches, batched_caches, lengths, seed, tap_ids=TAPS, **row_kwargs):
+    """The same rows once alone and once in one `forward_rows`; returns both worlds' outputs."""
+    tokens = [_tokens(adapter, n, seed + row) for row, n in enumerate(lengths)]
+    solo = [adapter.forward(t, c, tap_ids, record=True, **row_kwargs) for t, c in zip(tokens, solo_caches)]
+    batched = adapter.forward_rows([ForwardRow(t, c, record=True, **row_kwargs) for t, c in zip(tokens, batched_caches)],
+                                   tap_ids)
+    mx.eval([o.logits for o in solo + batched])
+    for s, b, n in zip(solo, batched, lengths):
+        assert b.logits.shape[1] == (1 if row_kwargs.get("last_logits_only") else n)
+        _same_output(s, b)
+    for s, b in zip(solo_caches, batched_caches):
+        _same_cache(s, b)
+    return solo, batched
+
+
+def _check_rows_match_solo(adapter):
+    solo_caches, batched_caches = _prefilled(adapter, PROMPTS), _prefilled(adapter, PROMPTS)
+    solo, batched = _round(adapter, solo_caches, batched_caches, FIRST, seed=100)
+    # Each row rolls back to its own accepted prefix, in both worlds; the caches stay exact and so
+    # does the next round.
+    for row, keep in enumerate(KEEP):
+        keep = FIRST[row] if keep is None else keep
+        adapter.rollback(solo_caches[row], solo[row].rollback, keep)
+        adapter.rollback(batched_caches[row], batched[row].rollback, keep)
+    for s, b in zip(solo_caches, batched_caches):
+        _same_cache(s, b)
+    _round(adapter, solo_caches, batched_caches, SECOND, seed=200)
+    # Plain steps without taps or records, and only the last position's logits.
+    _round(adapter, solo_caches, batched_caches, [1, 3, 1, 16], seed=300, tap_ids=(), last_logits_only=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_match_solo_forwards(adapters, family):
+    _check_rows_match_solo(adapters[family])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_match_solo_on_the_cuda_block_attention_path(adapters, family, monkeypatch):
+    """Verify rows attend through the stacked-GEMM path CUDA uses (kernels/attention.py), each with
+    its own mask, run here on the CPU."""
+    monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
+    taken = []
+    stacked = block_attention.stacked
+    monkeypatch.setattr(block_attention, "stacked", lambda *args: taken.append(1) or stacked(*args))
+    _check_rows_match_solo(adapters[family])
+    assert taken
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_row_does_not_depend_on_its_companions(adapters, family):
+    adapter = adapters[family]
+    row_tokens = _tokens(adapter, 16, seed=7)
+    outputs = []
+    for companions in ([1, 16], [7]):
+        caches = _prefilled(adapter, [30, 5, 13][: 1 + len(companions)])
+        rows = [ForwardRow(row_tokens, caches[0], record=True)]
+        rows += [ForwardRow(_tokens(adapter, n, seed=50 + j), c) for j, (n, c) in enumerate(zip(companions, caches[1:]))]
+        outputs.append((adapter.forward_rows(rows, TAPS)[0], caches[0]))
+    (first, first_cache), (second, second_cache) = outputs
+    _same_output(first, second)
+    _same_cache(first_cache, second_cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_rows_run_alone_among_small_ones(adapters, family):
+    """A row longer than the compiled forwards (a prefill chunk) runs through the plain forward,
+    in place among the others."""
+    adapter = adapters[family]
+    lengths = [1, adapter.compile_max_tokens + 4, 16]
+    solo_caches, batched_caches = _prefilled(adapter, PROMPTS[:3]), _prefilled(adapter, PROMPTS[:3])
+    _round(adapter, solo_caches, batched_caches, lengths, seed=400)

@@ -1,0 +1,153 @@
+"""Qwen3.5's `forward_rows` gives every row exactly what `forward` gives it alone.
+
+Several generations (prompts of different lengths, so different cache lengths) run decode steps and
+verify blocks of different lengths in one call. Each row's logits, tapped hidden states, rollback
+record and caches afterwards must equal, bit for bit, those of the same row run alone on caches of
+its own (prefilled separately: the two worlds share no cache object); after each world rolls every
+row back to a different prefix, a second batched round must still agree, which checks that the
+GatedDeltaNet states and conv windows stayed per row. Exactness holds on the CPU's reference BLAS,
+which rounds a row of a product the same whatever the other rows (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache
+
+from dflash_core.adapters import ForwardRow
+from dflash_core.adapters.qwen3_5 import GatedDeltaRecord
+from dflash_core.loading import load_engine
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe"]
+PROMPTS = [5, 13, 30, 21]  # 30 and 21 prefill through mlx-lm's layers, 5 and 13 as rows
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request):
+    target_dir, drafter_dir = request.getfixturevalue(f"{request.param}_pair")
+    engine = load_engine(str(target_dir), str(drafter_dir))
+    adapter = engine.target
+    rng = np.random.default_rng(0)
+    prompts = [mx.array(rng.integers(0, adapter.vocab_size, size=(1, n)), dtype=mx.int32) for n in PROMPTS]
+    return adapter, tuple(engine.drafter.config.target_layer_ids), prompts
+
+
+def _world(adapter, prompts) -> list[list]:
+    """Fresh caches, one per prompt, prefilled."""
+    caches = []
+    for prompt in prompts:
+        cache = adapter.make_cache(max_rollback=16)
+        mx.eval(adapter.forward(prompt, cache).logits)
+        caches.append(cache)
+    return caches
+
+
+def _tokens(adapter, lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.integers(0, adapter.vocab_size, size=(1, n)), dtype=mx.int32) for n in lengths]
+
+
+def _equal(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is not None:
+        assert a.shape == b.shape and a.dtype == b.dtype, what
+        assert mx.array_equal(a, b).item(), what
+
+
+def _same_caches(batched, solo):
+    for i, (a, b) in enumerate(zip(batched, solo)):
+        if isinstance(a, ArraysCache):
+            _equal(a[0], b[0], f"layer {i} conv state")
+            _equal(a[1], b[1], f"layer {i} recurrent state")
+        else:
+            assert a.offset == b.offset, f"layer {i} offset"
+            _equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :], f"layer {i} keys")
+            _equal(a.values[..., : a.offset, :], b.values[..., : b.offset, :], f"layer {i} values")
+
+
+def _same_output(a, b):
+    _equal(a.logits, b.logits, "logits")
+    _equal(a.tapped_hidden, b.tapped_hidden, "tapped hidden")
+    assert (a.rollback is None) == (b.rollback is None)
+    if a.rollback is not None:
+        assert a.rollback.tokens == b.rollback.tokens and len(a.rollback.states) == len(b.rollback.states)
+        for ra, rb in zip(a.rollback.states, b.rollback.states):
+            assert isinstance(ra, GatedDeltaRecord)
+            _equal(ra.conv_input, rb.conv_input, "record conv input")
+            _equal(ra.state, rb.state, "record state")
+            _equal(ra.step_states, rb.step_states, "record step states")
+            assert (ra.steps is None) == (rb.steps is None)
+            for x, y in zip(ra.steps or (), rb.steps or ()):
+                _equal(x, y, "record steps")
+
+
+def _round(adapter, taps, batched, solo, tokens, last_only, record=True):
+    """One forward_rows call in the batched world, the same rows one by one in the solo world."""
+    rows = [ForwardRow(t, c, last, record) for t, c, last in zip(tokens, batched, last_only)]
+    outs = adapter.forward_rows(rows, taps)
+    alone = [adapter.forward(t, c, taps, last_logits_only=last, record=record)
+             for t, c, last in zip(tokens, solo, last_only)]
+    mx.eval([o.logits for o in outs + alone])
+    for out, ref, t, last in zip(outs, alone, tokens, last_only):
+        assert out.logits.shape[1] == (1 if last else t.shape[1])
+        _same_output(out, ref)
+    for b, s in zip(batched, solo):
+        _same_caches(b, s)
+    return outs, alone
+
+
+def _check_rows(adapter, taps, prompts):
+    batched, solo = _world(adapter, prompts), _world(adapter, prompts)
+    for b, s in zip(batched, solo):
+        _same_caches(b, s)
+    # Decode steps and verify blocks side by side, over caches of four lengths.
+    lengths = [1, 7, 16, 16]
+    outs, alone = _round(adapter, taps, batched, solo, _tokens(adapter, lengths, 1), [False, False, False, True])
+    # Each row keeps a different prefix, in both worlds.
+    for length, keep, b, s, out, ref in zip(lengths, [0, 3, 16, 0], batched, solo, outs, alone):
+        adapter.rollback(b, out.rollback, min(keep, length))
+        adapter.rollback(s, ref.rollback, min(keep, length))
+        _same_caches(b, s)
+    _round(adapter, taps, batched, solo, _tokens(adapter, [16, 1, 7, 3], 2), [False, True, False, False])
+    # And plain steps, unrecorded, from there on.
+    _round(adapter, taps, batched, solo, _tokens(adapter, [1, 1, 1, 1], 3), [True] * 4, record=False)
+
+
+def test_rows_match_forward_alone(setup):
+    _check_rows(*setup)
+
+
+def test_rows_match_with_recorded_step_states(setup, monkeypatch):
+    """The CUDA way of recording a verify (the state after every step), run here on the per-step
+    reference."""
+    from dflash_core.adapters import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    _check_rows(*setup)
+
+
+def test_a_row_does_not_depend_on_its_companions(setup):
+    adapter, taps, prompts = setup
+    tokens = _tokens(adapter, [7, 1, 16, 3], 4)
+    results = []
+    for members in ([0], [0, 1], [2, 0, 3], [3, 2, 1, 0]):
+        caches = _world(adapter, prompts)
+        rows = [ForwardRow(tokens[m], caches[m], record=True) for m in members]
+        results.append(adapter.forward_rows(rows, taps)[members.index(0)])
+    for out in results[1:]:
+        _same_output(out, results[0])
+
+
+def test_small_rows_share_one_forward_and_prefill_rows_run_alone(setup, monkeypatch):
+    adapter, taps, prompts = setup
+    caches = [adapter.make_cache(max_rollback=16) for _ in range(3)]
+    lengths = [1, 16, adapter.compile_max_tokens + 4]
+    tokens = _tokens(adapter, lengths, 5)
+    embedded = []
+    embed = adapter.embed
+    monkeypatch.setattr(adapter, "embed", lambda t: embedded.append(t.shape[1]) or embed(t))
+    outs = adapter.forward_rows([ForwardRow(t, c) for t, c in zip(tokens, caches)], taps)
+    assert sorted(embedded) == sorted([1 + 16, lengths[2]])
+    assert [o.logits.shape[1] for o in outs] == lengths
