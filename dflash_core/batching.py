@@ -5,9 +5,12 @@ forwards it needs: a `DraftCall` (the drafter's block for a cycle) or a `TargetC
 or a verify), and takes each output back through `send`. Run alone, `serve_alone` answers each call
 with the plain forward; `step_together` advances many streams by one step each and answers their
 calls in batches: one drafter forward for every generation drafting, then one target forward for
-every generation's verify block or plain step (`TargetAdapter.forward_rows`). Each row's output is
-what it would get alone (the adapters guarantee it), so batching changes no token; the weights are
-read once per batch instead of once per generation, which is what decode is bound by.
+every generation's verify block or plain step (`TargetAdapter.forward_rows`). The weights are read
+once per batch instead of once per generation, which is what decode is bound by. Each row computes
+what it computes alone, and where a matmul rounds a row the same whatever the other rows (MLX's CPU
+reference BLAS, which the tests run) its tokens are bit for bit the same; on a GPU or with MKL a
+larger product may round differently, as a 16-token verify already does against a 1-token step,
+which can change the target's choice at a near-tie (README, "Lossless at any temperature").
 
 Prefill chunks are not batched: a generation in prefill does one chunk per step, as alone, so a
 long prompt delays the others by one chunk per step.
