@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import start_server  # noqa: E402
 
 SYSTEM = (
     "You are a coding agent working in a repository. Think briefly, then either call a tool or answer. "
@@ -43,37 +43,12 @@ def tool_output(turn: int) -> str:
     return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(target: str, drafter: str, cache_gb: float, workdir: Path):
-    port = free_port()
-    config = workdir / f"config-{cache_gb}.yaml"
-    config.write_text(yaml.safe_dump({
-        "server": {"port": port},
+def start(target: str, drafter: str, cache_gb: float, workdir: Path):
+    return start_server({
         "prefix_cache_gb": cache_gb,
         "models": [{"name": "bench", "target": target, "drafter": drafter, "max_context": 32768,
                     "chat_template_kwargs": {"enable_thinking": False}}],
-    }))
-    log = open(workdir / f"server-{cache_gb}.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "dflash_core.launch", "serve", "--config", str(config)],
-                               stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server did not become healthy")
+    }, workdir, str(cache_gb))
 
 
 def chat_stream(url: str, messages, max_tokens: int):
@@ -145,7 +120,7 @@ def main() -> int:
         parser.error("pass --synthetic or --target")
     results = {}
     for label, cache_gb in (("without cache", 0.0), ("with cache", 2.0)):
-        process, url = start_server(target, drafter, cache_gb, workdir)
+        process, url = start(target, drafter, cache_gb, workdir)
         try:
             results[label] = conversation(url, args.turns, args.max_tokens)
         finally:

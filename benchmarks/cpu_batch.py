@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,42 +23,20 @@ import time
 from pathlib import Path
 
 import httpx
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from serving import start_server  # noqa: E402
+
 EOS: list[int] = []  # the target's end-of-sequence ids, read from its generation_config.json
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(target: Path, drafter: Path, speculation: str, workdir: Path):
-    port = free_port()
-    config = workdir / f"config-{speculation}.yaml"
-    config.write_text(yaml.safe_dump({
-        "server": {"port": port, "max_active": 16},
+def start(target: Path, drafter: Path, speculation: str, workdir: Path):
+    return start_server({
+        "server": {"max_active": 16},
         "prefix_cache_gb": 0,  # every request computes its prompt: the same work both ways
         "models": [{"name": "bench", "target": str(target), "drafter": str(drafter), "speculation": speculation}],
-    }))
-    log = open(workdir / f"server-{speculation}.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "dflash_core.launch", "serve", "--config", str(config)],
-                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server did not become healthy")
+    }, workdir, speculation, timeout=300)
 
 
 def stream(url: str, prompt: str, max_tokens: int) -> dict:
@@ -136,7 +112,7 @@ def main() -> None:
         eos = json.loads((target / "generation_config.json").read_text())["eos_token_id"]
         EOS.extend(eos if isinstance(eos, list) else [eos])
         for mode in args.modes.split(","):
-            process, url = start_server(target, drafter, mode, Path(work))
+            process, url = start(target, drafter, mode, Path(work))
             try:
                 for n in args.streams:
                     row = {"speculation": mode, **measure(url, n, args.max_tokens)}

@@ -18,28 +18,14 @@ from mlx_lm.models.cache import KVCache
 
 from ..cache import SlidingWindowCache
 from ..kernels.attention import attention
-from ..kernels.matmul import gated_mlp, linear, linears
+from ..kernels.matmul import gated_mlp, linear
 from .base import TargetAdapter, cached_attention, gated_mlp_group, heads_first, join, part, rotary
+from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
 
 def gelu_approx_gate(gate: mx.array, up: mx.array) -> mx.array:
     """Gemma 3's MLP activation, `gelu_approx(gate) * up` as mlx-lm's MLP computes it."""
     return nn.gelu_approx(gate) * up
-
-
-def attention_inputs(layer, groups: dict, kernels):
-    """input norm -> q, k, v [B, L, heads, D] with per-head norms (mlx-lm's Attention up to RoPE,
-    which needs a row's offset)."""
-    attn = layer.self_attn
-
-    def pre(h):
-        B, L, _ = h.shape
-        q, k, v = linears(groups["qkv"], layer.input_layernorm(h), kernels)
-        q = attn.q_norm(q.reshape(B, L, attn.n_heads, -1))
-        k = attn.k_norm(k.reshape(B, L, attn.n_kv_heads, -1))
-        return q, k, v.reshape(B, L, attn.n_kv_heads, -1)
-
-    return pre
 
 
 def attention_output_and_mlp(layer, groups: dict, kernels):
