@@ -124,3 +124,29 @@ def _draft_rows(engine, calls: list[DraftCall]) -> list[mx.array]:
 
         return drafter.propose_rows([DraftRow(c.bonus, c.context, c.width) for c in calls], engine.target)
     return [drafter.propose(c.bonus, engine.target, c.context, c.width) for c in calls]
+
+
+def generate_together(engine, requests: Sequence[dict], max_rows: int = 16, progress=None) -> list[list[Any]]:
+    """Run many generations of one engine, up to `max_rows` stepping together, a new one joining
+    as soon as one ends: each request is `Engine.generate`'s keyword arguments (`prompt_tokens`
+    included); returns each one's chunks, in request order. `progress(n)` is told of each end."""
+    chunks: list[list[Any]] = [[] for _ in requests]
+    waiting = list(range(len(requests)))[::-1]
+    live: dict[int, Iterator[Any]] = {}
+    while waiting or live:
+        while waiting and len(live) < max_rows:
+            i = waiting.pop()
+            live[i] = engine.generate(**requests[i], batched=True)
+        order = list(live)
+        for i, stepped in zip(order, step_together(engine, [live[i] for i in order])):
+            if stepped.error is not None:
+                for stream in live.values():
+                    stream.close()
+                raise stepped.error
+            if stepped.chunk is not None:
+                chunks[i].append(stepped.chunk)
+            if stepped.done or (stepped.chunk is not None and stepped.chunk.finish_reason):
+                live.pop(i).close()
+                if progress is not None:
+                    progress(1)
+    return chunks

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .batching import generate_together
 from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
 from .engine import Engine
 from .hub import TARGET_FILES, resolve
@@ -51,6 +52,7 @@ class TrainOptions:
     weight_decay: float = 0.01
     gamma: float = 7.0  # loss weight decay over block positions
     max_new_tokens: int = 128
+    generation_batch: int = 16  # target responses generated together (continuous batching)
     max_prompt_tokens: int = 384  # longer prompts keep their first quarter and their end
     chat: bool = True
     held_out: float = 0.1
@@ -113,8 +115,8 @@ def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Pa
 
     tokenizer = engine.tokenizer
     hf = hf_tokenizer(tokenizer)
-    sequences = []
-    for prompt in tqdm(prompts, desc="target responses", unit="prompt"):
+    encoded = []
+    for prompt in prompts:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if opts.chat and getattr(hf, "chat_template", None):  # rendered as the server renders requests
             tokens = encode_rendered(tokenizer, render_chat(tokenizer, messages))
@@ -124,12 +126,23 @@ def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Pa
         if len(tokens) > opts.max_prompt_tokens:  # keep the head (BOS, system turn) and the end
             head = opts.max_prompt_tokens // 4
             tokens = tokens[:head] + tokens[len(tokens) - (opts.max_prompt_tokens - head) :]
-        chunks = list(engine.generate(tokens, max_tokens=opts.max_new_tokens, speculative=False))
+        encoded.append(tokens)
+    # The target's responses, up to generation_batch of them stepping together (batching.py).
+    requests = [{"prompt_tokens": t, "max_tokens": opts.max_new_tokens, "speculative": False} for t in encoded]
+    started = time.perf_counter()
+    with tqdm(total=len(requests), desc="target responses", unit="prompt") as bar:
+        results = generate_together(engine, requests, opts.generation_batch, bar.update)
+    sequences, generated = [], 0
+    for tokens, chunks in zip(encoded, results):
         response = [t for c in chunks for t in c.token_ids]
-        if chunks[-1].stop_token_id is not None:  # the end of turn is part of what drafts should predict
+        generated += len(response)
+        if chunks and chunks[-1].stop_token_id is not None:  # the end of turn is part of what drafts should predict
             response.append(chunks[-1].stop_token_id)
         if len(response) >= 2:
             sequences.append({"tokens": tokens + response, "response_start": len(tokens)})
+    seconds = time.perf_counter() - started
+    log.info("target responses: %d tokens in %.1f s, %.1f tok/s (%d at a time)", generated, seconds,
+             generated / seconds if seconds else 0.0, opts.generation_batch)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     cache_file.write_text("".join(json.dumps(s) + "\n" for s in sequences))
     key_file.write_text(json.dumps(key))

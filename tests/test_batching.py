@@ -233,3 +233,20 @@ def test_the_scheduler_batches_within_memory_and_queues_beyond(engines, monkeypa
     full = Scheduler(max_active=8, memory_fraction=1.0, memory_size=1)  # room for the first job only
     assert _serve_jobs(engine, full, prompts, 20) == alone
     assert max(sizes) == 1
+
+
+def test_generate_together_runs_many_with_rows_joining_as_others_end(engines):
+    """What `dflash train` makes its data with: six requests, three rows at a time, each request's
+    chunks giving exactly its tokens alone (greedy and seeded, different budgets)."""
+    from dflash_core.batching import generate_together
+
+    engine = engines["qwen3_5"]
+    requests = [{"prompt_tokens": _prompt(engine, 4 + 3 * i, i), "max_tokens": 6 + 5 * i, "stop_token_ids": set(),
+                 "sampling": SEEDED if i % 2 else SamplingParams(), "speculative": i % 3 != 0} for i in range(6)]
+    ended = []
+    results = generate_together(engine, requests, max_rows=3, progress=ended.append)
+    assert len(ended) == 6
+    for request, chunks in zip(requests, results):
+        alone = [t for c in engine.generate(**request) for t in c.token_ids]
+        assert [t for c in chunks for t in c.token_ids] == alone
+        assert chunks[-1].finish_reason == "length"

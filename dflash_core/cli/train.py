@@ -24,6 +24,8 @@ def add_train(sub) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="length of the regenerated responses")
+    p.add_argument("--generation-batch", type=positive_int, default=16,
+                   help="target responses generated together (one batched forward per step)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=384, help="longer prompts keep their head and end")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--eval-every", type=positive_int, default=100)
@@ -53,6 +55,7 @@ def run_train(args) -> int:
         target=args.target, data=args.data, out=args.out, layers=args.layers, block_size=args.block_size,
         taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+        generation_batch=args.generation_batch,
         max_prompt_tokens=args.max_prompt_tokens,
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,

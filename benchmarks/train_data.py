@@ -1,0 +1,63 @@
+"""`dflash train`'s data generation speed: the target's greedy responses to many prompts, generated
+one at a time and with rows stepping together (`batching.generate_together`, what `dflash train
+--generation-batch` uses), in one run, with the outputs compared.
+
+    python benchmarks/train_data.py --prompts 32 --max-tokens 64 --batches 1,4,16 --out train_data.json
+
+The target is the offline demo's Gemma 3 270M unless --target names another; prompts are the demo's
+bundled prompt set (dflash_core/demo/prompts.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.blas import preload  # noqa: E402
+
+preload()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", help="a target directory (default: the demo's Gemma 3 270M)")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from dflash_core.batching import generate_together
+    from dflash_core.demo import DEMO_PROMPTS, demo_target_dir
+    from dflash_core.loading import load_engine
+
+    engine = load_engine(args.target or str(demo_target_dir()), None)
+    texts = [t for t in DEMO_PROMPTS.read_text().splitlines() if t.strip()][: args.prompts]
+    requests = [{"prompt_tokens": engine.tokenizer.encode(t), "max_tokens": args.max_tokens, "speculative": False}
+                for t in texts]
+    generate_together(engine, requests[:2], 2)  # warm-up: compiled blocks
+    report = {"machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "prompts": len(requests),
+              "max_tokens": args.max_tokens, "rows": []}
+    outputs = {}
+    for batch in args.batches:
+        start = time.perf_counter()
+        results = generate_together(engine, requests, batch)
+        seconds = time.perf_counter() - start
+        outputs[batch] = [[t for c in chunks for t in c.token_ids] for chunks in results]
+        tokens = sum(len(o) for o in outputs[batch])
+        row = {"batch": batch, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
+               "same_as_batch_1": outputs[batch] == outputs.get(1, outputs[batch])}
+        report["rows"].append(row)
+        print(f"batch {batch:>3}: {tokens} tokens in {seconds:6.1f} s = {row['tokens_per_second']:7.1f} tok/s "
+              f"(same as one at a time: {row['same_as_batch_1']})", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
