@@ -5,12 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from families import ENGINE_FAMILIES as FAMILIES
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_core.loading import load_target
 
-FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 

@@ -1,8 +1,9 @@
 """Attention of a verify or draft block (2..16 queries) over a long cache, behind the gate.
 
 On CUDA, MLX sends such a block with an explicit mask and head_dim <= 128 to cuDNN's flash
-attention, which parallelises over query tiles and heads only: 16 queries over 32K keys got one
-block per head, about 1 ms per layer on the H200 (Qwen3-8B's verify cost 6 decode steps at 32K).
+attention, which parallelises over query tiles and heads only: 16 queries over a long cache get one
+thread block per head, which made a verify at 32K cost several decode steps (docs/performance.md,
+"Verify and draft blocks at long context").
 Here the block is two batched GEMMs per KV head, with the query heads that share a KV head stacked
 into one matrix (4 x 16 rows for Qwen3), so every key is read once and the GEMM has rows to use.
 The keys may come in segments (a drafter's context buffer and its block): scores are computed per

@@ -1,8 +1,9 @@
 """`x @ dequantize(W).T` for a few rows of x (M <= 16) and 4-bit affine weights, on tensor cores.
 
 A decode step multiplies one row and a verify 16 rows by every weight matrix, so the product is
-bound by reading the weights. MLX's CUDA quantized matmul streams 4-bit weights at 0.15-0.94 TB/s
-on the H200 (docs/performance.md), which made a 4-bit verify cost 2.3-3.7 decode steps. Here
+bound by reading the weights. MLX's CUDA quantized matmul streams 4-bit weights at a fraction of the
+card's bandwidth, so a 4-bit verify cost several decode steps (docs/performance.md, "4-bit
+weights: our small-M kernel", has the figures). Here
 each 4-bit weight is read once, turned into bf16 in registers, and fed to mma.sync m16n8k16.
 
 Layout (MLX's affine format). `w` is [N, K / 8] uint32, nibble j of a word at bits 4j..4j+3;
