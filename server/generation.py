@@ -10,10 +10,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from dflash_core.engine import GenerationChunk, GenerationStats, RequestError
+from dflash_core.engine import GenerationChunk, RequestError
 from dflash_core.grammar import CompiledGrammar, GrammarError
 from dflash_core.prompts import hf_tokenizer
 from dflash_core.sampling import SamplingError, SamplingParams
+from dflash_core.stats import GenerationStats
 
 from .chat import Prompt
 from .errors import APIError

@@ -36,7 +36,7 @@ from .schema import (
 )
 
 if TYPE_CHECKING:  # only for annotations: the engine loads with the model, not with this module
-    from ..engine import GenerationStats
+    from ..stats import GenerationStats
 
 
 def environment() -> Environment:
