@@ -151,3 +151,34 @@ def test_small_rows_share_one_forward_and_prefill_rows_run_alone(setup, monkeypa
     outs = adapter.forward_rows([ForwardRow(t, c) for t, c in zip(tokens, caches)], taps)
     assert sorted(embedded) == sorted([1 + 16, lengths[2]])
     assert [o.logits.shape[1] for o in outs] == lengths
+
+
+@pytest.mark.parametrize("step_states", [False, True])
+def test_rows_of_one_length_share_the_recurrence(setup, monkeypatch, step_states):
+    """Rows of one length run a GatedDeltaNet layer's conv and recurrence together along the batch
+    axis: three 16-token verifies, two decode steps and a 7-token verify, interleaved (the groups'
+    rows stacked from slices) and then side by side (a group's rows one block), each row rolled
+    back to a different prefix in between, must still each get what they get alone."""
+    from dflash_core.adapters import qwen3_5
+
+    if step_states:
+        monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    adapter, taps, _ = setup
+    rng = np.random.default_rng(6)
+    prompts = [mx.array(rng.integers(0, adapter.vocab_size, size=(1, n)), dtype=mx.int32)
+               for n in [5, 13, 30, 21, 9, 3]]
+    batched, solo = _world(adapter, prompts), _world(adapter, prompts)
+    lengths = [16, 1, 16, 7, 1, 16]
+    outs, alone = _round(adapter, taps, batched, solo, _tokens(adapter, lengths, 7),
+                         [False, True, False, False, False, True])
+    for keep, b, s, out, ref, length in zip([16, 0, 5, 3, 1, 0], batched, solo, outs, alone, lengths):
+        adapter.rollback(b, out.rollback, min(keep, length))
+        adapter.rollback(s, ref.rollback, min(keep, length))
+        _same_caches(b, s)
+    lengths = [1, 1, 16, 16, 16, 7]
+    outs, alone = _round(adapter, taps, batched, solo, _tokens(adapter, lengths, 8), [False] * 6)
+    for keep, b, s, out, ref in zip([1, 0, 9, 16, 2, 7], batched, solo, outs, alone):
+        adapter.rollback(b, out.rollback, keep)
+        adapter.rollback(s, ref.rollback, keep)
+        _same_caches(b, s)
+    _round(adapter, taps, batched, solo, _tokens(adapter, [1] * 6, 9), [True] * 6, record=False)

@@ -12,10 +12,13 @@ kept tokens alone would give.
 Decode and verify forwards (at most `compile_max_tokens` tokens) run as rows (`forward_rows`), a
 plain forward being the one-row case: the rows' tokens are concatenated along the token axis, and
 everything per token (norms, projections, the MLP or MoE block, the LM head) runs once on the
-concatenation, while what depends on a generation's caches (the conv window and the recurrence of a
-GatedDeltaNet layer; RoPE, the KV-cache update and attention of an attention layer) runs per row on
-its slice. With a matmul that rounds a row the same whatever the other rows (MLX's CPU reference
-BLAS), each row then gets exactly what it gets alone.
+concatenation, while what depends on a generation's caches runs per row on its slice: RoPE, the
+KV-cache update and attention of an attention layer one row at a time; the conv window and the
+recurrence of a GatedDeltaNet layer once per group of rows of one length, their states stacked along
+the batch axis (ops there are independent per batch row) and each row's new states, outputs and
+rollback record sliced back out (a row's cache then holds a view of its group's buffer; snapshots
+copy what they keep, cache.owned). With a matmul that rounds a row the same whatever the other rows
+(MLX's CPU reference BLAS), each row then gets exactly what it gets alone.
 """
 
 from __future__ import annotations
@@ -143,6 +146,38 @@ def _join(parts: list, axis: int = 1) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
+def _consecutive(spans: list) -> bool:
+    return all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def _stack(x: mx.array, spans: list) -> mx.array:
+    """The rows of `x` [1, T, ...] at `spans` (all of one length L) as a batch [R, L, ...]: a
+    reshape of one block where the rows sit one after another, else their slices stacked. One row
+    is its own slice, as it was before rows were grouped."""
+    if len(spans) == 1:
+        return _part(x, *spans[0])
+    length = spans[0][1] - spans[0][0]
+    if _consecutive(spans):
+        return _part(x, spans[0][0], spans[-1][1]).reshape(len(spans), length, *x.shape[2:])
+    return mx.concatenate([_part(x, s, e) for s, e in spans], axis=0)
+
+
+def _row(x: mx.array, j: int, rows: list) -> mx.array:
+    """Row j of a group's batch: a slice along the batch axis (x itself for a group of one)."""
+    return x if len(rows) == 1 else x[j : j + 1]
+
+
+def _unstack(y: mx.array, rows: list) -> list:
+    """A group's output [R, L, ...] back on the token axis: (row, [1, L, ...]) per row, or, for rows
+    that sit one after another, the first row with the whole run [1, R * L, ...] and the others
+    with nothing (their tokens are in it)."""
+    if len(rows) == 1:
+        return [(rows[0], y)]
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return [(rows[0], y.reshape(1, -1, *y.shape[2:]))]
+    return [(r, y[j : j + 1]) for j, r in enumerate(rows)]
+
+
 class Qwen35Adapter(TargetAdapter):
     family = "qwen3_5"
 
@@ -220,31 +255,49 @@ class Qwen35Adapter(TargetAdapter):
         return outputs
 
     def _gated_delta(self, i, layer, groups, h, bounds, caches, states, compiled: bool):
-        """A GatedDeltaNet layer over rows: projections and MLP on all of h, conv and recurrence per
-        row with its own states. `states[r]` (recorded rows) gets the row's GatedDeltaRecord."""
+        """A GatedDeltaNet layer over rows: projections and MLP on all of h; the conv and the
+        recurrence once per group of rows of one length (and one way of recording), the rows'
+        states stacked along the batch axis (every op there is independent per batch row, so a
+        row gets exactly what it gets alone) and split back into each row's cache. `states[r]`
+        (recorded rows) gets the row's GatedDeltaRecord."""
         m = layer.linear_attn
 
         def block(key, make):
             return self.compiled((key, i), make) if compiled else make()
 
         qkv, z, g, beta = block("gdn_in", lambda: gated_delta_inputs(layer, groups, self.kernels))(h)
-        ys = []
-        for (s, e), layer_cache, row_states in zip(bounds, caches, states):
-            conv_state, state = layer_cache[0], layer_cache[1]
-            if conv_state is None:
-                conv_state = mx.zeros((h.shape[0], m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
-                state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-            # A verify (recorded, more than one token) keeps per-step states where that is cheap.
-            step_states = (row_states is not None and e - s > 1 and self.kernels.step_states
-                           and records_step_states())
+        # A verify (recorded, more than one token) keeps per-step states where that is cheap.
+        records_steps = self.kernels.step_states and records_step_states()
+        kinds = [row_states is not None and e - s > 1 and records_steps for (s, e), row_states in zip(bounds, states)]
+        members: dict = {}
+        for r, ((s, e), step_states) in enumerate(zip(bounds, kinds)):
+            members.setdefault((e - s, step_states), []).append(r)
+        ys = [None] * len(bounds)
+        for (_, step_states), rows in members.items():
+            spans = [bounds[r] for r in rows]
+            conv_states, recurrent = [], []
+            for r in rows:
+                conv_state, state = caches[r][0], caches[r][1]
+                if conv_state is None:
+                    conv_state = mx.zeros((h.shape[0], m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
+                    state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+                conv_states.append(conv_state)
+                recurrent.append(state)
             mix = block(("gdn_mix", step_states), lambda: gated_delta_mixer(m, step_states))
-            g_row, beta_row = _part(g, s, e), _part(beta, s, e)
-            y, layer_cache[0], layer_cache[1], conv_input, kept = mix(_part(qkv, s, e), conv_state, state, g_row,
-                                                                       beta_row)
-            if row_states is not None:
-                steps, after_each = (None, kept) if step_states else ((*kept, g_row, beta_row), None)
-                row_states.append(GatedDeltaRecord(conv_input, state, steps, after_each))
-            ys.append(y)
+            y, conv_state, state, conv_input, kept = mix(_stack(qkv, spans), _join(conv_states, 0),
+                                                         _join(recurrent, 0), _stack(g, spans), _stack(beta, spans))
+            for j, r in enumerate(rows):
+                layer_cache, (s, e) = caches[r], bounds[r]
+                layer_cache[0], layer_cache[1] = _row(conv_state, j, rows), _row(state, j, rows)
+                if states[r] is not None:
+                    if step_states:
+                        steps, after_each = None, _row(kept, j, rows)
+                    else:
+                        steps, after_each = (*(_row(x, j, rows) for x in kept), _part(g, s, e), _part(beta, s, e)), None
+                    states[r].append(GatedDeltaRecord(_row(conv_input, j, rows), recurrent[j], steps, after_each))
+            for r, piece in _unstack(y, rows):
+                ys[r] = piece
+        ys = [y for y in ys if y is not None]
         return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, self.kernels))(h, _join(ys), z)
 
     def _attention_rows(self, i, layer, groups, h, bounds, caches, offsets, starts, masks):
