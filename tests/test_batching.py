@@ -154,7 +154,8 @@ def test_every_acceptance_length_in_a_batch(engines, family):
     assert len({len(p) for p in prompts}) == 3
     n_tokens = 90
     references = {len(p): p + _alone(base, Row(p, n_tokens + 16, speculation="off")) for p in prompts}
-    schedules = {len(p): SCHEDULE[k * 5:] + SCHEDULE[: k * 5] for k, p in enumerate(prompts)}
+    # Rotated so that within 90 tokens rows 0 and 1 between them accept every length 0..15.
+    schedules = {len(p): SCHEDULE[r:] + SCHEDULE[:r] for r, p in zip((0, 7, 13), prompts)}
     forced = RowForcedDrafter(references, schedules, base.target.vocab_size, base.drafter.config.target_layer_ids)
     engine = Engine(base.target, base.tokenizer, forced, prefill_chunk=16)
     plans = Scheduled([16, 0, 0, 2, 16, 0, 5, 0, 3, 16, 9, 0, 15, 4, 16, 6, 0, 7, 8, 10, 0, 11, 12, 13, 14])
