@@ -333,6 +333,10 @@ class Engine:
         tokens = mx.array(prompt, dtype=mx.int32)[None]
         begin = start
         for end in chunk_ends(start, len(prompt), boundaries, self.prefill_chunk, self.prefill_pacer):
+            if self.prefill_pacer is not None and end < len(prompt):
+                # Time this chunk alone: work queued before it (the steps of generations batched
+                # with this one) would otherwise count as prefill time and shrink the next chunks.
+                mx.synchronize()
             began = time.perf_counter()
             out = self.target.forward(tokens[:, begin:end], state.cache, tap_ids, last_logits_only=True)
             if state.context is not None:

@@ -41,8 +41,9 @@ pytestmark = [
 def _settings(target, drafter) -> Settings:
     # A 256-token prefill chunk: the sliding-window model's prefill then stays linear in length.
     # No prefix cache: its snapshots move the prefill's chunk boundaries, which changes the last
-    # bits of the cached keys; the fixture checks the model under exactly this configuration.
-    return Settings(prefill_chunk=256, prefix_cache_gb=0, models=[
+    # bits of the cached keys; the fixture checks the model under exactly this configuration, so
+    # chunks are fixed too (paced ones follow timings, which concurrent requests change).
+    return Settings(prefill_chunk=256, prefill_chunk_seconds=None, prefix_cache_gb=0, models=[
         ModelSettings(name=MODEL, target=str(target), drafter=str(drafter) if drafter else None,
                       max_context=262144)])
 
