@@ -251,3 +251,23 @@ def test_generate_together_runs_many_with_rows_joining_as_others_end(engines):
         alone = [t for c in engine.generate(**request) for t in c.token_ids]
         assert [t for c in chunks for t in c.token_ids] == alone
         assert chunks[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_rows_restore_and_leave_prefix_cache_snapshots(engines, family):
+    """A batch whose rows start from snapshots that other rows of the batch left (a conversation's
+    next turn, a shared system prompt) gives what the engine without any cache gives alone."""
+    from dflash_core.prefix_cache import PrefixCache
+
+    cold = engines[family]
+    cached = Engine(cold.target, cold.tokenizer, cold.drafter, prefill_chunk=16, prefix_cache=PrefixCache(10**8))
+    eos = sorted(cold.eos_token_ids)[0]
+    system = _prompt(cold, 18, 9) + [eos]  # a message boundary: snapshotted at prefill
+    first = [Row(system + _prompt(cold, 5, i), 12) for i in range(3)]
+    answers = _together(cached, first)
+    # Next turns extend the first conversations (their finished rows were snapshotted).
+    second = [Row(r.prompt + a + [eos] + _prompt(cold, 4, 10 + i), 10, SEEDED if i else SamplingParams(),
+                  join_at=i) for i, (r, a) in enumerate(zip(first, answers))]
+    assert _together(cached, second) == [_alone(cold, r) for r in second]
+    assert answers == [_alone(cold, r) for r in first]
+    assert cached.prefix_cache.stats.hits >= 3
