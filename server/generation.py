@@ -64,10 +64,11 @@ class Run:
                 grammar=self.grammar,
                 reasoning_budget=self.prompt.reasoning_budget,
                 speculation=self.speculation,
-                batched=True,
+                batched=self.scheduler.batching,
             ),
             loop=asyncio.get_running_loop(),
-            engine=engine,  # steps together with the model's other generations
+            engine=engine,
+            together=self.scheduler.batching,  # steps with the model's other generations, else alone
             tokens=len(self.prompt.tokens) + (self.max_tokens or engine.max_context or 0),
         )
         try:

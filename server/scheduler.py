@@ -40,9 +40,11 @@ class Job:
 
     start: Callable[[], Iterator[Any]]
     loop: asyncio.AbstractEventLoop
-    # The engine whose batched stream `start` returns (`generate(..., batched=True)`): jobs of one
-    # engine step together. None: a plain iterator, stepped alone.
+    # The engine the job runs on (its memory per token decides admission), and whether `start`
+    # returns its batched stream (`generate(..., batched=True)`), stepped with the engine's other
+    # such jobs. Without an engine, or not together: an iterator of chunks, stepped alone.
     engine: Any = None
+    together: bool = False
     tokens: int = 0  # the most tokens its caches will hold (prompt + max_tokens): its memory's measure
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -58,8 +60,9 @@ class Job:
 
 class Scheduler:
     def __init__(self, *, queue_size: int = 64, max_active: int = 8, memory_fraction: Optional[float] = None,
-                 memory_size: Optional[int] = None):
+                 memory_size: Optional[int] = None, batching: bool = True):
         self.queue_size = queue_size
+        self.batching = batching  # whether the server's jobs come with their engine, to step together
         self.max_active = max_active
         # Admission by memory (None: by max_active only): the device's memory (or `memory_size`).
         self.memory_budget = None if memory_fraction is None else int(memory_fraction * (memory_size or _device_memory()))
@@ -211,7 +214,7 @@ class Scheduler:
         for job in list(self._active):
             if job.cancelled.is_set():
                 self._finish(job, None)
-            elif job.engine is None:
+            elif job.engine is None or not job.together:
                 self._step(job)
             elif self._started(job):
                 together.setdefault(id(job.engine), (job.engine, []))[1].append(job)

@@ -37,7 +37,8 @@ class ServerState:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.scheduler = Scheduler(queue_size=settings.server.queue_size, max_active=settings.server.max_active,
-                                   memory_fraction=settings.server.batch_memory_fraction)
+                                   memory_fraction=settings.server.batch_memory_fraction,
+                                   batching=settings.server.batching)
         self.pool = ModelPool(settings, self.scheduler)
         self.metrics = Metrics(self.scheduler)
         self.responses = ResponseStore(settings.server.stored_responses)

@@ -194,7 +194,7 @@ def _serve_jobs(engine, scheduler, prompts, max_tokens: int) -> list[list[int]]:
     async def scenario():
         loop = asyncio.get_running_loop()
         jobs = [Job(start=lambda p=p: engine.generate(p, max_tokens=max_tokens, stop_token_ids=set(), batched=True),
-                    loop=loop, engine=engine, tokens=len(p) + max_tokens) for p in prompts]
+                    loop=loop, engine=engine, together=True, tokens=len(p) + max_tokens) for p in prompts]
         for job in jobs:
             scheduler.submit(job)
         out = []
@@ -271,3 +271,42 @@ def test_rows_restore_and_leave_prefix_cache_snapshots(engines, family):
     assert _together(cached, second) == [_alone(cold, r) for r in second]
     assert answers == [_alone(cold, r) for r in first]
     assert cached.prefix_cache.stats.hits >= 3
+
+
+def test_the_server_with_batching_on_answers_concurrent_requests_as_one_at_a_time(qwen3_pair):
+    """`server.batching: true`: concurrent chat completions (streamed and not) get exactly the
+    answers they get one at a time."""
+    import json
+    import threading
+
+    import httpx
+    from live_server import LiveServer
+
+    from dflash_core.settings import ModelSettings, ServerSettings, Settings
+
+    target, drafter = qwen3_pair
+    settings = Settings(server=ServerSettings(batching=True), prefix_cache_gb=0, models=[
+        ModelSettings(name="tiny", target=str(target), drafter=str(drafter), speculation="on")])
+    eos = json.loads((target / "generation_config.json").read_text())["eos_token_id"]
+    ban = {str(t): -100 for t in (eos if isinstance(eos, list) else [eos])}  # every answer runs to max_tokens
+    bodies = [{"model": "tiny", "prompt": f"Tell me about item {i} " * (1 + i), "max_tokens": 24, "logit_bias": ban,
+               "temperature": 0.7 if i % 2 else 0, "seed": i, "stream": i == 2} for i in range(4)]
+
+    def ask(url, body):
+        response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        if not body["stream"]:
+            return response.json()["choices"][0]["text"]
+        lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
+        return "".join(c["choices"][0].get("text") or "" for c in map(json.loads, lines) if c["choices"])
+
+    with LiveServer(settings) as server:
+        alone = [ask(server.url, b) for b in bodies]
+        together = [None] * len(bodies)
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(server.url, bodies[i])))
+                   for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert together == alone and all(alone)
