@@ -78,10 +78,14 @@ class Rows:
     offsets: list[mx.array] = field(init=False)  # the same as arrays, for RoPE: no retracing
     # Per row, what its layers share: masks by buffer length (`cached_attention`).
     masks: list[dict] = field(init=False)
+    # Per row, its rollback record (None unless recorded); a family whose caches do not all trim
+    # appends each such layer's record to its `states`.
+    records: list[Optional[RollbackRecord]] = field(init=False)
 
     def __post_init__(self):
         self.offsets = [mx.array(s) for s in self.starts]
         self.masks = [{} for _ in self.rows]
+        self.records = [RollbackRecord(r.tokens.shape[1]) if r.record else None for r in self.rows]
 
     def caches(self, i: int) -> list:
         """Layer `i`'s cache of every row."""
@@ -233,8 +237,8 @@ class TargetAdapter:
 
     def run_rows(self, tokens: mx.array, rows: Rows, tap_ids: Sequence[int]):
         """`run_layers` for rows: `tokens` [1, sum L] are the rows' tokens one after another;
-        returns (last hidden, {layer id: output}) over all of them. Families whose caches all trim
-        implement it (their rollback records carry nothing per layer)."""
+        returns (last hidden, {layer id: output}) over all of them. A layer whose cache does not
+        trim records what its rollback needs in `rows.records` (Qwen3.5's GatedDeltaNet)."""
         raise NotImplementedError
 
     def position(self, cache: list) -> int:
@@ -297,9 +301,8 @@ class TargetAdapter:
         picks = [(e - 1, e) if r.last_logits_only else (s, e) for r, (s, e) in zip(rows, bounds)]
         logits = self.logits(join([part(h, s, e) for s, e in picks]))
         outputs, at = [], 0
-        for r, (s, e), (ps, pe) in zip(rows, bounds, picks):
+        for (s, e), (ps, pe), record in zip(bounds, picks, state.records):
             taps = mx.concatenate([part(tapped[i], s, e) for i in tap_ids], axis=-1) if tap_ids else None
-            record = RollbackRecord(e - s) if r.record else None
             outputs.append(TargetOutput(part(logits, at, at + pe - ps), taps, record))
             at += pe - ps
         return outputs

@@ -23,7 +23,7 @@ copy what they keep, cache.owned). With a matmul that rounds a row the same what
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,7 +34,7 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import ForwardRow, RollbackRecord, TargetAdapter, TargetOutput, cached_attention, gated_mlp_group
+from .base import Rows, TargetAdapter, cached_attention, gated_mlp_group, heads_first, join, part, rotary
 
 
 class GatedDeltaRecord(NamedTuple):
@@ -114,17 +114,6 @@ def gated_attention_inputs(layer, groups: dict, kernels):
     return pre
 
 
-def rotary(attn):
-    """One row's q, k, v in the layout of the cache and attention [B, heads, L, D], with RoPE at the
-    row's offset (an array, so that offsets do not retrace)."""
-
-    def rope(q, k, v, offset):
-        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
-
-    return rope
-
-
 def gated_attention_output_and_mlp(layer, groups: dict, kernels):
     def post(h, attended, gate):
         B, L, _ = h.shape
@@ -133,17 +122,6 @@ def gated_attention_output_and_mlp(layer, groups: dict, kernels):
         return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
 
     return post
-
-
-def _part(x: mx.array, start: int, end: int, axis: int = 1) -> mx.array:
-    """x[start:end] along `axis`; x itself where that is all of it (one row: no op is added)."""
-    if start == 0 and end == x.shape[axis]:
-        return x
-    return x[(slice(None),) * axis + (slice(start, end),)]
-
-
-def _join(parts: list, axis: int = 1) -> mx.array:
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
 def _consecutive(spans: list) -> bool:
@@ -155,11 +133,11 @@ def _stack(x: mx.array, spans: list) -> mx.array:
     reshape of one block where the rows sit one after another, else their slices stacked. One row
     is its own slice, as it was before rows were grouped."""
     if len(spans) == 1:
-        return _part(x, *spans[0])
+        return part(x, *spans[0])
     length = spans[0][1] - spans[0][0]
     if _consecutive(spans):
-        return _part(x, spans[0][0], spans[-1][1]).reshape(len(spans), length, *x.shape[2:])
-    return mx.concatenate([_part(x, s, e) for s, e in spans], axis=0)
+        return part(x, spans[0][0], spans[-1][1]).reshape(len(spans), length, *x.shape[2:])
+    return mx.concatenate([part(x, s, e) for s, e in spans], axis=0)
 
 
 def _row(x: mx.array, j: int, rows: list) -> mx.array:
@@ -192,67 +170,24 @@ class Qwen35Adapter(TargetAdapter):
             groups = {"qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]}
         return {**groups, **gated_mlp_group(layer.mlp)}
 
-    def _in_rows(self, tokens: mx.array) -> bool:
-        """Decode and verify forwards run as rows (compiled blocks); prefill keeps mlx-lm's layers."""
-        return tokens.shape[0] == 1 and tokens.shape[1] <= self.compile_max_tokens
+    def position(self, cache: list) -> int:
+        """Tokens held: any attention layer's offset (GatedDeltaNet caches keep no count)."""
+        return next(c for c, layer in zip(cache, self.layers) if not layer.is_linear).offset
 
-    def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False) -> TargetOutput:
-        # A small forward is the one-row case of `forward_rows`: the same compiled functions and op
-        # order whether a generation runs alone or with others.
-        if self._in_rows(tokens):
-            return self.forward_rows([ForwardRow(tokens, cache, last_logits_only, record)], tap_ids)[0]
-        return super().forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
-
-    def forward_rows(self, rows: Sequence[ForwardRow], tap_ids: Sequence[int] = ()) -> list[TargetOutput]:
-        """The small rows as one forward (rows concatenated along the token axis, in order), the
-        others (prefill) one by one. A row gets exactly its `forward` where a product rounds a row
-        the same whatever the other rows: MLX's CPU reference BLAS does; MKL (M=1 is a GEMV),
-        cuBLAS and our CUDA 4-bit kernel (at most 16 rows, MLX's matmul beyond) need not."""
-        outputs: list[Optional[TargetOutput]] = [None] * len(rows)
-        small = {i for i, r in enumerate(rows) if self._in_rows(r.tokens)}
-        for i, r in enumerate(rows):
-            if i not in small:  # prefill: alone, through mlx-lm's layers
-                outputs[i] = super().forward(r.tokens, r.cache, tap_ids, last_logits_only=r.last_logits_only,
-                                             record=r.record)
-        if small:
-            members = sorted(small)
-            for i, out in zip(members, self._run_rows([rows[i] for i in members], tap_ids)):
-                outputs[i] = out
-        return outputs
-
-    def _run_rows(self, rows: Sequence[ForwardRow], tap_ids: Sequence[int]) -> list[TargetOutput]:
+    def run_rows(self, tokens, rows: Rows, tap_ids):
         # Every op on the concatenation is per token; a new total length traces the per-token
         # blocks again (a row's own blocks trace once per row length).
-        records = [RollbackRecord(r.tokens.shape[1]) if r.record else None for r in rows]
-        bounds, end = [], 0
-        for r in rows:
-            bounds.append((end, end + r.tokens.shape[1]))
-            end += r.tokens.shape[1]
-        h = self.embed(_join([r.tokens for r in rows]))
-        # Each row's position (every attention cache of a row has the same offset), as an array
-        # for RoPE and as an int for the masks, which a row's attention layers share by buffer length.
-        starts = [next(c for c, layer in zip(r.cache, self.layers) if not layer.is_linear).offset for r in rows]
-        offsets = [mx.array(s) for s in starts]
-        masks = [{} for _ in rows]
-        states = [None if rec is None else rec.states for rec in records]
+        h = self.embed(tokens)
+        states = [None if record is None else record.states for record in rows.records]
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
-            caches = [r.cache[i] for r in rows]
             if layer.is_linear:
-                h = self._gated_delta(i, layer, groups, h, bounds, caches, states, compiled=True)
+                h = self._gated_delta(i, layer, groups, h, rows.bounds, rows.caches(i), states, compiled=True)
             else:
-                h = self._attention_rows(i, layer, groups, h, bounds, caches, offsets, starts, masks)
+                h = self._attention_rows(i, layer, groups, h, rows)
             if i in tap_ids:
                 tapped[i] = h
-        # The LM head once, over the positions each row wants.
-        picks = [(e - 1, e) if r.last_logits_only else (s, e) for r, (s, e) in zip(rows, bounds)]
-        logits = self.logits(_join([_part(h, s, e) for s, e in picks]))
-        outputs, at = [], 0
-        for r, (s, e), (ps, pe), rec in zip(rows, bounds, picks, records):
-            taps = mx.concatenate([_part(tapped[i], s, e) for i in tap_ids], axis=-1) if tap_ids else None
-            outputs.append(TargetOutput(_part(logits, at, at + pe - ps), taps, rec))
-            at += pe - ps
-        return outputs
+        return h, tapped
 
     def _gated_delta(self, i, layer, groups, h, bounds, caches, states, compiled: bool):
         """A GatedDeltaNet layer over rows: projections and MLP on all of h; the conv and the
@@ -284,8 +219,8 @@ class Qwen35Adapter(TargetAdapter):
                 conv_states.append(conv_state)
                 recurrent.append(state)
             mix = block(("gdn_mix", step_states), lambda: gated_delta_mixer(m, step_states))
-            y, conv_state, state, conv_input, kept = mix(_stack(qkv, spans), _join(conv_states, 0),
-                                                         _join(recurrent, 0), _stack(g, spans), _stack(beta, spans))
+            y, conv_state, state, conv_input, kept = mix(_stack(qkv, spans), join(conv_states, 0),
+                                                         join(recurrent, 0), _stack(g, spans), _stack(beta, spans))
             for j, r in enumerate(rows):
                 layer_cache, (s, e) = caches[r], bounds[r]
                 layer_cache[0], layer_cache[1] = _row(conv_state, j, rows), _row(state, j, rows)
@@ -293,25 +228,26 @@ class Qwen35Adapter(TargetAdapter):
                     if step_states:
                         steps, after_each = None, _row(kept, j, rows)
                     else:
-                        steps, after_each = (*(_row(x, j, rows) for x in kept), _part(g, s, e), _part(beta, s, e)), None
+                        steps, after_each = (*(_row(x, j, rows) for x in kept), part(g, s, e), part(beta, s, e)), None
                     states[r].append(GatedDeltaRecord(_row(conv_input, j, rows), recurrent[j], steps, after_each))
             for r, piece in _unstack(y, rows):
                 ys[r] = piece
         ys = [y for y in ys if y is not None]
-        return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, self.kernels))(h, _join(ys), z)
+        return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, self.kernels))(h, join(ys), z)
 
-    def _attention_rows(self, i, layer, groups, h, bounds, caches, offsets, starts, masks):
+    def _attention_rows(self, i, layer, groups, h, rows: Rows):
         """An attention layer over rows: projections and MLP on all of h; RoPE at the row's offset,
         the cache update and attention per row."""
         q, k, v, gate = self.compiled(("attn_in", i), lambda: gated_attention_inputs(layer, groups, self.kernels))(h)
         rope = self.compiled(("rope", i), lambda: rotary(layer.self_attn))
         attended = []
-        for (s, e), layer_cache, offset, start, row_masks in zip(bounds, caches, offsets, starts, masks):
-            q_row, k_row, v_row = rope(_part(q, s, e), _part(k, s, e), _part(v, s, e), offset)
-            attended.append(cached_attention(q_row, k_row, v_row, layer_cache, layer.self_attn.scale, start,
-                                             row_masks, self.kernels))
+        for (s, e), layer_cache, offset, start, row_masks in zip(rows.bounds, rows.caches(i), rows.offsets,
+                                                                 rows.starts, rows.masks):
+            q_row, k_row = rope(offset, part(q, s, e), part(k, s, e))
+            attended.append(cached_attention(q_row, k_row, heads_first(part(v, s, e)), layer_cache,
+                                             layer.self_attn.scale, start, row_masks, self.kernels))
         post = self.compiled(("attn_out", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels))
-        return post(h, _join(attended, 2), gate)
+        return post(h, join(attended, 2), gate)
 
     def run_layers(self, tokens, cache, tap_ids, states):
         """Prefill (and any forward not in rows): eager, mlx-lm's own attention layers."""
