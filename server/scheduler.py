@@ -60,7 +60,7 @@ class Job:
 
 class Scheduler:
     def __init__(self, *, queue_size: int = 64, max_active: int = 8, memory_fraction: Optional[float] = None,
-                 memory_size: Optional[int] = None, batching: bool = True):
+                 memory_size: Optional[int] = None, batching: bool = False):
         self.queue_size = queue_size
         self.batching = batching  # whether the server's jobs come with their engine, to step together
         self.max_active = max_active
