@@ -130,7 +130,7 @@ def test_bad_input_is_anthropic_shaped(live, body, status):
     error = response.json()
     assert error["type"] == "error" and set(error["error"]) == {"type", "message"} and error["error"]["message"]
     assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
-    assert live.client.messages.create(model="tiny", messages=HI, max_tokens=2).usage.output_tokens == 2
+    assert live.client.messages.create(model="tiny", messages=HI, max_tokens=2, **GREEDY).usage.output_tokens == 2
 
 
 def test_tool_use_round_trip(scripted):
