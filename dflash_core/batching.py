@@ -37,11 +37,13 @@ class TargetCall:
 @dataclass
 class DraftCall:
     """A drafter block a generation needs: its last committed token (on the device), its drafter
-    context and the block's width. The answer is the width-1 proposals."""
+    context, the block's width and the taps to add to the context first (None: none). The answer
+    is the width-1 proposals."""
 
     bonus: mx.array
     context: list
     width: int
+    taps: Optional[mx.array] = None
 
 
 def serve(engine, call):
@@ -50,6 +52,8 @@ def serve(engine, call):
         r = call.row
         return engine.target.forward(r.tokens, r.cache, call.tap_ids, last_logits_only=r.last_logits_only,
                                      record=r.record)
+    if call.taps is not None:
+        engine.drafter.add_context(call.taps, call.context)
     return engine.drafter.propose(call.bonus, engine.target, call.context, call.width)
 
 
@@ -119,6 +123,12 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
 
 def _draft_rows(engine, calls: list[DraftCall]) -> list[mx.array]:
     drafter = engine.drafter
+    adding = [(c.taps, c.context) for c in calls if c.taps is not None]
+    if len(adding) > 1 and hasattr(drafter, "add_context_rows"):
+        drafter.add_context_rows(adding)
+    else:
+        for taps, context in adding:
+            drafter.add_context(taps, context)
     if len(calls) > 1 and hasattr(drafter, "propose_rows"):
         from .drafter import DraftRow
 

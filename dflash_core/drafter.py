@@ -7,9 +7,9 @@ cycles, never rolled back because only committed positions are ever added) and l
 B-1 tokens (argmax of each row: one denoising step).
 
 Several generations draft in one forward (`propose_rows`, `add_context_rows`): their blocks are
-concatenated along the token axis for the per-token work, RoPE and attention run per row. One
-generation is the one-row case, so where a product's rows are independent (the CPU's reference
-BLAS) a row's drafts are exactly what it gets alone.
+concatenated along the token axis for the per-token work; RoPE and attention run on them as one
+batch over their contexts stacked (`BlockBatch`, rows.py). Where a product's rows are independent
+(the CPU's reference BLAS) a row's drafts are exactly what it gets alone.
 
 Checkpoint format and config layouts: docs/formats.md (z-lab `DFlashDraftModel`).
 """
@@ -34,6 +34,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .kernels import DEFAULT_KERNELS, KernelOptions
 from .kernels.attention import attention
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
+from .rows import from_batch, stack_buffers, to_batch, write_rows
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +277,62 @@ class DrafterAttention(nn.Module):
         return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
 
 
+    def over_batch(self, x: mx.array, batch: "BlockBatch", context: tuple[mx.array, mx.array], mask: mx.array,
+                   kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
+        """`over_rows` with the rows' attention as one batch: RoPE at every row's offset in one op,
+        one attention over the rows' contexts stacked [rows, Hkv, T, D] and their blocks."""
+        B, L, _ = x.shape
+        q = self.q_norm(linear(self.q_proj, x, kernels).reshape(B, L, self.n_heads, -1))
+        kv = self.kv_input if self.kv_input is not None else [self.k_proj, self.v_proj]
+        k, v = linears(kv, x, kernels)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1))
+        v = v.reshape(B, L, self.n_kv_heads, -1)
+        q, k, v = (to_batch(a, batch.bounds, batch.width).transpose(0, 2, 1, 3) for a in (q, k, v))
+        q, k = self.rope(q, offset=batch.offsets), self.rope(k, offset=batch.offsets)
+        out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
+        out = from_batch(out.transpose(0, 2, 1, 3), batch.bounds)
+        return linear(self.o_proj, out.reshape(B, L, -1), kernels)
+
+
+class BlockBatch:
+    """The blocks of several generations as one batch (`DFlashDrafter.hidden_rows`): where each
+    row's tokens sit, the widest block, every row's first position, and per layer its contexts
+    stacked and the mask of what each query sees of [context ; block]."""
+
+    def __init__(self, widths: Sequence[int], starts: Sequence[int]):
+        ends = list(itertools.accumulate(widths))
+        self.bounds = [(e - w, e) for w, e in zip(widths, ends)]
+        self.width = max(widths)
+        self.offsets = mx.array(list(starts))
+        self._widths = mx.array(list(widths))
+        self._masks: dict = {}
+
+    def context(self, caches: Sequence[KVCache], attn: "DrafterAttention", dtype) -> tuple[mx.array, mx.array]:
+        size = max([c.keys.shape[2] for c in caches if c.keys is not None] + [0])
+        like = mx.zeros((1, attn.n_kv_heads, 0, attn.head_dim), dtype)
+        return (stack_buffers([c.keys for c in caches], size, like), stack_buffers([c.values for c in caches], size, like))
+
+    def mask(self, cfg: "DrafterConfig", layer: int, size: int) -> mx.array:
+        """[rows, 1, width, size + width]: a row's queries see its context (positions before its
+        start) and its own block's keys (causal, windowed, as the layer is), never padding."""
+        key = (cfg.is_causal(layer), cfg.is_sliding(layer), size)
+        if key not in self._masks:
+            starts = self.offsets.reshape(-1, 1, 1, 1)
+            q_pos = starts + mx.arange(self.width).reshape(1, 1, -1, 1)
+            ctx_pos = mx.arange(size).reshape(1, 1, 1, -1)
+            block = mx.arange(self.width).reshape(1, 1, 1, -1)
+            sees_ctx = ctx_pos < starts
+            sees_block = block < self._widths.reshape(-1, 1, 1, 1)
+            if cfg.is_causal(layer):
+                sees_block = sees_block & (block <= mx.arange(self.width).reshape(1, 1, -1, 1))
+            if cfg.is_sliding(layer):
+                sees_ctx = sees_ctx & (q_pos - ctx_pos < cfg.sliding_window)
+                sees_block = sees_block & (mx.abs(q_pos - (starts + block)) < cfg.sliding_window)
+            self._masks[key] = mx.concatenate([mx.broadcast_to(sees_ctx, (*q_pos.shape[:3], size)),
+                                               mx.broadcast_to(sees_block, (*q_pos.shape[:3], self.width))], axis=-1)
+        return self._masks[key]
+
+
 class BlockRow(NamedTuple):
     """One row of a layer's forward: its context (K, V), first query's position, mask over [context ; block], tokens."""
 
@@ -308,6 +365,10 @@ class DrafterLayer(nn.Module):
 
     def over_rows(self, h, rows: Sequence[BlockRow], kernels: KernelOptions = DEFAULT_KERNELS):
         h = h + self.self_attn.over_rows(self.input_layernorm(h), rows, kernels)
+        return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu, kernels, self.gate_up_input)
+
+    def over_batch(self, h, batch: BlockBatch, context, mask, kernels: KernelOptions = DEFAULT_KERNELS):
+        h = h + self.self_attn.over_batch(self.input_layernorm(h), batch, context, mask, kernels)
         return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu, kernels, self.gate_up_input)
 
 
@@ -354,13 +415,21 @@ class DFlashDrafter(nn.Module):
 
     def add_context_rows(self, rows: Sequence[tuple[mx.array, list[KVCache]]]) -> None:
         """`add_context(taps, cache)` for each row, with fc, hidden_norm and the k/v projections run
-        once over all rows' positions (RoPE and the cache writes per row)."""
+        once over all rows' positions, RoPE and the cache writes for all rows at once."""
         widths = [taps.shape[1] for taps, _ in rows]
         c = self.hidden_norm(self.fc(_concat([taps for taps, _ in rows], axis=1)))
+        if len(rows) > 1:  # the writes for all rows at once, into their buffers stacked
+            bounds = [(e - w, e) for w, e in zip(widths, itertools.accumulate(widths))]
+            starts = [cache[0].offset for _, cache in rows]
+            offsets = mx.array(starts)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.unrotated_keys_values(c, self.kernels)
-            for (_, cache), k_i, v_i in zip(rows, _split(k, widths, axis=2), _split(v, widths, axis=2)):
-                cache[i].update_and_fetch(layer.self_attn.rope(k_i, offset=cache[i].offset), v_i)
+            if len(rows) == 1:
+                cache = rows[0][1][i]
+                cache.update_and_fetch(layer.self_attn.rope(k, offset=cache.offset), v)
+                continue
+            k, v = (to_batch(a.transpose(0, 2, 1, 3), bounds, max(widths)).transpose(0, 2, 1, 3) for a in (k, v))
+            write_rows([cache[i] for _, cache in rows], starts, widths, layer.self_attn.rope(k, offset=offsets), v)
 
     def _block_row(self, layer: int, cache: KVCache, start: int, block: int) -> BlockRow:
         """A block's row of one layer: its context buffer and the boolean mask of what each block
@@ -399,9 +468,17 @@ class DFlashDrafter(nn.Module):
         """`hidden` of several blocks concatenated along the token axis, each at its own cache's offset."""
         starts = [cache[0].offset for cache in caches]
         h = embeddings * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeddings
+        if len(caches) == 1:
+            for i, layer in enumerate(self.layers):
+                h = layer.over_rows(h, [self._block_row(i, caches[0][i], starts[0], widths[0])], self.kernels)
+            return self.norm(h)
+        # Several rows: each layer's attention for all of them at once over their stacked contexts
+        # (the masks hide each row's padding and the stale tail of its buffer).
+        batch = BlockBatch(widths, starts)
         for i, layer in enumerate(self.layers):
-            rows = [self._block_row(i, cache[i], start, width) for cache, start, width in zip(caches, starts, widths)]
-            h = layer.over_rows(h, rows, self.kernels)
+            context = batch.context([cache[i] for cache in caches], layer.self_attn, h.dtype)
+            mask = batch.mask(self.config, i, context[0].shape[2])
+            h = layer.over_batch(h, batch, context, mask, self.kernels)
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head) -> mx.array:

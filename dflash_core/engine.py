@@ -69,14 +69,22 @@ class DecodeState:
     context: Optional[list]
     fed: list[int]
     pending: Optional[RollbackRecord] = None  # of a step queued ahead, not yet accepted or rolled back
-    # Taps of plain steps not yet in the drafter's context: added in one block before the next
-    # cycle (or a snapshot), not one drafter forward per token while cycles are off.
+    # Taps not yet in the drafter's context (a cycle's accepted positions, plain steps'): added in
+    # one block with the next cycle's draft (or before a snapshot), not one drafter forward per
+    # token while cycles are off.
     untapped: list = field(default_factory=list)
 
+    def take_untapped(self) -> Optional[mx.array]:
+        """The taps not yet in the drafter's context, as one block (None: there are none)."""
+        taps = None if not self.untapped else self.untapped[0] if len(self.untapped) == 1 else \
+            mx.concatenate(self.untapped, axis=1)
+        self.untapped = []
+        return taps
+
     def catch_up(self, drafter) -> None:
-        if self.untapped:
-            drafter.add_context(mx.concatenate(self.untapped, axis=1), self.context)
-            self.untapped = []
+        taps = self.take_untapped()
+        if taps is not None:
+            drafter.add_context(taps, self.context)
 
 
 @dataclass
@@ -309,7 +317,7 @@ class Engine:
             if state.pending is not None:  # undo the step queued ahead that will not be read
                 self.target.rollback(state.cache, state.pending, keep=0)
                 state.pending = None
-            state.catch_up(self.drafter)  # (only speculating generations have plain steps' taps)
+            state.catch_up(self.drafter)  # (the taps of the last steps, speculating generations only)
             self.prefix_cache.insert(state.fed, state.cache, state.context)
 
     def _snapshot_points(self, prompt, start: int) -> tuple[list[int], Optional[int]]:
@@ -446,8 +454,9 @@ class Engine:
                 return committed, choice, scorer.read(scored, committed), 0
 
             return Launched(read_step, choice)
-        state.catch_up(drafter)  # the plain steps since the last cycle
-        drafts = yield DraftCall(token, context, width)
+        # The drafter's context takes the taps since the last cycle (its accepted positions, the
+        # plain steps' since) in the same call as the draft: batched, one write for all rows.
+        drafts = yield DraftCall(token, context, width, state.take_untapped())
         mx.async_eval(drafts)  # the draft runs while the verify graph is built
         verify = yield TargetCall(ForwardRow(mx.concatenate([token, drafts])[None], cache, record=True), tap_ids)
         allowed = None
@@ -465,7 +474,7 @@ class Engine:
             accepted = accepted_length(proposed, picks)
             target.rollback(cache, verify.rollback, keep=accepted + 1)
             state.pending = None
-            drafter.add_context(verify.tapped_hidden[:, : accepted + 1], context)
+            state.untapped.append(verify.tapped_hidden[:, : accepted + 1])
             state.fed += token.tolist() + proposed[:accepted]
             committed = proposed[:accepted] + [picks[accepted]]
             sampler.commit(mx.array(committed, dtype=mx.int32))

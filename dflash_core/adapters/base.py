@@ -31,6 +31,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from ..kernels import DEFAULT_KERNELS, KernelOptions
 from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
+from ..rows import from_batch, part, to_batch, write_rows
 
 
 @dataclass
@@ -82,21 +83,23 @@ class Rows:
     # appends each such layer's record to its `states`.
     records: list[Optional[RollbackRecord]] = field(init=False)
 
+    # The rows' attention as one batch (`attend_rows`): the longest row's length, every row's
+    # offset as one array, and the masks of that layout by buffer length.
+    longest: int = field(init=False)
+    batch_offsets: mx.array = field(init=False)
+    batch_masks: dict = field(init=False)
+
     def __post_init__(self):
         self.offsets = [mx.array(s) for s in self.starts]
         self.masks = [{} for _ in self.rows]
         self.records = [RollbackRecord(r.tokens.shape[1]) if r.record else None for r in self.rows]
+        self.longest = max(e - s for s, e in self.bounds)
+        self.batch_offsets = mx.array(self.starts)
+        self.batch_masks = {}
 
     def caches(self, i: int) -> list:
         """Layer `i`'s cache of every row."""
         return [r.cache[i] for r in self.rows]
-
-
-def part(x: mx.array, start: int, end: int, axis: int = 1) -> mx.array:
-    """x[start:end] along `axis`; x itself where that is all of it (one row adds no op)."""
-    if start == 0 and end == x.shape[axis]:
-        return x
-    return x[(slice(None),) * axis + (slice(start, end),)]
 
 
 def join(parts: Sequence[mx.array], axis: int = 1) -> mx.array:
@@ -133,6 +136,34 @@ def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict, kern
     if length not in masks:
         masks[length] = buffer_mask(length, start, queries)
     return attention(q, [k], [v], scale, masks[length], kernels)
+
+
+def attend_rows(q, k, v, rows: Rows, caches: Sequence, scale: float, rope, kernels: KernelOptions) -> mx.array:
+    """Attention of one layer for every row, q, k, v [1, sum L, heads, D] on the token axis (before
+    RoPE), each row's keys written into its KVCache: [1, Hq, sum L, D]. One row: `cached_attention`.
+    Several: one batch [rows, longest, ...] with every row's offset in one RoPE, the new keys
+    written into the rows' buffers stacked as one [rows, heads, T, D] (`rows.write_rows`) and one
+    attention over all rows with a mask [rows, 1, longest, T]; each row's cache then holds its part
+    of that batch. A row sees exactly its own keys, as alone; the buffer's extra
+    masked positions only add zeros to its softmax and its product with the values.
+    `rope(offset, q, k)`: `rotary`'s function."""
+    if len(rows.rows) == 1:
+        q_row, k_row = rope(rows.offsets[0], q, k)
+        return cached_attention(q_row, k_row, heads_first(v), caches[0], scale, rows.starts[0], rows.masks[0], kernels)
+    length = rows.longest
+    q_b, k_b = rope(rows.batch_offsets, to_batch(q, rows.bounds, length), to_batch(k, rows.bounds, length))
+    v_b = heads_first(to_batch(v, rows.bounds, length))
+    if ("write", length) not in rows.batch_masks:
+        positions = rows.batch_offsets[:, None] + mx.arange(length)[None]
+        rows.batch_masks[("write", length)] = positions.reshape(len(rows.rows), 1, length, 1)
+    positions = rows.batch_masks[("write", length)]
+    lengths = [e - s for s, e in rows.bounds]
+    keys, values = write_rows(caches, rows.starts, lengths, k_b, v_b, positions)
+    size = keys.shape[2]
+    if size not in rows.batch_masks:
+        rows.batch_masks[size] = mx.arange(size).reshape(1, 1, 1, size) <= positions
+    out = attention(q_b, [keys], [values], scale, rows.batch_masks[size], kernels)
+    return heads_first(from_batch(heads_first(out), rows.bounds))
 
 
 def gated_mlp_group(mlp: nn.Module) -> dict[str, list[nn.Module]]:

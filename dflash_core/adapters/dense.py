@@ -1,7 +1,7 @@
 """Plain pre-norm decoders whose layers are called as `layer(h, mask, cache)`: Qwen3 (dense and
 MoE). Every cache is a trimmable KV cache, so rollback is a trim. Prefill calls mlx-lm's layers;
 decode and verify run as rows (`TargetAdapter.run_rows`), each layer as compiled blocks for all
-rows around RoPE, the cache update and attention per row."""
+rows around one batched RoPE, cache update and attention (`attend_rows`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, cached_attention, gated_mlp_group, heads_first, join, part, rotary
+from .base import TargetAdapter, attend_rows, gated_mlp_group, rotary
 
 
 def attention_inputs(layer, groups: dict, kernels):
@@ -65,14 +65,9 @@ class DenseAdapter(TargetAdapter):
             attn = layer.self_attn
             q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
             rope = self.compiled(("rope", i), lambda: rotary(attn))
-            attended = []
-            for (s, e), layer_cache, offset, start, masks in zip(rows.bounds, rows.caches(i), rows.offsets,
-                                                                 rows.starts, rows.masks):
-                q_row, k_row = rope(offset, part(q, s, e), part(k, s, e))
-                attended.append(cached_attention(q_row, k_row, heads_first(part(v, s, e)), layer_cache, attn.scale,
-                                                 start, masks, self.kernels))
+            attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
             post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))
-            h = post(h, join(attended, axis=2))
+            h = post(h, attended)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

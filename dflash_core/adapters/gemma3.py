@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from ..cache import SlidingWindowCache
 from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear
-from .base import TargetAdapter, cached_attention, gated_mlp_group, heads_first, join, part, rotary
+from .base import TargetAdapter, attend_rows, gated_mlp_group, heads_first, join, part, rotary
 from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
 
@@ -89,9 +89,9 @@ class Gemma3Adapter(TargetAdapter):
         return h, tapped
 
     def run_rows(self, tokens, rows, tap_ids):
-        """Decode and verify. A verify's global layers attend over their cache's whole buffer with
-        its tail masked (`cached_attention`, as in the dense adapter), sliding layers over their ring
-        with its mask, taken per row before any layer writes."""
+        """Decode and verify. The global layers attend for all rows as one batch (`attend_rows`, as
+        in the dense adapter), sliding layers per row over their ring with its mask, taken per row
+        before any layer writes."""
         h = self._embed(tokens)
         sliding_masks = []
         for r, (s, e) in zip(rows.rows, rows.bounds):
@@ -102,18 +102,18 @@ class Gemma3Adapter(TargetAdapter):
             attn = layer.self_attn
             q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
             rope = self.compiled(("rope", i), lambda: rotary(attn))
-            attended = []
-            for (s, e), layer_cache, offset, start, masks, sliding_mask in zip(
-                    rows.bounds, rows.caches(i), rows.offsets, rows.starts, rows.masks, sliding_masks):
-                q_row, k_row = rope(offset, part(q, s, e), part(k, s, e))
-                v_row = heads_first(part(v, s, e))
-                if self._is_global(i):
-                    out = cached_attention(q_row, k_row, v_row, layer_cache, attn.scale, start, masks, self.kernels)
-                else:
-                    out = window_attention(q_row, k_row, v_row, layer_cache, attn.scale, sliding_mask, self.kernels)
-                attended.append(out)
+            if self._is_global(i):
+                attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
+            else:
+                parts = []
+                for (s, e), layer_cache, offset, sliding_mask in zip(rows.bounds, rows.caches(i), rows.offsets,
+                                                                     sliding_masks):
+                    q_row, k_row = rope(offset, part(q, s, e), part(k, s, e))
+                    parts.append(window_attention(q_row, k_row, heads_first(part(v, s, e)), layer_cache, attn.scale,
+                                                  sliding_mask, self.kernels))
+                attended = join(parts, axis=2)
             post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))
-            h = post(h, join(attended, axis=2))
+            h = post(h, attended)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

@@ -34,7 +34,7 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import Rows, TargetAdapter, cached_attention, gated_mlp_group, heads_first, join, part, rotary
+from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary
 
 
 class GatedDeltaRecord(NamedTuple):
@@ -236,18 +236,13 @@ class Qwen35Adapter(TargetAdapter):
         return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, self.kernels))(h, join(ys), z)
 
     def _attention_rows(self, i, layer, groups, h, rows: Rows):
-        """An attention layer over rows: projections and MLP on all of h; RoPE at the row's offset,
-        the cache update and attention per row."""
+        """An attention layer over rows: projections and MLP on all of h; RoPE, the cache update and
+        attention for all rows as one batch (`attend_rows`)."""
         q, k, v, gate = self.compiled(("attn_in", i), lambda: gated_attention_inputs(layer, groups, self.kernels))(h)
         rope = self.compiled(("rope", i), lambda: rotary(layer.self_attn))
-        attended = []
-        for (s, e), layer_cache, offset, start, row_masks in zip(rows.bounds, rows.caches(i), rows.offsets,
-                                                                 rows.starts, rows.masks):
-            q_row, k_row = rope(offset, part(q, s, e), part(k, s, e))
-            attended.append(cached_attention(q_row, k_row, heads_first(part(v, s, e)), layer_cache,
-                                             layer.self_attn.scale, start, row_masks, self.kernels))
+        attended = attend_rows(q, k, v, rows, rows.caches(i), layer.self_attn.scale, rope, self.kernels)
         post = self.compiled(("attn_out", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels))
-        return post(h, join(attended, 2), gate)
+        return post(h, attended, gate)
 
     def run_layers(self, tokens, cache, tap_ids, states):
         """Prefill (and any forward not in rows): eager, mlx-lm's own attention layers."""

@@ -1,0 +1,152 @@
+"""Where a batched speculative step spends its time: each part of one step, at N rows, timed alone.
+
+    python benchmarks/batch_step_parts.py --shape qwen3.5-9b --rows 1,8 --context 1024
+
+For N generations whose caches hold --context tokens (random weights, `random_models`), times the
+parts of one cycle of all of them: the drafter's block (`propose_rows`), the target's verify of N
+blocks of 16 (`forward_rows`), each row's sampling of its 16 choices, each row's rollback to 6
+tokens and its drafter-context update (one `add_context` per row, as the engine does, and one
+`add_context_rows` for all), and the host read. Each part is timed twice: building its graph on the
+host (Python and MLX's graph, no device work) and building plus evaluating it, median of --repeat
+runs after a warm-up; a part whose build time is close to its total is host-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _timed(fn, repeat: int, evaluate):
+    """(median build seconds, median build+eval seconds) of `fn`; `evaluate(out)` evaluates its output."""
+    import mlx.core as mx
+
+    builds, totals = [], []
+    for i in range(repeat + 1):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        evaluate(out)
+        mx.synchronize()
+        t2 = time.perf_counter()
+        if i:  # the first run traces compiled blocks
+            builds.append(t1 - t0)
+            totals.append(t2 - t0)
+    return statistics.median(builds), statistics.median(totals)
+
+
+def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
+    import mlx.core as mx
+
+    from dflash_core.adapters import ForwardRow
+    from dflash_core.cache import cache_arrays
+    from dflash_core.drafter import DraftRow
+    from dflash_core.sampling import Sampler, SamplingParams
+
+    block, taps = drafter.block_size, drafter.config.target_layer_ids
+    caches, contexts = [], []
+    for r in range(rows):
+        prompt = mx.random.randint(0, target.vocab_size, (1, context), key=mx.random.key(r))
+        cache, ctx = target.make_cache(max_rollback=block), drafter.make_cache()
+        for s in range(0, context, 512):
+            out = target.forward(prompt[:, s:s + 512], cache, taps, last_logits_only=True)
+            drafter.add_context(out.tapped_hidden, ctx)
+            mx.eval(cache_arrays(cache), cache_arrays(ctx))
+        caches.append(cache)
+        contexts.append(ctx)
+    bonus = [mx.array([7 + r], dtype=mx.int32) for r in range(rows)]
+    parts = {}
+
+    def evaluate(out):
+        mx.eval(out)
+
+    def draft():
+        return drafter.propose_rows([DraftRow(b, c, block) for b, c in zip(bonus, contexts)], target)
+
+    parts["draft"] = _timed(draft, repeat, evaluate)
+    drafts = draft()
+    blocks = [mx.concatenate([b, d])[None] for b, d in zip(bonus, drafts)]
+
+    # The caches grow by a block per timed run (a few blocks: the same buffer sizes throughout).
+    def verify():
+        outs = target.forward_rows([ForwardRow(t, c, record=True) for t, c in zip(blocks, caches)], taps)
+        return outs, caches
+
+    parts["verify"] = _timed(verify, repeat, lambda o: mx.eval([(x.logits, x.tapped_hidden) for x in o[0]],
+                                                                 cache_arrays([c for cs in o[1] for c in cs])))
+    outs, verified = verify()
+    mx.eval([x.logits for x in outs])
+    samplers = [Sampler(SamplingParams(), target.vocab_size) for _ in range(rows)]
+
+    def sample():
+        return [s.choose(o.logits[0], d, 1, None) for s, o, d in zip(samplers, outs, drafts)]
+
+    parts["sample"] = _timed(sample, repeat, evaluate)
+    keep = 6
+
+    def rollback():  # (the attention caches trim a little further each run)
+        for c, o in zip(verified, outs):
+            target.rollback(c, o.rollback, keep=keep)
+        return verified
+
+    parts["rollback"] = _timed(rollback, repeat, lambda cs: mx.eval(cache_arrays([c for x in cs for c in x])))
+
+    def context_each():
+        for o, ctx in zip(outs, contexts):
+            drafter.add_context(o.tapped_hidden[:, :keep], ctx)
+        return contexts
+
+    def context_rows():
+        drafter.add_context_rows([(o.tapped_hidden[:, :keep], ctx) for o, ctx in zip(outs, contexts)])
+        return contexts
+
+    ctx_eval = lambda ctxs: mx.eval(cache_arrays([c for x in ctxs for c in x]))  # noqa: E731
+    parts["context_per_row"] = _timed(context_each, repeat, ctx_eval)
+    parts["context_rows"] = _timed(context_rows, repeat, ctx_eval)
+    choices = sample()
+    mx.eval(choices)
+    parts["host_read"] = _timed(lambda: [mx.concatenate([d, c]).tolist() for d, c in zip(drafts, choices)],
+                                repeat, lambda _: None)
+    # The LM head alone at the verify's and the draft's row counts: a matmul's share of the parts.
+    hidden = mx.random.normal((1, rows * block, target.hidden_size)).astype(target.dtype)
+    parts["lm_head_verify_rows"] = _timed(lambda: target.lm_head(hidden), repeat, evaluate)
+    parts["lm_head_one_row"] = _timed(lambda: target.lm_head(hidden[:, :1]), repeat, evaluate)
+    return {name: {"build_ms": b * 1e3, "total_ms": t * 1e3} for name, (b, t) in parts.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3.5-9b")
+    parser.add_argument("--quant", default="bf16")
+    parser.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import mlx.core as mx
+
+    from dflash_core.random_models import parse_shape, random_drafter, random_target
+
+    name, tiny = parse_shape(args.shape)
+    target = random_target(name, args.quant, tiny=tiny)
+    drafter = random_drafter(name, target, tiny)
+    report = {"device": mx.device_info().get("device_name"), "shape": args.shape, "quant": args.quant,
+              "context": args.context, "date": time.strftime("%Y-%m-%d"), "rows": {}}
+    for n in args.rows:
+        parts = profile(target, drafter, n, args.context, args.repeat)
+        report["rows"][n] = parts
+        print(f"rows {n}: " + "  ".join(f"{k} {v['build_ms']:.1f}/{v['total_ms']:.1f}" for k, v in parts.items())
+              + "  (ms: build/total)", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
