@@ -50,6 +50,8 @@ def serve(engine, call):
     """The output of one call, run alone."""
     if isinstance(call, TargetCall):
         r = call.row
+        if r.undo is not None:
+            engine.target.rollback(r.cache, *r.undo)
         return engine.target.forward(r.tokens, r.cache, call.tap_ids, last_logits_only=r.last_logits_only,
                                      record=r.record)
     if call.taps is not None:
@@ -114,6 +116,9 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
         by_taps: dict[tuple, list[int]] = {}
         for i, c in calls.items():
             by_taps.setdefault(tuple(c.tap_ids), []).append(i)
+        undos = [(c.row.cache, *c.row.undo) for c in calls.values() if c.row.undo is not None]
+        if undos:  # the rollbacks the rows decided since their last forward, all at once
+            engine.target.rollback_rows(undos)
         for taps, members in by_taps.items():
             outputs = engine.target.forward_rows([calls.pop(i).row for i in members], taps)
             for i, out in zip(members, outputs):

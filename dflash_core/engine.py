@@ -69,10 +69,23 @@ class DecodeState:
     context: Optional[list]
     fed: list[int]
     pending: Optional[RollbackRecord] = None  # of a step queued ahead, not yet accepted or rolled back
+    # A verify's rollback (record, keep) decided when its cycle was read, applied with the next
+    # forward (`ForwardRow.undo`: batched generations roll back together) or before a snapshot.
+    due: Optional[tuple[RollbackRecord, int]] = None
     # Taps not yet in the drafter's context (a cycle's accepted positions, plain steps'): added in
     # one block with the next cycle's draft (or before a snapshot), not one drafter forward per
     # token while cycles are off.
     untapped: list = field(default_factory=list)
+
+    def take_due(self) -> Optional[tuple[RollbackRecord, int]]:
+        due, self.due = self.due, None
+        return due
+
+    def settle(self, target) -> None:
+        """Apply the rollback still due (before the caches are read other than by a forward)."""
+        due = self.take_due()
+        if due is not None:
+            target.rollback(self.cache, *due)
 
     def take_untapped(self) -> Optional[mx.array]:
         """The taps not yet in the drafter's context, as one block (None: there are none)."""
@@ -314,6 +327,7 @@ class Engine:
         started from stays: a retry or an edited last message may want it again."""
         generated = state.fed[len(prompt) :]
         if self.prefix_cache is not None and len(generated) <= kept and generated == produced[: len(generated)]:
+            state.settle(self.target)
             if state.pending is not None:  # undo the step queued ahead that will not be read
                 self.target.rollback(state.cache, state.pending, keep=0)
                 state.pending = None
@@ -433,10 +447,10 @@ class Engine:
         cycle its taps to the drafter's context; a plain step keeps them in `state.untapped`), and
         leaves its rollback record in `state.pending` until then, so a generation that ends with a
         step queued can undo it."""
-        target, drafter, cache, context = self.target, self.drafter, state.cache, state.context
+        drafter, cache, context = self.drafter, state.cache, state.context
         tap_ids = drafter.config.target_layer_ids
         if width == 0:
-            out = yield TargetCall(ForwardRow(token[None], cache, record=True), tap_ids)
+            out = yield TargetCall(ForwardRow(token[None], cache, record=True, undo=state.take_due()), tap_ids)
             choice = sampler.choose(out.logits[0], None, index + 1, constraint.masks() if constraint else None)
             sampler.commit(choice)  # on the device: a step queued after this one samples after it
             mx.async_eval(choice, out.tapped_hidden)
@@ -458,21 +472,25 @@ class Engine:
         # plain steps' since) in the same call as the draft: batched, one write for all rows.
         drafts = yield DraftCall(token, context, width, state.take_untapped())
         mx.async_eval(drafts)  # the draft runs while the verify graph is built
-        verify = yield TargetCall(ForwardRow(mx.concatenate([token, drafts])[None], cache, record=True), tap_ids)
+        verify = yield TargetCall(ForwardRow(mx.concatenate([token, drafts])[None], cache, record=True,
+                                             undo=state.take_due()), tap_ids)
         allowed = None
         if constraint is not None:  # each row's mask follows the drafts before it: read them
             mx.async_eval(verify.logits, verify.tapped_hidden)  # the verify runs while the host builds masks
             allowed = constraint.masks(drafts.tolist())
         choices = sampler.choose(verify.logits[0], drafts, index + 1, allowed)
-        mx.async_eval(choices, verify.tapped_hidden)
+        # What the host reads, joined on the device as part of this step (a read then copies, it
+        # launches nothing: batched rows each read their own without a launch and a wait apiece).
+        proposals_and_choices = mx.concatenate([drafts, choices])
+        mx.async_eval(proposals_and_choices, verify.tapped_hidden)
         state.pending = verify.rollback
         scored = scorer.queue(verify.logits[0], choices)
 
         def read_cycle():
-            host = mx.concatenate([drafts, choices]).tolist()
+            host = proposals_and_choices.tolist()
             proposed, picks = host[: width - 1], host[width - 1 :]
             accepted = accepted_length(proposed, picks)
-            target.rollback(cache, verify.rollback, keep=accepted + 1)
+            state.due = (verify.rollback, accepted + 1)  # applied with the next forward
             state.pending = None
             state.untapped.append(verify.tapped_hidden[:, : accepted + 1])
             state.fed += token.tolist() + proposed[:accepted]

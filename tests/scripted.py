@@ -72,6 +72,10 @@ class ScriptedTarget:
     def rollback(self, cache, record, keep):
         cache[0].trim(record.tokens - keep)
 
+    def rollback_rows(self, undos):
+        for cache, record, keep in undos:
+            self.rollback(cache, record, keep)
+
 
 class ScriptedDrafter:
     block_size = 16

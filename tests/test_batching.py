@@ -149,7 +149,27 @@ SCHEDULE = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8, 15, 15, 0, 0]
 def test_every_acceptance_length_in_a_batch(engines, family):
     """Rows accepting different lengths side by side, one of them also switching between plain
     steps and cycles of every width: each row's greedy output is the target's."""
-    base = engines[family]
+    _check_every_acceptance_length_in_a_batch(engines[family])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_rows_roll_back_together_from_step_states(engines, family, monkeypatch):
+    """Verifies keeping every step's GatedDeltaNet state (as on CUDA): the rows of one batch roll
+    back in one gather per layer, and every row's output is still the target's, at every
+    acceptance length."""
+    from dflash_core.adapters import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    target = engines[family].target
+    gathered, one_by_one = [], []
+    rollback_rows, rollback = target.rollback_rows, target.rollback
+    monkeypatch.setattr(target, "rollback_rows", lambda undos: gathered.append(len(undos)) or rollback_rows(undos))
+    monkeypatch.setattr(target, "rollback", lambda *a: one_by_one.append(a) or rollback(*a))
+    _check_every_acceptance_length_in_a_batch(engines[family])
+    assert max(gathered) >= 2 and len(one_by_one) < sum(gathered)
+
+
+def _check_every_acceptance_length_in_a_batch(base):
     prompts = [_prompt(base, n, seed) for n, seed in ((6, 1), (14, 2), (21, 3))]
     assert len({len(p) for p in prompts}) == 3
     n_tokens = 90

@@ -21,6 +21,7 @@ whatever the other rows (MLX's CPU reference BLAS), each row gets exactly what i
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -62,6 +63,9 @@ class ForwardRow:
     cache: list
     last_logits_only: bool = False
     record: bool = False
+    # A rollback of the row's caches decided since its last forward and applied before this one
+    # (record, keep), by whoever runs the forward (`batching.serve`, `step_together`: all rows' at once).
+    undo: Optional[tuple[RollbackRecord, int]] = None
 
 
 # Decode and verify forwards (at most this many tokens) run each layer as a few compiled
@@ -172,6 +176,26 @@ def gated_mlp_group(mlp: nn.Module) -> dict[str, list[nn.Module]]:
     return {"gate_up": [mlp.gate_proj, mlp.up_proj]} if is_gated_mlp(mlp) else {}
 
 
+# MLX keys its traces of a compiled function by the Python function's id, and a trace could
+# outlive the function: once an adapter was freed, a new block allocated at the same address
+# (another model of the same shapes, or the same model loaded again) was seen running the old
+# block's trace, with the old model's weights in it (tests/test_compiled_blocks.py). So what
+# mx.compile gets is a small entry point kept for the life of the process, whose id is therefore
+# never reused; it reaches the block (held by its adapter, freed with it) through a weak reference.
+_ENTRY_POINTS: list = []
+
+
+def entry_point(block):
+    """A function calling `block`, never freed, that does not keep `block` alive."""
+    ref = weakref.ref(block)
+
+    def call(*args):
+        return ref()(*args)
+
+    _ENTRY_POINTS.append(call)
+    return call
+
+
 class TargetAdapter:
     family = "base"
 
@@ -241,10 +265,11 @@ class TargetAdapter:
         """mx.compile(make()) once per key and kernel options (traced again only for new input
         shapes): `make` builds its block for this adapter's options, which it reads when traced."""
         key = (self.kernels, key)
-        fn = self._compiled_fns.get(key)
-        if fn is None:
-            fn = self._compiled_fns[key] = mx.compile(make())
-        return fn
+        entry = self._compiled_fns.get(key)
+        if entry is None:
+            block = make()
+            entry = self._compiled_fns[key] = (mx.compile(entry_point(block)), block)
+        return entry[0]
 
     # ----- the family-specific part
     def layer_groups(self, layer: nn.Module) -> dict[str, list[nn.Module]]:
@@ -337,6 +362,12 @@ class TargetAdapter:
             outputs.append(TargetOutput(part(logits, at, at + pe - ps), taps, record))
             at += pe - ps
         return outputs
+
+    def rollback_rows(self, undos: Sequence[tuple[list, RollbackRecord, int]]) -> None:
+        """`rollback(cache, record, keep)` for each (cache, record, keep): several generations'
+        rollbacks before their next batched forward (a family may do them in fewer ops)."""
+        for cache, record, keep in undos:
+            self.rollback(cache, record, keep)
 
     def rollback(self, cache: list, record: RollbackRecord, keep: int) -> None:
         """Undo all but the first `keep` tokens of the recorded forward."""

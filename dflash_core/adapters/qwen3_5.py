@@ -44,6 +44,10 @@ class GatedDeltaRecord(NamedTuple):
     state: mx.array  # the recurrent state before the forward
     steps: Optional[tuple]  # (q, k, v, g, beta), replayed up to `keep`; or
     step_states: Optional[mx.array]  # the state after every step [B, T, Hv, Dv, Dk]
+    # With step states: the batch this row was part of (its conv inputs [R, T + K - 1, C] and
+    # states after each step [R, T, ...]) and its index there, so that the rows of one batch roll
+    # back in one gather per layer (`Qwen35Adapter.rollback_rows`).
+    batch: Optional[tuple] = None
 
 
 def gated_delta_inputs(layer, groups: dict, kernels):
@@ -225,11 +229,12 @@ class Qwen35Adapter(TargetAdapter):
                 layer_cache, (s, e) = caches[r], bounds[r]
                 layer_cache[0], layer_cache[1] = _row(conv_state, j, rows), _row(state, j, rows)
                 if states[r] is not None:
+                    batch = None
                     if step_states:
-                        steps, after_each = None, _row(kept, j, rows)
+                        steps, after_each, batch = None, _row(kept, j, rows), (conv_input, kept, j)
                     else:
                         steps, after_each = (*(_row(x, j, rows) for x in kept), part(g, s, e), part(beta, s, e)), None
-                    states[r].append(GatedDeltaRecord(_row(conv_input, j, rows), recurrent[j], steps, after_each))
+                    states[r].append(GatedDeltaRecord(_row(conv_input, j, rows), recurrent[j], steps, after_each, batch))
             for r, piece in _unstack(y, rows):
                 ys[r] = piece
         ys = [y for y in ys if y is not None]
@@ -259,6 +264,35 @@ class Qwen35Adapter(TargetAdapter):
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped
+
+    def rollback_rows(self, undos) -> None:
+        """Rollbacks of several rows at once: the GatedDeltaNet layers of rows that were one batch
+        of a verify with step states get their conv windows and states in one gather per layer
+        (the same numbers `rollback` copies row by row); the others roll back one by one."""
+        together = [(c, r, k) for c, r, k in undos if 0 < k < r.tokens and r.states and r.states[0].batch is not None]
+        if len(together) < 2:
+            return super().rollback_rows(undos)
+        for cache, record, keep in undos:
+            if not any(cache is c for c, _, _ in together):
+                self.rollback(cache, record, keep)
+        linear = [i for i, layer in enumerate(self.layers) if layer.is_linear]
+        for i, layer in enumerate(self.layers):
+            if not layer.is_linear:
+                for cache, record, keep in together:
+                    cache[i].trim(record.tokens - keep)
+        for n, i in enumerate(linear):
+            kernel = self.layers[i].linear_attn.conv_kernel_size
+            batches: dict[int, list] = {}
+            for cache, record, keep in together:
+                batches.setdefault(id(record.states[n].batch[0]), []).append((cache, record.states[n], keep))
+            for members in batches.values():
+                conv_input, kept, _ = members[0][1].batch
+                rows = mx.array([m.batch[2] for _, m, _ in members])
+                keeps = mx.array([keep for _, _, keep in members])
+                windows = conv_input[rows[:, None], keeps[:, None] + mx.arange(kernel - 1)[None]]
+                states = kept[rows, keeps - 1]
+                for b, (cache, _, _) in enumerate(members):
+                    cache[i][0], cache[i][1] = windows[b : b + 1], states[b : b + 1]
 
     def rollback(self, cache, record, keep):
         if keep >= record.tokens:
