@@ -73,3 +73,20 @@ def test_gpu_batch_runs_on_tiny_shapes(tmp_path):
         assert row["dflash"]["tokens"] == row["target"]["tokens"] == 12 * row["streams"]
         assert row["dflash"]["aggregate_tok_s"] > 0 and row["target"]["per_stream_tok_s"] > 0
         assert "aggregate_tok_s" in row["mlx_lm"] or "error" in row["mlx_lm"]
+    # The plot of aggregate tok/s against streams reads such reports.
+    plot = tmp_path / "batching.png"
+    done = _run("benchmarks/plot_batching.py", str(out), str(out), "--out", str(plot))
+    assert done.returncode == 0, done.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batch_step_parts_runs_on_tiny_shapes(tmp_path):
+    out = tmp_path / "parts.json"
+    done = _run("benchmarks/batch_step_parts.py", "--shape", "tiny-qwen3_5", "--rows", "1,3", "--context", "40",
+                "--repeat", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"1", "3"}
+    for parts in rows.values():
+        assert {"draft", "verify", "sample", "rollback", "context_rows", "host_read"} <= set(parts)
+        assert all(0 <= p["build_ms"] <= p["total_ms"] for p in parts.values())
