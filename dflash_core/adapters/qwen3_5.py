@@ -275,12 +275,12 @@ class Qwen35Adapter(TargetAdapter):
         for cache, record, keep in undos:
             if not any(cache is c for c, _, _ in together):
                 self.rollback(cache, record, keep)
-        linear = [i for i, layer in enumerate(self.layers) if layer.is_linear]
+        gated_layers = [i for i, layer in enumerate(self.layers) if layer.is_linear]
         for i, layer in enumerate(self.layers):
             if not layer.is_linear:
                 for cache, record, keep in together:
                     cache[i].trim(record.tokens - keep)
-        for n, i in enumerate(linear):
+        for n, i in enumerate(gated_layers):  # n: the layer's place in each record's states
             kernel = self.layers[i].linear_attn.conv_kernel_size
             batches: dict[int, list] = {}
             for cache, record, keep in together:
