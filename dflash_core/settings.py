@@ -38,7 +38,7 @@ class ServerSettings(Strict):
     queue_size: int = Field(64, ge=1, description="requests that may wait for a turn; more get 429")
     max_active: int = Field(8, ge=1, description="generations stepping together at most (one batched forward)")
     batching: bool = Field(
-        False, description="the active generations of a model step together (one batched forward each step); "
+        True, description="the active generations of a model step together (one batched forward each step); "
         "off: they take turns, one step each (docs/performance.md, \"Continuous batching\")")
     batch_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="a waiting generation starts only while the memory in use plus what its "
