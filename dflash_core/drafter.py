@@ -246,13 +246,22 @@ class DrafterAttention(nn.Module):
         )
         self.kv_input: Optional[SharedInput] = None  # k and v, once stacked (DFlashDrafter.stack_shared_inputs)
 
-    def unrotated_keys_values(self, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS):
-        """K (normed) and V of `x` as [B, Hkv, L, D], before RoPE: per token, so for several rows at once."""
+    def _queries(self, x: mx.array, kernels: KernelOptions) -> mx.array:
+        """Q (normed) of `x` as [B, L, Hq, D], before RoPE."""
+        B, L, _ = x.shape
+        return self.q_norm(linear(self.q_proj, x, kernels).reshape(B, L, self.n_heads, -1))
+
+    def _token_keys_values(self, x: mx.array, kernels: KernelOptions) -> tuple[mx.array, mx.array]:
+        """K (normed) and V of `x` as [B, L, Hkv, D], before RoPE."""
         B, L, _ = x.shape
         kv = self.kv_input if self.kv_input is not None else [self.k_proj, self.v_proj]
         k, v = linears(kv, x, kernels)
-        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        return k, v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)), v.reshape(B, L, self.n_kv_heads, -1)
+
+    def unrotated_keys_values(self, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS):
+        """K (normed) and V of `x` as [B, Hkv, L, D], before RoPE: per token, so for several rows at once."""
+        k, v = self._token_keys_values(x, kernels)
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def keys_values(self, x: mx.array, offset, kernels: KernelOptions = DEFAULT_KERNELS):
         """K/V of `x` at absolute positions offset.. (input_layernorm is not applied to context)."""
@@ -261,33 +270,22 @@ class DrafterAttention(nn.Module):
 
     def __call__(self, x, context: tuple[mx.array, mx.array], start, mask,
                  kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
-        return self.over_rows(x, [BlockRow(context, start, mask, x.shape[1])], kernels)
-
-    def over_rows(self, x: mx.array, rows: Sequence["BlockRow"], kernels: KernelOptions = DEFAULT_KERNELS):
-        """Attention of the rows' blocks, concatenated along x's token axis: projections once, RoPE and attention per row."""
+        """Attention of one block whose first query sits at `start`, over [context ; block]."""
         B, L, _ = x.shape
-        widths = [row.width for row in rows]
-        q = self.q_norm(linear(self.q_proj, x, kernels).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self._queries(x, kernels).transpose(0, 2, 1, 3)
         k, v = self.unrotated_keys_values(x, kernels)
-        outs = []
-        for row, q_i, k_i, v_i in zip(rows, *(_split(a, widths, axis=2) for a in (q, k, v))):
-            q_i, k_i = self.rope(q_i, offset=row.start), self.rope(k_i, offset=row.start)
-            outs.append(attention(q_i, [row.context[0], k_i], [row.context[1], v_i], self.scale, row.mask, kernels))
-        out = _concat(outs, axis=2)
+        q, k = self.rope(q, offset=start), self.rope(k, offset=start)
+        out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
         return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
-
 
     def over_batch(self, x: mx.array, batch: "BlockBatch", context: tuple[mx.array, mx.array], mask: mx.array,
                    kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
-        """`over_rows` with the rows' attention as one batch: RoPE at every row's offset in one op,
-        one attention over the rows' contexts stacked [rows, Hkv, T, D] and their blocks."""
+        """The attention of several rows' blocks, concatenated along x's token axis, as one batch:
+        RoPE at every row's offset in one op, one attention over the rows' contexts stacked
+        [rows, Hkv, T, D] and their blocks."""
         B, L, _ = x.shape
-        q = self.q_norm(linear(self.q_proj, x, kernels).reshape(B, L, self.n_heads, -1))
-        kv = self.kv_input if self.kv_input is not None else [self.k_proj, self.v_proj]
-        k, v = linears(kv, x, kernels)
-        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1))
-        v = v.reshape(B, L, self.n_kv_heads, -1)
-        q, k, v = (to_batch(a, batch.bounds, batch.width).transpose(0, 2, 1, 3) for a in (q, k, v))
+        k, v = self._token_keys_values(x, kernels)
+        q, k, v = (to_batch(a, batch.bounds, batch.width).transpose(0, 2, 1, 3) for a in (self._queries(x, kernels), k, v))
         q, k = self.rope(q, offset=batch.offsets), self.rope(k, offset=batch.offsets)
         out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
         out = from_batch(out.transpose(0, 2, 1, 3), batch.bounds)
@@ -334,12 +332,11 @@ class BlockBatch:
 
 
 class BlockRow(NamedTuple):
-    """One row of a layer's forward: its context (K, V), first query's position, mask over [context ; block], tokens."""
+    """One block's view of a layer: its context (K, V), first query's position, mask over [context ; block]."""
 
     context: tuple[mx.array, mx.array]
     start: Any
     mask: Any
-    width: int
 
 
 @dataclass
@@ -361,10 +358,7 @@ class DrafterLayer(nn.Module):
         self.gate_up_input: Optional[SharedInput] = None  # the MLP's gate and up, once stacked
 
     def __call__(self, h, context, start, mask, kernels: KernelOptions = DEFAULT_KERNELS):
-        return self.over_rows(h, [BlockRow(context, start, mask, h.shape[1])], kernels)
-
-    def over_rows(self, h, rows: Sequence[BlockRow], kernels: KernelOptions = DEFAULT_KERNELS):
-        h = h + self.self_attn.over_rows(self.input_layernorm(h), rows, kernels)
+        h = h + self.self_attn(self.input_layernorm(h), context, start, mask, kernels)
         return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu, kernels, self.gate_up_input)
 
     def over_batch(self, h, batch: BlockBatch, context, mask, kernels: KernelOptions = DEFAULT_KERNELS):
@@ -458,7 +452,7 @@ class DFlashDrafter(nn.Module):
             mask = mask & (k_pos <= q_pos)
         if cfg.is_sliding(layer):
             mask = mask & (mx.abs(q_pos - k_pos) < cfg.sliding_window)
-        return BlockRow(ctx, start, mask, block)
+        return BlockRow(ctx, start, mask)
 
     def hidden(self, embeddings: mx.array, cache: list[KVCache]) -> mx.array:
         """Final-normed hidden states of a block whose first row sits at the cache's offset."""
@@ -470,7 +464,7 @@ class DFlashDrafter(nn.Module):
         h = embeddings * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeddings
         if len(caches) == 1:
             for i, layer in enumerate(self.layers):
-                h = layer.over_rows(h, [self._block_row(i, caches[0][i], starts[0], widths[0])], self.kernels)
+                h = layer(h, *self._block_row(i, caches[0][i], starts[0], widths[0]), self.kernels)
             return self.norm(h)
         # Several rows: each layer's attention for all of them at once over their stacked contexts
         # (the masks hide each row's padding and the stale tail of its buffer).

@@ -89,10 +89,10 @@ class DecodeState:
 
     def take_untapped(self) -> Optional[mx.array]:
         """The taps not yet in the drafter's context, as one block (None: there are none)."""
-        taps = None if not self.untapped else self.untapped[0] if len(self.untapped) == 1 else \
-            mx.concatenate(self.untapped, axis=1)
-        self.untapped = []
-        return taps
+        if not self.untapped:
+            return None
+        taps, self.untapped = self.untapped, []
+        return taps[0] if len(taps) == 1 else mx.concatenate(taps, axis=1)
 
     def catch_up(self, drafter) -> None:
         taps = self.take_untapped()

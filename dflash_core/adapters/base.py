@@ -88,9 +88,11 @@ class Rows:
     records: list[Optional[RollbackRecord]] = field(init=False)
 
     # The rows' attention as one batch (`attend_rows`): the longest row's length, every row's
-    # offset as one array, and the masks of that layout by buffer length.
+    # offset as one array, the positions each row writes [rows, 1, longest, 1] (made by the first
+    # layer that needs them) and the masks of that layout by buffer length.
     longest: int = field(init=False)
     batch_offsets: mx.array = field(init=False)
+    write_positions: Optional[mx.array] = field(init=False, default=None)
     batch_masks: dict = field(init=False)
 
     def __post_init__(self):
@@ -157,15 +159,14 @@ def attend_rows(q, k, v, rows: Rows, caches: Sequence, scale: float, rope, kerne
     length = rows.longest
     q_b, k_b = rope(rows.batch_offsets, to_batch(q, rows.bounds, length), to_batch(k, rows.bounds, length))
     v_b = heads_first(to_batch(v, rows.bounds, length))
-    if ("write", length) not in rows.batch_masks:
+    if rows.write_positions is None:
         positions = rows.batch_offsets[:, None] + mx.arange(length)[None]
-        rows.batch_masks[("write", length)] = positions.reshape(len(rows.rows), 1, length, 1)
-    positions = rows.batch_masks[("write", length)]
+        rows.write_positions = positions.reshape(len(rows.rows), 1, length, 1)
     lengths = [e - s for s, e in rows.bounds]
-    keys, values = write_rows(caches, rows.starts, lengths, k_b, v_b, positions)
+    keys, values = write_rows(caches, rows.starts, lengths, k_b, v_b, rows.write_positions)
     size = keys.shape[2]
     if size not in rows.batch_masks:
-        rows.batch_masks[size] = mx.arange(size).reshape(1, 1, 1, size) <= positions
+        rows.batch_masks[size] = mx.arange(size).reshape(1, 1, 1, size) <= rows.write_positions
     out = attention(q_b, [keys], [values], scale, rows.batch_masks[size], kernels)
     return heads_first(from_batch(heads_first(out), rows.bounds))
 
