@@ -5,7 +5,7 @@
 For N generations whose caches hold --context tokens (random weights, `random_models`), times the
 parts of one cycle of all of them: the drafter's block (`propose_rows`), the target's verify of N
 blocks of 16 (`forward_rows`), each row's sampling of its 16 choices, each row's rollback to 6
-tokens and its drafter-context update (one `add_context` per row, as the engine does, and one
+tokens (one by one, and all in one `rollback_rows`) and its drafter-context update (one `add_context` per row, as the engine does, and one
 `add_context_rows` for all), and the host read. Each part is timed twice: building its graph on the
 host (Python and MLX's graph, no device work) and building plus evaluating it, median of --repeat
 runs after a warm-up; a part whose build time is close to its total is host-bound.
@@ -98,6 +98,12 @@ def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
 
     parts["rollback"] = _timed(rollback, repeat, lambda cs: mx.eval(cache_arrays([c for x in cs for c in x])))
 
+    def rollback_rows():  # the engine's way: every row's rollback in one call
+        target.rollback_rows([(c, o.rollback, keep) for c, o in zip(verified, outs)])
+        return verified
+
+    parts["rollback_rows"] = _timed(rollback_rows, repeat, lambda cs: mx.eval(cache_arrays([c for x in cs for c in x])))
+
     def context_each():
         for o, ctx in zip(outs, contexts):
             drafter.add_context(o.tapped_hidden[:, :keep], ctx)
@@ -128,10 +134,15 @@ def main() -> None:
     parser.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--paths", default="default",
+                        help="comma list: default, replay (verifies keep no per-step GatedDeltaNet states; "
+                             "rollbacks replay the recurrence), unqueued (a forward starts on the device "
+                             "only once its whole graph is built)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import mlx.core as mx
 
+    from dflash_core.kernels import DEFAULT_KERNELS, KernelOptions
     from dflash_core.random_models import parse_shape, random_drafter, random_target
 
     name, tiny = parse_shape(args.shape)
@@ -139,11 +150,14 @@ def main() -> None:
     drafter = random_drafter(name, target, tiny)
     report = {"device": mx.device_info().get("device_name"), "shape": args.shape, "quant": args.quant,
               "context": args.context, "date": time.strftime("%Y-%m-%d"), "rows": {}}
-    for n in args.rows:
-        parts = profile(target, drafter, n, args.context, args.repeat)
-        report["rows"][n] = parts
-        print(f"rows {n}: " + "  ".join(f"{k} {v['build_ms']:.1f}/{v['total_ms']:.1f}" for k, v in parts.items())
-              + "  (ms: build/total)", flush=True)
+    kernels = {"default": DEFAULT_KERNELS, "replay": KernelOptions(step_states=False),
+               "unqueued": KernelOptions(queue_layers=False)}
+    for path in args.paths.split(","):
+        for n in args.rows:
+            parts = profile(target.with_kernels(kernels[path]), drafter, n, args.context, args.repeat)
+            report["rows"][n if path == "default" else f"{n} {path}"] = parts
+            print(f"rows {n} {path}: " + "  ".join(f"{k} {v['build_ms']:.1f}/{v['total_ms']:.1f}" for k, v in parts.items())
+                    + "  (ms: build/total)", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's BatchGenerator")
+    parser.add_argument("--unqueued", action="store_true",
+                        help="also run both modes with forwards that start on the device only once built whole")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # as a speculating server runs
@@ -129,6 +132,13 @@ def main() -> None:
         warm = _prompts(target.vocab_size, 2, args.context)
         run_dflash(forced, warm, 16, "on")  # compiles the blocks of these shapes
         run_dflash(alone, warm, 16, "off")
+        unqueued = None
+        if args.unqueued:  # the same model, forwards built whole before the device starts (KernelOptions)
+            plain = target.with_kernels(replace(target.kernels, queue_layers=False))
+            unqueued = (Engine(ForcedAcceptance(plain, FORCED, drafter.block_size), tokenizer, drafter),
+                        Engine(plain, tokenizer))
+            run_dflash(unqueued[0], warm, 16, "on")
+            run_dflash(unqueued[1], warm, 16, "off")
         print(f"{quant}: {'N':>3} | {'dflash agg':>10} {'per stream':>10} {'ttft':>6} | {'target agg':>10} "
               f"{'per stream':>10} | {'mlx-lm agg':>10}", flush=True)
         for n in args.streams:
@@ -136,6 +146,9 @@ def main() -> None:
             row = {"quant": quant, "streams": n,
                    "dflash": run_dflash(forced, prompts, args.max_tokens, "on"),
                    "target": run_dflash(alone, prompts, args.max_tokens, "off")}
+            if unqueued is not None:
+                row["dflash_unqueued"] = run_dflash(unqueued[0], prompts, args.max_tokens, "on")
+                row["target_unqueued"] = run_dflash(unqueued[1], prompts, args.max_tokens, "off")
             if not args.no_mlx_lm:
                 try:
                     row["mlx_lm"] = run_mlx_lm(target.model, prompts, args.max_tokens)
@@ -145,8 +158,10 @@ def main() -> None:
             d, t, m = row["dflash"], row["target"], row.get("mlx_lm", {})
             print(f"{quant}: {n:>3} | {d['aggregate_tok_s']:10.1f} {d['per_stream_tok_s']:10.1f} {d['ttft_s']:6.2f} | "
                   f"{t['aggregate_tok_s']:10.1f} {t['per_stream_tok_s']:10.1f} | "
-                  f"{m.get('aggregate_tok_s') or float('nan'):10.1f}", flush=True)
-        del forced, alone, target, drafter
+                  f"{m.get('aggregate_tok_s') or float('nan'):10.1f}"
+                  + (f" | unqueued: dflash {row['dflash_unqueued']['aggregate_tok_s']:.1f}"
+                     f" target {row['target_unqueued']['aggregate_tok_s']:.1f}" if unqueued else ""), flush=True)
+        del forced, alone, target, drafter, unqueued
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -13,7 +13,8 @@
 - a verify block's attention (16 queries, head_dim 128 and 256) over long caches: MLX's fused
   path with the engine's mask against the stacked-GEMM path of dflash_core/kernels/attention.py;
 - GatedDeltaNet's depthwise conv for a decode step and a verify block;
-- a verify's KV writes followed by a rollback (keep 16 or 7 tokens) at 1K and 32K context.
+- a verify's KV writes followed by a rollback (keep 16 or 7 tokens) at 1K and 32K context;
+- MLX's bf16 GEMM at batched-verify row counts (up to 128) and the recurrence for 1 and 8 rows.
 
     python benchmarks/gpu_kernels.py --out kernels.json
 """
@@ -370,16 +371,66 @@ def conv_rows():
     return rows
 
 
+def batch_gemm_rows():
+    """MLX's bf16 GEMM at the row counts batched verifies reach (8 rows x 16 tokens = 128), for
+    Qwen3.5-9B's stacked projections and its LM head, ms per layer over 32 layers' worth of distinct
+    weights; and the gated delta kernel for 1 and 8 rows of 16 steps, with and without the state
+    after every step. Says how a batched verify's cost splits between the weights and the rest."""
+    rows = []
+    shapes = {"gdn in_proj (stacked)": (8192 + 4096 + 64, 4096), "attention qkv (stacked)": (8192 + 2048, 4096),
+              "mlp gate+up (stacked)": (24576, 4096), "mlp down": (4096, 12288), "out_proj": (4096, 4096)}
+    for label, (N, K) in shapes.items():
+        layers = [(mx.random.normal((N, K)) / K**0.5).astype(mx.bfloat16) for _ in range(16)]
+        mx.eval(layers)
+        nbytes = sum(w.nbytes for w in layers)
+        for M in (1, 16, 32, 64, 128):
+            x = mx.random.normal((1, M, K)).astype(mx.bfloat16)
+            t = bench(lambda: [x @ w.T for w in layers])
+            row = {"weights": label, "N": N, "K": K, "M": M, "ms_per_layer": t / len(layers) * 1e3,
+                   "tb_s": nbytes / t / 1e12}
+            rows.append(row)
+            print(json.dumps({"batch_gemm": row}), flush=True)
+        layers = None
+        mx.clear_cache()
+    head = (mx.random.normal((248320, 4096)) / 64).astype(mx.bfloat16)
+    mx.eval(head)
+    for M in (1, 16, 64, 128):
+        x = mx.random.normal((1, M, 4096)).astype(mx.bfloat16)
+        t = bench(lambda: [x @ head.T])
+        row = {"weights": "lm head", "N": 248320, "K": 4096, "M": M, "ms_per_layer": t * 1e3,
+               "tb_s": head.nbytes / t / 1e12}
+        rows.append(row)
+        print(json.dumps({"batch_gemm": row}), flush=True)
+    head = None
+    Hk, Hv, Dk, Dv, T = 16, 32, 128, 128, 16
+    for B in (1, 8):
+        q = (mx.random.normal((B, T, Hk, Dk)) / Dk**0.5).astype(mx.bfloat16)
+        k = (mx.random.normal((B, T, Hk, Dk)) / Dk**0.5).astype(mx.bfloat16)
+        v = mx.random.normal((B, T, Hv, Dv)).astype(mx.bfloat16)
+        g = mx.exp(-mx.random.uniform(0.0, 0.5, (B, T, Hv)))
+        beta = mx.sigmoid(mx.random.normal((B, T, Hv))).astype(mx.bfloat16)
+        states = [mx.zeros((B, Hv, Dv, Dk)) + i for i in range(24)]
+        mx.eval(q, k, v, g, beta, states)
+        plain = bench(lambda: [gd.gated_delta(q, k, v, g, beta, s) for s in states])
+        stepped = bench(lambda: [gd.gated_delta_step_states(q, k, v, g, beta, s) for s in states])
+        row = {"gated_delta_rows": B, "T": T, "ms_per_layer": plain / 24 * 1e3,
+               "ms_per_layer_step_states": stepped / 24 * 1e3}
+        rows.append(row)
+        print(json.dumps({"batch_gemm": row}), flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--only", help="comma list of: gated_delta, attention, streaming, matmul, q4_matmul, "
-                                       "q4_fused, bf16_stacked, block_attention, kv_rollback, conv")
+                                       "q4_fused, bf16_stacked, block_attention, kv_rollback, conv, batch_gemm")
     args = parser.parse_args()
     sections = {"gated_delta": gated_delta_rows, "attention": attention_rows, "streaming": streaming_rows,
                 "matmul": matmul_rows, "q4_matmul": q4_matmul_rows, "q4_fused": q4_fused_rows,
                 "bf16_stacked": bf16_stacked_rows, "block_attention": block_attention_rows,
-                "kv_rollback": kv_rollback_rows, "conv": conv_rows}
+                "kv_rollback": kv_rollback_rows, "conv": conv_rows,
+                "batch_gemm": batch_gemm_rows}
     chosen = args.only.split(",") if args.only else list(sections)
     report = {"device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
               "date": time.strftime("%Y-%m-%d")}

@@ -7,6 +7,8 @@ solo world runs the same rows on caches of its own, prefilled separately.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -137,3 +139,29 @@ def test_prefill_rows_run_alone_among_small_ones(adapters, family):
     lengths = [1, adapter.compile_max_tokens + 4, 16]
     solo_caches, batched_caches = _prefilled(adapter, PROMPTS[:3]), _prefilled(adapter, PROMPTS[:3])
     _round(adapter, solo_caches, batched_caches, lengths, seed=400)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_started_in_parts_gives_the_same_rows(adapters, family, monkeypatch):
+    """A verify forward hands its first layers to the device while the rest is built
+    (`queue_layers`); the rows' outputs and caches are exactly those of the forward built whole,
+    and plain decode steps are not split."""
+    adapter = adapters[family]
+    whole = adapter.with_kernels(replace(adapter.kernels, queue_layers=False))
+    queued = []
+    async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: queued.append(len(arrays)) or async_eval(*arrays))
+    for lengths, split in ((FIRST, True), ([1, 1, 1, 1], False)):
+        worlds = []
+        for each in (adapter, whole):
+            caches = _prefilled(adapter, PROMPTS)
+            queued.clear()
+            rows = [ForwardRow(_tokens(adapter, n, 100 + r), c, record=True) for r, (n, c) in enumerate(zip(lengths, caches))]
+            outputs = each.forward_rows(rows, TAPS)
+            worlds.append((outputs, caches, len(queued)))
+        (parts, part_caches, starts), (built_whole, whole_caches, whole_starts) = worlds
+        assert whole_starts == 0 and (starts > 0) == split
+        for a, b in zip(parts, built_whole):
+            _same_output(a, b)
+        for a, b in zip(part_caches, whole_caches):
+            _same_cache(a, b)

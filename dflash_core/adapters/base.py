@@ -364,6 +364,18 @@ class TargetAdapter:
             at += pe - ps
         return outputs
 
+    def queue_layers(self, i: int, h: mx.array, rows: Rows) -> None:
+        """Start the device on the layers built so far, a quarter of the stack at a time, in a
+        forward that verifies (a row of more than one token). MLX runs nothing until asked, so the
+        device would otherwise wait for the host to build and launch the whole verify; now it works
+        through the first layers while the host does the rest. Plain decode steps keep one launch
+        point: the engine queues the next one before reading this one, so the device is busy
+        anyway, and there the extra points cost more than they gave (benchmarks/gpu_batch.py
+        --unqueued, docs/performance.md). The graph and its results are unchanged."""
+        every = max(1, len(self.layers) // 4)
+        if self.kernels.queue_layers and rows.longest > 1 and (i + 1) % every == 0 and i + 1 < len(self.layers):
+            mx.async_eval(h)
+
     def rollback_rows(self, undos: Sequence[tuple[list, RollbackRecord, int]]) -> None:
         """`rollback(cache, record, keep)` for each (cache, record, keep): several generations'
         rollbacks before their next batched forward (a family may do them in fewer ops)."""

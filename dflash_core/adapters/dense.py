@@ -68,6 +68,7 @@ class DenseAdapter(TargetAdapter):
             attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
             post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))
             h = post(h, attended)
+            self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

@@ -114,6 +114,7 @@ class Gemma3Adapter(TargetAdapter):
                 attended = join(parts, axis=2)
             post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))
             h = post(h, attended)
+            self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

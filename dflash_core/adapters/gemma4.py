@@ -161,6 +161,7 @@ class Gemma4Adapter(TargetAdapter):
             ]
             post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer, groups, self.kernels))
             h = post(h, join(attended, axis=2), *(() if per_layer[i] is None else (per_layer[i],)))
+            self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

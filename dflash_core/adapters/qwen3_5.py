@@ -189,6 +189,7 @@ class Qwen35Adapter(TargetAdapter):
                 h = self._gated_delta(i, layer, groups, h, rows.bounds, rows.caches(i), states, compiled=True)
             else:
                 h = self._attention_rows(i, layer, groups, h, rows)
+            self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

@@ -35,6 +35,7 @@ class KernelOptions:
     step_states: bool = True  # verifies keep every GatedDeltaNet step's state, else rollbacks replay
     cuda_matmul: bool = True  # the 4-bit small-M kernel and stacked bf16 GEMMs (matmul.py), else MLX's own
     one_launch_per_input: bool = True  # projections sharing an input in one launch, else one per weight
+    queue_layers: bool = True  # a decode/verify forward starts on the device as its first layers are built
 
 
 DEFAULT_KERNELS = KernelOptions()
