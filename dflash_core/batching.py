@@ -86,7 +86,12 @@ class Stepped:
 def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
     """Advance every stream (all of one engine, started with batched=True) to its next chunk,
     answering their calls in batches: drafts first (a verify needs its drafts), then the target
-    forwards, grouped by the layers they tap. A stream that raises fails alone."""
+    forwards, grouped by the layers they tap. A stream that raises fails alone. An engine that
+    steps its generations itself (`distributed.LeaderEngine`, which first tells the other ranks)
+    gets the streams handed over."""
+    own = getattr(engine, "step_together", None)
+    if own is not None:
+        return own(streams)
     results = [Stepped() for _ in streams]
     calls: dict[int, Any] = {}
 

@@ -218,7 +218,7 @@ class Engine:
         if isinstance(mode, str) and mode not in MODES:
             raise RequestError(f"speculation must be one of {', '.join(MODES)}, got {mode!r}")
         stats = GenerationStats(prompt_tokens=len(prompt_tokens), prefill_tokens=len(prompt_tokens),
-                                speculation=mode if isinstance(mode, str) else "custom")
+                                speculation=mode if isinstance(mode, str) else getattr(mode, "name", "custom"))
         policy = None
         if self.drafter is None:
             stats.speculative_off_reason = self.drafter_off_reason

@@ -14,6 +14,7 @@ from mlx.utils import tree_map_with_path
 from mlx_lm import utils as mlx_lm_utils
 
 from .adapters import TargetAdapter, adapter_for
+from .distributed import shard_target
 from .drafter import DFlashDrafter, load_drafter
 from .engine import Engine
 from .hub import DRAFTER_FILES, TARGET_FILES, resolve
@@ -37,7 +38,9 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def load_target(path: Path, *, dtype: Optional[str] = None, quantize_bits: Optional[int] = None,
-                quantize_group_size: int = 64) -> tuple[TargetAdapter, object, dict]:
+                quantize_group_size: int = 64, group=None) -> tuple[TargetAdapter, object, dict]:
+    """`group`: an `mx.distributed` group to shard the target over (tensor parallelism,
+    distributed.py); each rank then holds its share of the weights."""
     model, config = mlx_lm_utils.load_model(Path(path))
     if dtype is not None:
         cast_floating(model, DTYPES[dtype])
@@ -47,6 +50,11 @@ def load_target(path: Path, *, dtype: Optional[str] = None, quantize_bits: Optio
         nn.quantize(model, group_size=quantize_group_size, bits=quantize_bits,
                     class_predicate=quantizable(model, quantize_group_size))
     mx.eval(model.parameters())
+    if group is not None:
+        whole = parameter_bytes(model)
+        shard_target(model, group)
+        log.info("rank %d of %d: %.1f MB of the target's weights here (%.1f MB unsharded)", group.rank(),
+                 group.size(), parameter_bytes(model) / 1e6, whole / 1e6)
     text_config = config.get("text_config") or {}
     eos = config.get("eos_token_id", text_config.get("eos_token_id"))
     if isinstance(eos, int):
@@ -164,12 +172,17 @@ def load_model(
     quantize_bits: Optional[int] = None,
     prefix_cache: Union[int, SnapshotBudget] = 0,
     speculation: str = "on",
+    group=None,
 ) -> LoadedModel:
     """`prefix_cache`: a byte budget of its own (0: no prefix cache) or a budget shared with other
-    models' caches."""
+    models' caches. `group`: shard the target over this `mx.distributed` group (distributed.py);
+    prefill chunks are then of fixed size and the prefix cache counts nominal bytes, so that every
+    rank makes the same choices."""
+    if group is not None:
+        prefill_seconds = None
     drafter, drafter_revision, off_reason = choose_drafter(target, drafter, drafter_revision)
     target_path = resolve(target, target_revision, files=TARGET_FILES)
-    adapter, tokenizer, config = load_target(target_path, dtype=dtype, quantize_bits=quantize_bits)
+    adapter, tokenizer, config = load_target(target_path, dtype=dtype, quantize_bits=quantize_bits, group=group)
     draft_model, drafter_path = None, None
     if drafter:
         drafter_path = resolve(drafter, drafter_revision, files=DRAFTER_FILES)
@@ -184,7 +197,7 @@ def load_model(
         prefill_seconds=prefill_seconds,
         max_context=max_context or max_position_embeddings(config),
         drafter_off_reason=off_reason,
-        prefix_cache=PrefixCache(prefix_cache) if _budget_bytes(prefix_cache) > 0 else None,
+        prefix_cache=PrefixCache(prefix_cache, measured=group is None) if _budget_bytes(prefix_cache) > 0 else None,
         speculation=speculation,
     )
     return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
@@ -195,7 +208,7 @@ def _budget_bytes(budget: Union[int, SnapshotBudget]) -> int:
 
 
 def load_configured(spec, prefill_chunk: int = 2048, prefix_cache: Union[int, SnapshotBudget] = 0,
-                    prefill_seconds: Optional[float] = None) -> LoadedModel:
+                    prefill_seconds: Optional[float] = None, group=None) -> LoadedModel:
     """Load a `settings.ModelSettings` entry."""
     return load_model(
         spec.target,
@@ -210,6 +223,7 @@ def load_configured(spec, prefill_chunk: int = 2048, prefix_cache: Union[int, Sn
         quantize_bits=spec.quantize_bits,
         prefix_cache=prefix_cache,
         speculation=spec.speculation,
+        group=group,
     )
 
 

@@ -82,8 +82,11 @@ def allocated(arrays: list[mx.array]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, budget: Union[int, SnapshotBudget]):
+    def __init__(self, budget: Union[int, SnapshotBudget], measured: bool = True):
         self.budget = budget if isinstance(budget, SnapshotBudget) else SnapshotBudget(budget)
+        # measured=False: snapshots count their arrays' nominal bytes, not what the allocator handed
+        # out, so that ranks of a distributed group evict the same snapshots at the same time.
+        self.measured = measured
         self.budget.caches.append(self)
         self.snapshots: list[Snapshot] = []
         self.stats = PrefixCacheStats()
@@ -129,7 +132,8 @@ class PrefixCache:
             if logits is not None and existing.logits is None:
                 mx.eval(logits)
                 existing.logits = owned(logits)  # `logits` may be a view of a larger row
-                existing.nbytes += max(logits.nbytes, allocated([existing.logits]))
+                existing.nbytes += max(logits.nbytes, allocated([existing.logits]) if self.measured else 0)
+                mx.eval(existing.logits)
         else:
             # The copies' sources are evaluated first, so measuring the copies counts only them.
             mx.eval(cache_arrays(target), cache_arrays(context or []), logits if logits is not None else [])
@@ -146,7 +150,11 @@ class PrefixCache:
             if existing is not None:  # a snapshot without drafter context is superseded
                 self.snapshots.remove(existing)
             self.budget.make_room(nominal)
-            nbytes = max(nominal, allocated(arrays))
+            if self.measured:
+                nbytes = max(nominal, allocated(arrays))
+            else:
+                mx.eval(arrays)
+                nbytes = nominal
             self.snapshots.append(Snapshot(tokens, frozen_target, frozen_context, logits, shared, nbytes))
         if (
             extends is not None

@@ -52,6 +52,9 @@ class ServerSettings(Strict):
     allow_no_key: bool = Field(False, description="listen on a non-loopback address without an api_key")
     open_metrics: bool = Field(False, description="with an api_key, /metrics answers without it")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds running requests may take to finish at SIGTERM")
+    distributed_step_timeout: float = Field(
+        60.0, gt=0, description="--distributed: seconds a step may wait on the other ranks before rank 0 "
+                                "counts the group as broken, fails its requests and stops")
 
     @property
     def loopback(self) -> bool:

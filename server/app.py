@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dflash_core.distributed import stop_followers
 from dflash_core.settings import Settings, is_loopback
 
 from . import chat, messages, responses
@@ -24,8 +25,10 @@ from .serving import ServerState, respond, start_chat, start_run
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings) -> FastAPI:
-    state = ServerState(settings)
+def create_app(settings: Settings, channel=None) -> FastAPI:
+    """`channel`: this is rank 0 of a distributed group (dflash_core/distributed.py); the other
+    ranks run `distributed.follow`."""
+    state = ServerState(settings, channel)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -33,7 +36,11 @@ def create_app(settings: Settings) -> FastAPI:
         loading = asyncio.create_task(state.pool.load_startup())
         yield
         loading.cancel()
-        state.scheduler.stop()
+        if channel is not None:  # after the drain: the other ranks finish too
+            with contextlib.suppress(Exception):
+                await state.scheduler.call(lambda: stop_followers(channel))
+        # A broken group may hold the worker in a forward that never returns: do not wait for it.
+        state.scheduler.stop(timeout=0 if channel is not None and channel.failure else 30)
 
     app = FastAPI(title="dflash", lifespan=lifespan)
     app.state.dflash = state

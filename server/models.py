@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 import mlx.core as mx
 
 from dflash_core.demo import DEMO_DESCRIPTION
+from dflash_core.distributed import LeaderEngine
 from dflash_core.hub import DRAFTER_FILES, TARGET_FILES, ModelNotFoundError, resolve
 from dflash_core.loading import LoadedModel, choose_drafter, load_configured
 from dflash_core.prefix_cache import SnapshotBudget
@@ -61,8 +62,12 @@ class ServedModel:
 
 
 def load_served(spec: ModelSettings, prefill_chunk: int, prefix_cache: Union[int, SnapshotBudget] = 0,
-                prefill_seconds: Optional[float] = None) -> ServedModel:
-    loaded = load_configured(spec, prefill_chunk, prefix_cache, prefill_seconds)
+                prefill_seconds: Optional[float] = None, channel=None) -> ServedModel:
+    """`channel`: rank 0 of a distributed group: the target sharded over it, the engine announcing
+    each generation and step to the other ranks (dflash_core/distributed.py)."""
+    loaded = load_configured(spec, prefill_chunk, prefix_cache, prefill_seconds, group=channel and channel.group)
+    if channel is not None:
+        loaded.engine = LeaderEngine(loaded.engine, channel)
     loaded.engine.token_bytes  # built here, on the worker, not on the event loop at a first request
     hf = hf_tokenizer(loaded.engine.tokenizer)
     vocab = hf.get_vocab()
@@ -82,9 +87,10 @@ def estimated_bytes(spec: ModelSettings) -> int:
 
 
 class ModelPool:
-    def __init__(self, settings: Settings, scheduler: Scheduler):
+    def __init__(self, settings: Settings, scheduler: Scheduler, channel=None):
         self.settings = settings
         self.scheduler = scheduler
+        self.channel = channel  # distributed: only the default model, sharded, is served
         self._served: dict[str, ServedModel] = {}
         self._load_lock = asyncio.Lock()
         self._use_lock = threading.Lock()  # in_use counts and unloading, across the two threads
@@ -201,11 +207,16 @@ class ModelPool:
 
     def _load(self, spec: ModelSettings, size: int) -> ServedModel:
         """On the worker thread: make room under the budget, then load (acquired for the caller)."""
+        if self.channel is not None and spec.name != self.settings.model().name:
+            # The other ranks hold the default model only (they load it at start, not on request).
+            raise ValueError(f"this server is distributed over {self.channel.size} ranks and serves only its "
+                             f"default model {self.settings.model().name!r}")
         budget = self.settings.memory_budget_gb
         if budget is not None:
             self._make_room(int(budget * 1e9) - size)
         log.info("loading model %s (target %s, drafter %s)", spec.name, spec.target, spec.drafter)
-        served = load_served(spec, self.settings.prefill_chunk, self.snapshots, self.settings.prefill_chunk_seconds)
+        served = load_served(spec, self.settings.prefill_chunk, self.snapshots, self.settings.prefill_chunk_seconds,
+                             self.channel)
         with self._use_lock:
             self._served[spec.name] = served
             self._acquire(served)

@@ -10,6 +10,7 @@ Then uvicorn shuts down. A second signal exits at once.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
@@ -36,7 +37,7 @@ class DrainingServer(uvicorn.Server):
     def _drain(self) -> None:
         scheduler = self.state.scheduler
         end = time.monotonic() + self.deadline
-        while not scheduler.idle and time.monotonic() < end:
+        while not scheduler.idle and not scheduler.failure and time.monotonic() < end:
             time.sleep(0.05)  # polling a thread-owned queue: a shutdown path, not a hot one
         if not scheduler.idle:
             log.warning("shutdown deadline passed: ending the requests still running")
@@ -49,4 +50,19 @@ class DrainingServer(uvicorn.Server):
 
 def serve(app, host: str, port: int, deadline: float) -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.dflash, deadline).run()
+    server = DrainingServer(config, app.state.dflash, deadline)
+    channel = app.state.dflash.channel
+    if channel is not None:  # a broken distributed group: fail what runs, then stop as at a signal
+        channel.on_failure = lambda reason: stop_on_failure(server, reason)
+        channel.watch(app.state.dflash.settings.server.distributed_step_timeout)
+    server.run()
+
+
+def stop_on_failure(server: DrainingServer, reason: str) -> None:
+    """The engine cannot go on (distributed group broken): new requests get 503 with `reason`,
+    running ones (even one stuck in a forward that waits on a dead rank) end with it, and the
+    server shuts down."""
+    scheduler = server.state.scheduler
+    scheduler.failure = reason
+    scheduler.abort(reason)
+    server.handle_exit(signal.SIGTERM, None)

@@ -80,11 +80,11 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30) -> None:
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     def abort(self, reason: str) -> None:
         """End every queued and running generation now with SchedulerStopped(reason) (a drain

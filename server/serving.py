@@ -34,12 +34,15 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, channel=None):
         self.settings = settings
+        # Distributed (rank 0 of a group, dflash_core/distributed.py): generations always step
+        # together, since the other ranks repeat each step.
+        self.channel = channel
         self.scheduler = Scheduler(queue_size=settings.server.queue_size, max_active=settings.server.max_active,
                                    memory_fraction=settings.server.batch_memory_fraction,
-                                   batching=settings.server.batching)
-        self.pool = ModelPool(settings, self.scheduler)
+                                   batching=settings.server.batching or channel is not None)
+        self.pool = ModelPool(settings, self.scheduler, channel)
         self.metrics = Metrics(self.scheduler)
         self.responses = ResponseStore(settings.server.stored_responses)
         self.draining = False  # set at SIGTERM: new requests get 503, running ones finish (server/process.py)

@@ -125,8 +125,8 @@ class PlantedDivergence:
 def test_planted_divergence_is_reported(qwen3_pair, tmp_path, capsys, monkeypatch):
     real = bench.checkpoint_bench_model
 
-    def planted(settings):
-        model = real(settings)
+    def planted(settings, channel=None):
+        model = real(settings, channel)
         return dataclasses.replace(model, engine=PlantedDivergence(model.engine, index=5))
 
     monkeypatch.setattr(bench_command, "checkpoint_bench_model", planted)

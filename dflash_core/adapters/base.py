@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.base import gather_last_axis, scaled_dot_product_attention
 
 from ..kernels import DEFAULT_KERNELS, KernelOptions
 from ..kernels.attention import attention, buffer_mask
@@ -256,7 +256,9 @@ class TargetAdapter:
             tied = getattr(self.text_model.args, "tie_word_embeddings", False)
         if tied:
             return tied_lm_head(self.inner.embed_tokens, hidden, self.kernels)
-        return linear(self.text_model.lm_head, hidden, self.kernels)
+        logits = linear(self.text_model.lm_head, hidden, self.kernels)
+        group = getattr(self.text_model, "sharding_group", None)  # a head split by vocabulary (distributed.py)
+        return logits if group is None else gather_last_axis(logits, group)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and LM head exactly as the mlx-lm model computes them."""

@@ -96,7 +96,10 @@ def gated_delta_output_and_mlp(layer, groups: dict, kernels):
 
     def post(h, y, z):
         B, S, _ = h.shape
-        h = h + linear(m.out_proj, m.norm(y, z).reshape(B, S, -1), kernels)
+        out = linear(m.out_proj, m.norm(y, z).reshape(B, S, -1), kernels)
+        if m.sharding_group is not None:  # sharded (distributed.py): each rank holds part of the sum
+            out = mx.distributed.all_sum(out, group=m.sharding_group)
+        h = h + out
         return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
 
     return post

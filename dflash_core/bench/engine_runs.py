@@ -365,12 +365,19 @@ def random_bench_model(shape: str, quant: str = "bf16", layers: Optional[int] = 
     return BenchModel(engine, info, acceptance_measured=False, note=note)
 
 
-def checkpoint_bench_model(settings) -> BenchModel:
+def checkpoint_bench_model(settings, channel=None) -> BenchModel:
+    """`channel` (distributed.Channel): the target sharded over its group, every rank running the
+    same benchmark in lockstep."""
     from ..loading import load_configured
 
     spec = settings.model()
-    loaded = load_configured(spec, settings.prefill_chunk)  # no prefix cache: every prefill is real
+    # No prefix cache: every prefill is real.
+    loaded = load_configured(spec, settings.prefill_chunk, group=channel.group if channel else None)
     engine = loaded.engine
+    if channel is not None:
+        from ..distributed import LockstepEngine
+
+        engine = LockstepEngine(engine, channel)
     info = ModelInfo(name=spec.name, target=str(loaded.target_path),
                      drafter=str(loaded.drafter_path) if loaded.drafter_path else None, weights="checkpoint",
                      block_size=engine.drafter.block_size if engine.drafter is not None else None,

@@ -21,6 +21,21 @@ def add_model_flags(p, *, what: str) -> None:
                    help="auto (default): cycles only while they beat plain target steps here; on: always; off: the target alone")
 
 
+def add_distributed_flag(p) -> None:
+    p.add_argument("--distributed", action="store_true",
+                   help="shard the target over the ranks this was started on with `mlx.launch` (every rank runs "
+                        "the same command; rank 0 does the talking: docs/distributed.md)")
+
+
+def distributed_channel(args):
+    """The group's Channel with --distributed (on every rank), else None."""
+    if not getattr(args, "distributed", False):
+        return None
+    from ..distributed import Channel, init_group
+
+    return Channel(init_group())
+
+
 def settings_from_args(args) -> Settings:
     """config file < CLI flags. `--target` replaces the configured models by that one."""
     settings = models_from_args(args)

@@ -20,7 +20,7 @@ from ..bench import (
 )
 from ..bench_prompts import PROMPT_SETS, select_prompts
 from ..random_models import QUANTS
-from .args import add_model_flags, positive_int, positive_ints, settings_from_args
+from .args import add_distributed_flag, add_model_flags, distributed_channel, positive_int, positive_ints, settings_from_args
 
 
 def _names(text: str) -> list[str]:
@@ -55,6 +55,7 @@ def add_bench(sub) -> None:
     p.add_argument("--plots", type=Path, help="folder for the PNG plots (default: the folder of --out)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    add_distributed_flag(p)
     server = p.add_argument_group("server mode")
     server.add_argument("--server", metavar="URL", help="benchmark a running server (http://host:port)")
     server.add_argument("--concurrency", type=int, default=4, help="concurrent streaming clients")
@@ -84,20 +85,27 @@ def run_bench(args) -> int:
     # Target alone and DFlash share this process, so one MLX backend setting (CUDA graphs) serves
     # both: the configured one, else off, as for any model with a drafter (docs/bench.md).
     settings.apply_backend_settings()
+    channel = None
     if args.random_weights:
         if args.target or args.model:
             raise ValueError("--random-weights replaces --model/--target")
+        if args.distributed:
+            raise ValueError("--distributed benchmarks a checkpoint (--model or --target), not --random-weights")
         model = random_bench_model(args.random_weights, args.quant, args.layers, args.forced_accepted,
                                    settings.prefill_chunk)
     else:
-        model = checkpoint_bench_model(settings)
+        channel = distributed_channel(args)
+        model = checkpoint_bench_model(settings, channel)
     bench_settings = EngineSettings(
         contexts=args.contexts, sets=args.sets, prompts_per_set=args.prompts_per_set, repeats=args.repeats,
         cooldown_seconds=args.cooldown, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
         temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
         forced_accepted=args.forced_accepted)
     select_prompts(args.sets, args.prompts_per_set)  # unknown set names fail before any work
-    report = run_engine_bench(model, bench_settings, progress=not args.no_progress)
+    leader = channel is None or channel.leader
+    report = run_engine_bench(model, bench_settings, progress=not args.no_progress and leader)
+    if not leader:  # every rank ran the benchmark; rank 0 reports it
+        return 0
     _write_json(report, args.out)
     print(engine_table(report))
     if not args.no_plots:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..prompts import encode_rendered, render_chat
 from ..sampling import SamplingParams
 from ..settings import ConfigError
-from .args import add_model_flags, settings_from_args
+from .args import add_distributed_flag, add_model_flags, distributed_channel, settings_from_args
 
 
 def add_generate(sub) -> None:
@@ -28,6 +28,7 @@ def add_generate(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--no-speculative", action="store_true", help="decode with the target alone")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    add_distributed_flag(p)
     p.set_defaults(func=run_generate)
 
 
@@ -54,9 +55,15 @@ def run_generate(args) -> int:
     # Target-alone decoding keeps MLX's CUDA graphs and needs no drafter at all.
     decoding = spec.model_copy(update={"drafter": None}) if args.no_speculative else spec
     settings.model_copy(update={"models": [decoding]}).apply_backend_settings()
-    engine = load_configured(decoding, settings.prefill_chunk).engine
+    channel = distributed_channel(args)
+    engine = load_configured(decoding, settings.prefill_chunk, group=channel and channel.group).engine
     if args.no_speculative:
         engine.drafter_off_reason = "disabled by request"  # not "no drafter configured": one is
+    quiet = False
+    if channel is not None:  # every rank generates; rank 0 says what
+        from ..distributed import LockstepEngine
+
+        engine, quiet = LockstepEngine(engine, channel), not channel.leader
     tokenizer = engine.tokenizer
     if args.chat:  # rendered as the server renders a chat request
         tokens = encode_rendered(tokenizer, render_chat(
@@ -67,12 +74,14 @@ def run_generate(args) -> int:
     for chunk in engine.generate(tokens, max_tokens=max_tokens, sampling=sampling, speculative=not args.no_speculative):
         token_ids += chunk.token_ids
         pieces.append(chunk.text)
-        if not args.json:
+        if not (args.json or quiet):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         last = chunk
     stats = last.stats.as_dict()
     stats["finish_reason"] = last.finish_reason
+    if quiet:
+        return 0
     if args.json:
         print(json.dumps({"text": "".join(pieces), "token_ids": token_ids, "stats": stats}))
     else:

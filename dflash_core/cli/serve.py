@@ -7,7 +7,7 @@ import logging
 from pydantic import ValidationError
 
 from ..settings import ConfigError, ServerSettings
-from .args import add_model_flags, settings_from_args
+from .args import add_distributed_flag, add_model_flags, distributed_channel, settings_from_args
 
 
 def add_serve(sub) -> None:
@@ -19,6 +19,7 @@ def add_serve(sub) -> None:
     p.add_argument("--api-key", help="require the key (Authorization: Bearer KEY or x-api-key: KEY)")
     p.add_argument("--allow-no-key", action="store_const", const=True, default=None,
                    help="listen on a non-loopback --host without an API key (anyone who can reach it can use it)")
+    add_distributed_flag(p)
     p.set_defaults(func=run_serve)
 
 
@@ -41,9 +42,48 @@ def run_serve(args) -> int:
         logging.getLogger("dflash").warning(
             "listening on %s:%d: reachable from other machines, %s", server.host, server.port,
             "API key required" if server.api_key else "WITHOUT an API key (--allow-no-key)")
-    # A model named on the command line is what the user wants: no demo standing in for it.
-    fallback = settings.demo_fallback and not (args.model or args.target)
+    # A model named on the command line is what the user wants: no demo standing in for it (nor
+    # when distributed: the demo's family does not shard).
+    fallback = settings.demo_fallback and not (args.model or args.target or args.distributed)
     settings = settings.model_copy(update={"server": server, "demo_fallback": fallback})
     settings.apply_backend_settings()
-    serve(create_app(settings), settings.server.host, settings.server.port, settings.server.shutdown_timeout)
+    channel = distributed_channel(args)
+    if channel is not None and not channel.leader:
+        return run_follower(settings, channel)
+    serve(create_app(settings, channel), settings.server.host, settings.server.port, settings.server.shutdown_timeout)
+    if channel is not None and channel.failure:
+        _exit_broken_group()
+    return 0
+
+
+def _exit_broken_group() -> None:
+    """Exit 1 now: MLX's ring group, once a peer is gone, aborts the process in its destructor
+    ("terminate called without an active exception"), which would hide why this rank stopped."""
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def run_follower(settings, channel) -> int:
+    """A rank other than 0: its share of the default model, each generation and step as rank 0
+    announces them, until rank 0 stops (0) or the group breaks (1). No HTTP here."""
+    from ..distributed import GroupFailed, follow
+    from ..loading import load_configured
+    from ..prefix_cache import SnapshotBudget
+
+    log = logging.getLogger("dflash")
+    spec = settings.model()
+    budget = SnapshotBudget(int(settings.prefix_cache_gb * 1e9))  # as rank 0's pool has it
+    loaded = load_configured(spec, settings.prefill_chunk, budget, None, group=channel.group)
+    log.info("rank %d of %d: serving %s with rank 0", channel.rank, channel.size, spec.name)
+    try:
+        follow(loaded.engine, channel)
+    except GroupFailed as e:
+        log.error("%s", e)
+        _exit_broken_group()
+    log.info("rank %d: rank 0 stopped; done", channel.rank)
     return 0

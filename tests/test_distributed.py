@@ -1,0 +1,238 @@
+"""A target sharded over two local processes (MLX's ring backend over 127.0.0.1), the same
+lossless loop on both: output token for token equal to one process's, for every family that shards;
+the server end to end on rank 0; a rank that dies makes rank 0 fail its requests and exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dflash_core.loading import load_engine, load_target, parameter_bytes
+from dflash_core.sampling import SamplingParams
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SHARDED = ["qwen3", "qwen3_5", "qwen3_5_moe"]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _start_ranks(tmp_path, command: list[str], size: int = 2) -> list[subprocess.Popen]:
+    """`command` on `size` ranks, as `mlx.launch --backend ring` starts them on one host."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(size)]))
+    procs = []
+    for rank in range(size):
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank), "PYTHONPATH": str(ROOT)}
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+    return procs
+
+
+def _wait(procs, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return codes
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distributed")
+    pairs = [f"{f}={','.join(str(p) for p in request.getfixturevalue(f'{f}_pair'))}" for f in SHARDED]
+    out = tmp / "results.json"
+    procs = _start_ranks(tmp, [sys.executable, str(HERE / "distributed_rank.py"), str(out), *pairs])
+    codes = _wait(procs, timeout=300)
+    logs = "\n".join((tmp / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert codes == [0, 0], logs
+    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    return ranks
+
+
+def _tokens(engine, **kwargs):
+    prompt = list(range(5, 45))
+    return [t for c in engine.generate(prompt, max_tokens=160, stop_token_ids=set(), **kwargs) for t in c.token_ids]
+
+
+@pytest.mark.parametrize("family", SHARDED)
+def test_two_ranks_give_what_one_process_gives(two_rank_results, request, family):
+    rank0, rank1 = two_rank_results
+    assert rank0["size"] == 2
+    got, other = rank0[family], rank1[family]
+    assert {k: v for k, v in got.items() if k != "target_bytes"} == {k: v for k, v in other.items() if k != "target_bytes"}
+    target, drafter = request.getfixturevalue(f"{family}_pair")
+    single = load_engine(str(target), str(drafter), prefill_chunk=16)
+    alone = _tokens(single, speculative=False)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    # Sharded, every path is lossless against the sharded target alone, and the sharded target
+    # decodes what one process decodes.
+    assert got["alone"] == alone
+    assert got["every_acceptance_length"] == alone
+    assert got["random_drafter_on"] == alone and got["random_drafter_auto"] == alone
+    assert got["seeded_alone"] == got["seeded_on"] == _tokens(single, speculative=False, sampling=seeded)
+    assert len(got["unseeded"]) == 160
+    # Each rank holds about half of the target: the sharded projections split, the embedding
+    # (and tied or split LM head) and the norms stay whole.
+    whole = parameter_bytes(load_target(target)[0].model)
+    assert got["target_bytes"] < 0.8 * whole and other["target_bytes"] < 0.8 * whole
+
+
+def test_families_without_sharding_say_so(gemma3_pair):
+    from dflash_core.distributed import shard_target
+
+    adapter = load_target(gemma3_pair[0])[0]
+
+    class Group:  # only asked for its size and rank before the family is checked
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match="cannot be sharded yet"):
+        shard_target(adapter.model, Group())
+
+
+# ---------------------------------------------------------------- the server, rank 0 talking
+def _serve(tmp_path, pair, port: int) -> list[subprocess.Popen]:
+    config = tmp_path / "config.yaml"
+    config.write_text("prefix_cache_gb: 0.05\nserver:\n  distributed_step_timeout: 5\n  shutdown_timeout: 10\n")
+    dflash = [sys.executable, "-c", "import sys; from dflash_core.cli import main; sys.exit(main())"]
+    return _start_ranks(tmp_path, dflash + ["serve", "--distributed", "--config", str(config), "--target", str(pair[0]),
+                                            "--drafter", str(pair[1]), "--name", "tiny", "--port", str(port)])
+
+
+def _healthy(url: str, procs, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a rank exited during start-up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the distributed server did not become healthy")
+
+
+def _chat(max_tokens: int, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Say something about foxes."}],
+            "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def _one_process_answer(pair) -> str:
+    from live_server import LiveServer
+
+    from dflash_core.settings import ModelSettings, Settings
+
+    settings = Settings(prefix_cache_gb=0.05, models=[ModelSettings(name="tiny", target=str(pair[0]), drafter=str(pair[1]))])
+    with LiveServer(settings) as live:
+        return httpx.post(live.url + "/v1/chat/completions", json=_chat(24), timeout=60).json()["choices"][0]["message"]["content"]
+
+
+def test_server_on_rank_0_chats_streams_cancels_and_stops_cleanly(qwen3_5_pair, tmp_path):
+    (port,) = _free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    procs = _serve(tmp_path, qwen3_5_pair, port)
+    try:
+        _healthy(url, procs)
+        first = httpx.post(url + "/v1/chat/completions", json=_chat(24), timeout=60).json()
+        answer = first["choices"][0]["message"]["content"]
+        assert first["usage"]["completion_tokens"] > 0 and first["dflash"]["speculative"]
+        assert answer == _one_process_answer(qwen3_5_pair)
+        # Streamed, the same greedy answer.
+        text = ""
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_chat(24, stream=True), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    text += delta.get("content") or ""
+        assert text == answer
+        # A client that goes away mid-stream: its generation ends on both ranks, the next request
+        # is served as if nothing happened.
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_chat(400, stream=True), timeout=60) as r:
+            for _ in zip(range(3), r.iter_lines()):
+                pass
+        again = httpx.post(url + "/v1/chat/completions", json=_chat(24), timeout=60).json()
+        assert again["choices"][0]["message"]["content"] == answer
+        # SIGTERM to rank 0: it drains, tells rank 1 to finish; both exit 0.
+        procs[0].send_signal(signal.SIGTERM)
+        assert _wait(procs, timeout=60) == [0, 0], (tmp_path / "rank1.log").read_text()[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_rank_that_dies_fails_rank_0s_requests_and_rank_0_exits(qwen3_5_pair, tmp_path):
+    (port,) = _free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    procs = _serve(tmp_path, qwen3_5_pair, port)
+    try:
+        _healthy(url, procs)
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_chat(4000, stream=True), timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in zip(range(3), lines):
+                pass
+            procs[1].kill()  # rank 1 dies mid-generation
+            rest = "\n".join(lines)
+        assert "distributed group cannot go on" in rest
+        assert _wait(procs[:1], timeout=60) == [1]  # rank 0 stops, saying why, rather than hang
+        assert "distributed group cannot go on" in (tmp_path / "rank0.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_step_that_waits_too_long_breaks_the_group():
+    """The watch counts the group as broken when a step waits on the other ranks past its timeout
+    (a rank killed mid-forward can leave MLX's ring waiting instead of raising)."""
+    import threading
+
+    import mlx.core as mx
+
+    from dflash_core.distributed import Channel, GroupFailed
+
+    reasons = []
+    told = threading.Event()
+    channel = Channel(mx.distributed.init(), on_failure=lambda reason: reasons.append(reason) or told.set())
+    channel.watch(timeout=0.2)
+    assert not told.wait(0.5)  # idle between steps: nothing to wait on, nothing happens
+    with channel.busy():
+        assert told.wait(10)
+    assert "no answer from the other ranks for 0.2 s" in reasons[0] and channel.failure == reasons[0]
+    with pytest.raises(GroupFailed):  # nothing more goes through a broken group
+        channel.number(1)
+
+
+def test_a_request_travels_to_the_other_ranks_whole():
+    from dflash_core.distributed import request_arguments, request_message
+    from dflash_core.grammar import GrammarSpec
+
+    kwargs = {"max_tokens": 9, "sampling": SamplingParams(temperature=0.5, seed=4, logit_bias={17: -2.5}),
+              "stop_token_ids": {3, 1}, "logprobs": 2, "speculation": "on",
+              "grammar": GrammarSpec(kind="regex", value="[a-z]+"), "reasoning_budget": (5, 12)}
+    message = json.loads(json.dumps(request_message([4, 5, 6], kwargs)))  # what the wire carries
+    prompt, back = request_arguments(message)
+    assert prompt == [4, 5, 6] and back == kwargs
