@@ -5,10 +5,11 @@
 For N generations whose caches hold --context tokens (random weights, `random_models`), times the
 parts of one cycle of all of them: the drafter's block (`propose_rows`), the target's verify of N
 blocks of 16 (`forward_rows`), each row's sampling of its 16 choices, each row's rollback to 6
-tokens (one by one, and all in one `rollback_rows`) and its drafter-context update (one `add_context` per row, as the engine does, and one
-`add_context_rows` for all), and the host read. Each part is timed twice: building its graph on the
-host (Python and MLX's graph, no device work) and building plus evaluating it, median of --repeat
-runs after a warm-up; a part whose build time is close to its total is host-bound.
+tokens (one by one, and all in one `rollback_rows`) and its drafter-context update (one
+`add_context` per row, and one `add_context_rows` for all, as the engine does), and the host
+read. Each part is timed twice: building its graph on the host (Python and MLX's graph, no device
+work) and building plus evaluating it, median of --repeat runs after a warm-up; a part whose build
+time is close to its total is host-bound.
 """
 
 from __future__ import annotations

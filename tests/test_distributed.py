@@ -147,7 +147,8 @@ def _one_process_answer(pair) -> str:
 
     settings = Settings(prefix_cache_gb=0.05, models=[ModelSettings(name="tiny", target=str(pair[0]), drafter=str(pair[1]))])
     with LiveServer(settings) as live:
-        return httpx.post(live.url + "/v1/chat/completions", json=_chat(24), timeout=60).json()["choices"][0]["message"]["content"]
+        reply = httpx.post(live.url + "/v1/chat/completions", json=_chat(24), timeout=60).json()
+    return reply["choices"][0]["message"]["content"]
 
 
 def test_server_on_rank_0_chats_streams_cancels_and_stops_cleanly(qwen3_5_pair, tmp_path):
