@@ -90,3 +90,15 @@ def test_batch_step_parts_runs_on_tiny_shapes(tmp_path):
     for parts in rows.values():
         assert {"draft", "verify", "sample", "rollback", "context_rows", "host_read"} <= set(parts)
         assert all(0 <= p["build_ms"] <= p["total_ms"] for p in parts.values())
+
+
+def test_cpu_distributed_runs_on_a_small_shape(tmp_path):
+    out = tmp_path / "distributed.json"
+    done = _run("benchmarks/cpu_distributed.py", "--hidden", "128", "--layers", "2", "--intermediate", "256",
+                "--vocab", "512", "--tokens", "8", "--prompt-tokens", "16", "--repeats", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["rows"]] == ["alone", "dflash"]
+    assert all(r["same_tokens"] and r["one_process_tok_s"] > 0 and r["two_ranks_tok_s"] > 0 for r in report["rows"])
+    sizes = report["target_bytes"]
+    assert sizes["each of two ranks"] < sizes["one process"]

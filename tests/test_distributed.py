@@ -40,7 +40,8 @@ def _start_ranks(tmp_path, command: list[str], size: int = 2) -> list[subprocess
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(size)]))
     procs = []
     for rank in range(size):
-        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank), "PYTHONPATH": str(ROOT)}
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank), "PYTHONPATH": path}
         log = open(tmp_path / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
     return procs
