@@ -38,11 +38,12 @@ def run_rank(args) -> None:
     import mlx.core as mx
 
     from dflash_core.adapters import adapter_for
-    from dflash_core.distributed import Channel, LockstepEngine, init_group, shard_target
+    from dflash_core.distributed import Channel, LockstepEngine, init_group
     from dflash_core.engine import Engine
     from dflash_core.loading import parameter_bytes
     from dflash_core.random_models import ByteTokenizer, random_drafter
     from dflash_core.shapes import random_model, target_config
+    from dflash_core.sharding import shard_target
 
     channel = Channel(init_group()) if "MLX_RANK" in os.environ else None
     model = random_model(target_config("qwen3", shape(args)), seed=0)

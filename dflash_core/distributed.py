@@ -1,12 +1,13 @@
 """A target sharded over `mlx.core.distributed`: the same lossless loop on every rank.
 
-Every rank holds 1/N of the target (tensor parallelism: mlx-lm's own `model.shard(group)`, whose
-layers all-reduce their outputs, so every rank sees the same hidden states and logits) and a whole
-copy of the drafter, and runs the same engine loop on the same tokens. What must not differ
-between ranks, or their collectives would stop matching, is decided once, by rank 0, and handed to
-the others over the group itself (`Channel`, an all-sum of bytes only rank 0 fills; no transport of
-our own): sampling seeds, the `auto` policy's choice of each step (it times this machine), and, when
-serving, which generations start, step and end (`LeaderEngine` on rank 0, `follow` on the others).
+Every rank holds 1/N of the target (tensor parallelism, sharding.py: mlx-lm's own `model.shard`,
+or ours in its pattern for Gemma; the layers all-reduce their outputs, so every rank sees the same
+hidden states and logits) and a whole copy of the drafter, and runs the same engine loop on the
+same tokens. What must not differ between ranks, or their collectives would stop matching, is
+decided once, by rank 0, and handed to the others over the group itself (`Channel`, an all-sum of
+bytes only rank 0 fills; no transport of our own): sampling seeds, the `auto` policy's choice of
+each step (it times this machine), and, when serving, which generations start, step and end
+(`LeaderEngine` on rank 0, `follow` on the others).
 Everything else is deterministic given those: the same logits give the same acceptances, the same
 prefix-cache hits (its accounting is by nominal bytes here, not by what each allocator handed out)
 and the same prefill chunks (fixed size; paced chunks time the machine).
@@ -28,14 +29,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# mlx-lm model modules whose models shard themselves (`Model.shard`) and that we serve.
-SHARDED_FAMILIES = ("qwen3", "qwen3_5", "qwen3_5_moe")
 
 
 class GroupFailed(RuntimeError):
@@ -50,16 +47,6 @@ def init_group(backend: str = "any") -> mx.distributed.Group:
         raise RuntimeError("--distributed needs at least two ranks: start it with `mlx.launch -n 2 ...` "
                            "or a hostfile (docs/distributed.md)")
     return group
-
-
-def shard_target(model: nn.Module, group: mx.distributed.Group) -> None:
-    """Split the target's weights over the group (mlx-lm's `shard`), before the adapter is built."""
-    family = type(model).__module__.rsplit(".", 1)[-1]
-    if family not in SHARDED_FAMILIES or not hasattr(model, "shard"):
-        raise ValueError(f"a {family} target cannot be sharded yet: distributed serving supports "
-                         f"{', '.join(SHARDED_FAMILIES)} targets (mlx-lm's tensor-parallel sharding)")
-    model.shard(group)
-    mx.eval(model.parameters())
 
 
 def _failed(e: BaseException) -> GroupFailed:

@@ -14,12 +14,12 @@ from mlx.utils import tree_map_with_path
 from mlx_lm import utils as mlx_lm_utils
 
 from .adapters import TargetAdapter, adapter_for
-from .distributed import shard_target
 from .drafter import DFlashDrafter, load_drafter
 from .engine import Engine
 from .hub import DRAFTER_FILES, TARGET_FILES, resolve
 from .prefix_cache import PrefixCache, SnapshotBudget
 from .registry import find_pair
+from .sharding import shard_target
 
 log = logging.getLogger(__name__)
 

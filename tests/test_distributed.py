@@ -21,7 +21,7 @@ from dflash_core.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SHARDED = ["qwen3", "qwen3_5", "qwen3_5_moe"]
+SHARDED = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -101,17 +101,16 @@ def test_two_ranks_give_what_one_process_gives(two_rank_results, request, family
     assert got["target_bytes"] < 0.8 * whole and other["target_bytes"] < 0.8 * whole
 
 
-def test_families_without_sharding_say_so(gemma3_pair):
-    from dflash_core.distributed import shard_target
+def test_heads_that_do_not_split_evenly_say_so(tiny_pair_factory):
+    from dflash_core.sharding import shard_target
 
-    adapter = load_target(gemma3_pair[0])[0]
-
-    class Group:  # only asked for its size and rank before the family is checked
+    class Group:
         def size(self):
-            return 2
+            return 3
 
-    with pytest.raises(ValueError, match="cannot be sharded yet"):
-        shard_target(adapter.model, Group())
+    gemma = load_target(tiny_pair_factory("gemma3_text")[0])[0]
+    with pytest.raises(ValueError, match="4 attention heads cannot be split evenly over 3 ranks"):
+        shard_target(gemma.model, Group())
 
 
 # ---------------------------------------------------------------- the server, rank 0 talking
