@@ -7,6 +7,7 @@ pair sharded over the group and runs the same generations in lockstep; rank 0 wr
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def tokens(engine, **kwargs) -> list[int]:
 
 def run(family: str, target: str, drafter: str, channel: Channel) -> dict:
     engine = load_engine(target, drafter, prefill_chunk=16, group=channel.group)
+    stacked = sum(g.stacked for groups in engine.target.shared_inputs for g in groups.values())
     lockstep = LockstepEngine(engine, channel)
     alone = tokens(lockstep, speculative=False)
     forced = ForcedDrafter(reference=PROMPT + alone + [0] * 16, prompt_length=len(PROMPT), schedule=SCHEDULE,
@@ -47,10 +49,17 @@ def run(family: str, target: str, drafter: str, channel: Channel) -> dict:
         # No seed given: rank 0 picks one for every rank; both runs must agree with each other.
         "unseeded": tokens(lockstep, speculation="auto", sampling=SamplingParams(temperature=0.9)),
         "target_bytes": parameter_bytes(engine.target.model),
+        "stacked_groups": stacked,
     }
 
 
 def main() -> None:
+    if os.environ.get("DFLASH_TEST_STACKED"):
+        # The CUDA path's stacked projections (kernels/matmul.py), here on the CPU, over the
+        # slices each rank holds (as tests/test_lossless.py forces them in one process).
+        from dflash_core.kernels import matmul
+
+        matmul.backend = lambda: "cuda"
     out = Path(sys.argv[1])
     channel = Channel(init_group())
     results = {"size": channel.size}

@@ -34,16 +34,21 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _start_ranks(tmp_path, command: list[str], size: int = 2) -> list[subprocess.Popen]:
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller had (a device's MLX, say)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
+def _start_ranks(tmp_path, command: list[str], size: int = 2, env: dict | None = None) -> list[subprocess.Popen]:
     """`command` on `size` ranks, as `mlx.launch --backend ring` starts them on one host."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(size)]))
     procs = []
     for rank in range(size):
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank), "PYTHONPATH": path}
+        rank_env = {**os.environ, **(env or {}), "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank),
+                    "PYTHONPATH": _pythonpath()}
         log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+        procs.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
     return procs
 
 
@@ -71,6 +76,38 @@ def two_rank_results(request, tmp_path_factory):
     assert codes == [0, 0], logs
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
     return ranks
+
+
+def test_stacked_projections_over_sharded_weights(qwen3_5_pair, tmp_path):
+    """The CUDA path's stacked projections (run here on the CPU) multiply each rank's slices of
+    Qwen3.5's linear-attention projections, which mlx-lm shards in place: still lossless, and still
+    what one process decodes."""
+    out = tmp_path / "stacked.json"
+    pair = ",".join(str(p) for p in qwen3_5_pair)
+    procs = _start_ranks(tmp_path, [sys.executable, str(HERE / "distributed_rank.py"), str(out), f"qwen3_5={pair}"],
+                         env={"DFLASH_TEST_STACKED": "1"})
+    assert _wait(procs, timeout=300) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    got = json.loads(Path(f"{out}.rank0").read_text())["qwen3_5"]
+    assert got["stacked_groups"] > 0
+    single = load_engine(str(qwen3_5_pair[0]), str(qwen3_5_pair[1]), prefill_chunk=16)
+    alone = _tokens(single, speculative=False)
+    assert got["alone"] == got["every_acceptance_length"] == got["random_drafter_on"] == alone
+
+
+def test_generate_on_two_ranks_prints_once_what_one_process_prints(qwen3_pair, tmp_path):
+    generate = [sys.executable, "-c", "import sys; from dflash_core.cli import main; sys.exit(main())", "generate",
+                "--target", str(qwen3_pair[0]), "--drafter", str(qwen3_pair[1]), "--prompt", "The fox",
+                "--max-tokens", "24", "--temperature", "0.8", "--seed", "5", "--json"]
+    procs = _start_ranks(tmp_path, generate + ["--distributed"])
+    assert _wait(procs, timeout=300) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    printed = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+    two_ranks = [json.loads(line) for line in printed[0].splitlines() if line.startswith("{")]
+    assert len(two_ranks) == 1 and not any(line.startswith("{") for line in printed[1].splitlines())
+    one = subprocess.run(generate, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": _pythonpath()})
+    assert one.returncode == 0, one.stderr
+    single = json.loads(one.stdout.strip().splitlines()[-1])
+    assert two_ranks[0]["token_ids"] == single["token_ids"] and len(single["token_ids"]) > 0
 
 
 def _tokens(engine, **kwargs):
