@@ -19,6 +19,13 @@ if command -v npm >/dev/null 2>&1; then
     echo "$clis" > .agent-clis/installed
   fi
 fi
+# Debian's Chromium for tests/test_web_page.py (a real browser; Playwright cannot download its own
+# here). Skipped where there is no apt-get; the test then skips, except in CI where it fails.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then sudo="sudo"; fi
+  $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q chromium >/dev/null
+fi
 .venv-test/bin/ruff check .
 # Every test, the slow ones too (plain `pytest` leaves them out: pyproject.toml).
 exec .venv-test/bin/python -m pytest -m "slow or not slow" "$@"

@@ -7,10 +7,13 @@ import contextlib
 import logging
 import secrets
 import time
+from pathlib import Path
 
+import mlx.core as mx
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dflash_core.distributed import stop_followers
@@ -23,6 +26,7 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import ServerState, respond, start_chat, start_run
 
 log = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"  # the page: plain files shipped in the package, no build step
 
 
 def create_app(settings: Settings, channel=None) -> FastAPI:
@@ -44,6 +48,7 @@ def create_app(settings: Settings, channel=None) -> FastAPI:
 
     app = FastAPI(title="dflash", lifespan=lifespan)
     app.state.dflash = state
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_middleware(InternalErrors)  # first added, so inside the counter and CORS
     if settings.server.api_key:  # before the body is read: a bad key is a 401 whatever the body
         app.add_middleware(RequireKey, key=settings.server.api_key, open_metrics=settings.server.open_metrics)
@@ -84,6 +89,29 @@ def create_app(settings: Settings, channel=None) -> FastAPI:
         loaded = {m.name: m for m in state.pool.served()}
         return {"id": name, "object": "model", "owned_by": "dflash",
                 "created": loaded[name].created if name in loaded else 0}
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        """The built-in page (server/static/): a chat playground and the live view."""
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/page/config", include_in_schema=False)
+    async def page_config():
+        """What the page must know before its first API call: whether to ask for the key."""
+        return {"api_key_required": bool(settings.server.api_key)}
+
+    @app.get("/v1/dflash/live")
+    async def live():
+        """What the page's live view shows: per model, the last minutes and totals since start."""
+        snapshots = state.pool.snapshots
+        return {
+            "time": time.time(),
+            "active_requests": state.scheduler.active,
+            "queued_requests": state.scheduler.waiting,
+            "models": state.live.view(),
+            "memory": {"active_bytes": mx.get_active_memory(), "prefix_cache_bytes": snapshots.nbytes,
+                       "prefix_cache_budget_bytes": snapshots.budget_bytes},
+        }
 
     @app.get("/v1/models")
     async def list_models():

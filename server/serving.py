@@ -23,6 +23,7 @@ from dflash_core.settings import Settings
 from . import chat
 from .errors import bad_request
 from .generation import ChatOutput, ClientGone, Run, until_disconnect
+from .live import LiveStats
 from .metrics import Metrics
 from .models import ModelPool, ServedModel
 from .output_text import ChatOutputParser
@@ -44,6 +45,7 @@ class ServerState:
                                    batching=settings.server.batching or channel is not None)
         self.pool = ModelPool(settings, self.scheduler, channel)
         self.metrics = Metrics(self.scheduler)
+        self.live = LiveStats()  # the page's live view, by model
         self.responses = ResponseStore(settings.server.stored_responses)
         self.draining = False  # set at SIGTERM: new requests get 503, running ones finish (server/process.py)
 
@@ -130,6 +132,8 @@ async def respond(state: ServerState, endpoint: str, request: Request, run: Run,
             finished = True
             run.cancel()
             run.record(metrics)
+            if run.stats is not None:
+                state.live.record(run.served.name, run.stats)
             state.pool.release(run.served)
 
     if stream:
