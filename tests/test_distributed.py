@@ -110,6 +110,19 @@ def test_generate_on_two_ranks_prints_once_what_one_process_prints(qwen3_pair, t
     assert two_ranks[0]["token_ids"] == single["token_ids"] and len(single["token_ids"]) > 0
 
 
+def test_bench_on_two_ranks_reports_once_with_outputs_matching(qwen3_pair, tmp_path):
+    out = tmp_path / "bench.json"
+    bench = [sys.executable, "-c", "import sys; from dflash_core.cli import main; sys.exit(main())", "bench",
+             "--distributed", "--target", str(qwen3_pair[0]), "--drafter", str(qwen3_pair[1]), "--contexts", "160",
+             "--sets", "chat", "--prompts-per-set", "1", "--max-tokens", "12", "--repeats", "1", "--cooldown", "0",
+             "--no-plots", "--no-progress", "--out", str(out)]
+    procs = _start_ranks(tmp_path, bench)
+    assert _wait(procs, timeout=300) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    report = json.loads(out.read_text())  # rank 0's; the other rank writes nothing
+    assert report["all_matched"] is True
+    assert "results:" not in (tmp_path / "rank1.log").read_text()
+
+
 def _tokens(engine, **kwargs):
     prompt = list(range(5, 45))
     return [t for c in engine.generate(prompt, max_tokens=160, stop_token_ids=set(), **kwargs) for t in c.token_ids]
