@@ -50,7 +50,8 @@ def test_the_page_chats_and_shows_live_numbers(server, tmp_path):
         page.fill("#api-key", "wrong")
         page.click("#key-save")
         expect(page.locator("#key-error")).to_have_text("that key was refused")
-        problems.clear()  # (that refusal's 401 is the one error the browser logs, on purpose)
+        assert problems and all("401" in p for p in problems)  # that refusal, logged by the browser: on purpose
+        problems.clear()
         page.fill("#api-key", KEY)
         page.click("#key-save")
         expect(page.locator("#model option")).to_have_text(["tiny"])
@@ -107,3 +108,23 @@ def test_the_live_numbers_are_the_requests(server):
     assert httpx.get(server.url + "/v1/dflash/live").status_code == 401
     assert httpx.get(server.url + "/").status_code == 200
     assert httpx.get(server.url + "/page/config").json() == {"api_key_required": True}
+
+
+def test_without_a_key_the_page_asks_for_none(qwen3_pair):
+    from playwright.sync_api import expect, sync_playwright
+
+    settings = Settings(models=[ModelSettings(name="tiny", target=str(qwen3_pair[0]), drafter=str(qwen3_pair[1]))])
+    problems = []
+    with LiveServer(settings) as live, sync_playwright() as p:
+        assert httpx.get(live.url + "/page/config").json() == {"api_key_required": False}
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.goto(live.url + "/")
+        expect(page.locator("#model option")).to_have_text(["tiny"])
+        expect(page.locator("#key-box")).to_be_hidden()
+        page.click("#tab-live")
+        expect(page.locator("#live-models")).to_have_text("No generation has finished yet.")
+        browser.close()
+    assert problems == []
