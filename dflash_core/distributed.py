@@ -171,6 +171,13 @@ def _needs_announcing(engine, kwargs: dict) -> bool:
     return (kwargs.get("speculation") or engine.speculation) == "auto"
 
 
+def _auto_policy(engine, channel: Channel):
+    """`auto`'s policy on this rank: rank 0 chooses and announces, the others follow."""
+    if channel.leader:
+        return AnnouncedPolicy(engine.speculation_state.policy("auto"), channel)
+    return FollowedPolicy(channel)
+
+
 def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
     return sampling if sampling.greedy or sampling.seed is not None else replace(sampling, seed=seed)
 
@@ -190,8 +197,7 @@ class LockstepEngine:
         if not sampling.greedy and sampling.seed is None:
             kwargs["sampling"] = _with_seed(sampling, self.channel.number(secrets.randbits(62)))
         if _needs_announcing(self.engine, kwargs):
-            auto = self.engine.speculation_state.policy("auto")
-            kwargs["speculation"] = AnnouncedPolicy(auto, self.channel) if self.channel.leader else FollowedPolicy(self.channel)
+            kwargs["speculation"] = _auto_policy(self.engine, self.channel)
         return self.engine.generate(prompt_tokens, **kwargs)
 
 
@@ -201,7 +207,7 @@ def request_message(prompt_tokens, kwargs: dict) -> dict:
     out: dict = {"prompt_tokens": list(prompt_tokens)}
     for key, value in kwargs.items():
         if key == "sampling":
-            value = {k: v for k, v in asdict(value).items()}
+            value = asdict(value)
             if value.get("logit_bias"):
                 value["logit_bias"] = [[int(t), float(b)] for t, b in value["logit_bias"].items()]
         elif key == "grammar" and value is not None:
@@ -280,7 +286,7 @@ class LeaderEngine:
         kwargs["sampling"] = _with_seed(sampling, secrets.randbits(62))
         message = request_message(prompt_tokens, kwargs)  # before the policy: followers make their own
         if _needs_announcing(self.engine, kwargs):
-            kwargs["speculation"] = AnnouncedPolicy(self.engine.speculation_state.policy("auto"), self.channel)
+            kwargs["speculation"] = _auto_policy(self.engine, self.channel)
             message["speculation"] = "followed"
         stream = self.engine.generate(prompt_tokens, batched=True, **kwargs)  # validates: raises before announcing
         self._next_id += 1
@@ -294,9 +300,19 @@ class LeaderEngine:
             with self.channel.busy():
                 self.channel.message({"events": self.events, "step": [s.id for s in streams]})
                 self.events = []
-                return step_together(self.engine, [s.stream for s in streams])
+                results = step_together(self.engine, [s.stream for s in streams])
+                _check_group_after_errors(results, self.channel)
+                return results
         except Exception as e:  # a collective failed, or the ranks would now disagree: stop everything
             raise self.channel.fail(e) from e
+
+
+def _check_group_after_errors(results, channel: Channel) -> None:
+    """A generation that failed in a step may have failed because the group did (a collective
+    inside its own ops raised): one more collective, on every rank alike (the ranks' failures are
+    the same ones), raises GroupFailed then, and passes when the failure was the request's own."""
+    if any(r.error is not None for r in results):
+        channel.number()
 
 
 def stop_followers(channel: Channel) -> None:
@@ -327,7 +343,7 @@ def follow(engine, channel: Channel) -> None:
                     streams[event[1]] = engine.generate(prompt, batched=True, **kwargs)
                 else:
                     streams.pop(event[1]).close()
-            step_together(engine, [streams[i] for i in message["step"]])
+            _check_group_after_errors(step_together(engine, [streams[i] for i in message["step"]]), channel)
     finally:
         for stream in streams.values():
             stream.close()

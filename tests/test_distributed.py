@@ -4,6 +4,7 @@ the server end to end on rank 0; a rank that dies makes rank 0 fail its requests
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -164,12 +165,24 @@ def test_heads_that_do_not_split_evenly_say_so(tiny_pair_factory):
 
 
 # ---------------------------------------------------------------- the server, rank 0 talking
-def _serve(tmp_path, pair, port: int) -> list[subprocess.Popen]:
+@contextlib.contextmanager
+def _serve(tmp_path, pair):
+    """`dflash serve --distributed` on two ranks, healthy: (its URL, the ranks' processes); the
+    ranks still running at the end are killed."""
+    (port,) = _free_ports(1)
     config = tmp_path / "config.yaml"
     config.write_text("prefix_cache_gb: 0.05\nserver:\n  distributed_step_timeout: 5\n  shutdown_timeout: 10\n")
     dflash = [sys.executable, "-c", "import sys; from dflash_core.cli import main; sys.exit(main())"]
-    return _start_ranks(tmp_path, dflash + ["serve", "--distributed", "--config", str(config), "--target", str(pair[0]),
-                                            "--drafter", str(pair[1]), "--name", "tiny", "--port", str(port)])
+    procs = _start_ranks(tmp_path, dflash + ["serve", "--distributed", "--config", str(config), "--target", str(pair[0]),
+                                             "--drafter", str(pair[1]), "--name", "tiny", "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _healthy(url, procs)
+        yield url, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def _healthy(url: str, procs, timeout: float = 120) -> None:
@@ -202,11 +215,7 @@ def _one_process_answer(pair) -> str:
 
 
 def test_server_on_rank_0_chats_streams_cancels_and_stops_cleanly(qwen3_5_pair, tmp_path):
-    (port,) = _free_ports(1)
-    url = f"http://127.0.0.1:{port}"
-    procs = _serve(tmp_path, qwen3_5_pair, port)
-    try:
-        _healthy(url, procs)
+    with _serve(tmp_path, qwen3_5_pair) as (url, procs):
         first = httpx.post(url + "/v1/chat/completions", json=_chat(24), timeout=60).json()
         answer = first["choices"][0]["message"]["content"]
         assert first["usage"]["completion_tokens"] > 0 and first["dflash"]["speculative"]
@@ -229,18 +238,10 @@ def test_server_on_rank_0_chats_streams_cancels_and_stops_cleanly(qwen3_5_pair, 
         # SIGTERM to rank 0: it drains, tells rank 1 to finish; both exit 0.
         procs[0].send_signal(signal.SIGTERM)
         assert _wait(procs, timeout=60) == [0, 0], (tmp_path / "rank1.log").read_text()[-2000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 def test_a_rank_that_dies_fails_rank_0s_requests_and_rank_0_exits(qwen3_5_pair, tmp_path):
-    (port,) = _free_ports(1)
-    url = f"http://127.0.0.1:{port}"
-    procs = _serve(tmp_path, qwen3_5_pair, port)
-    try:
-        _healthy(url, procs)
+    with _serve(tmp_path, qwen3_5_pair) as (url, procs):
         with httpx.stream("POST", url + "/v1/chat/completions", json=_chat(4000, stream=True), timeout=60) as r:
             lines = r.iter_lines()
             for _ in zip(range(3), lines):
@@ -250,10 +251,6 @@ def test_a_rank_that_dies_fails_rank_0s_requests_and_rank_0_exits(qwen3_5_pair, 
         assert "distributed group cannot go on" in rest
         assert _wait(procs[:1], timeout=60) == [1]  # rank 0 stops, saying why, rather than hang
         assert "distributed group cannot go on" in (tmp_path / "rank0.log").read_text()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 def test_a_step_that_waits_too_long_breaks_the_group():

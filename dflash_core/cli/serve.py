@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 from pydantic import ValidationError
 
@@ -51,21 +53,20 @@ def run_serve(args) -> int:
     if channel is not None and not channel.leader:
         return run_follower(settings, channel)
     serve(create_app(settings, channel), settings.server.host, settings.server.port, settings.server.shutdown_timeout)
-    if channel is not None and channel.failure:
-        _exit_broken_group()
+    if channel is not None:
+        _exit_group_member(1 if channel.failure else 0)
     return 0
 
 
-def _exit_broken_group() -> None:
-    """Exit 1 now: MLX's ring group, once a peer is gone, aborts the process in its destructor
-    ("terminate called without an active exception"), which would hide why this rank stopped."""
-    import os
-    import sys
-
+def _exit_group_member(code: int) -> None:
+    """Exit with `code` now, past the interpreter's teardown: MLX's ring group, once a peer has
+    closed its sockets (a rank gone, or one that finished first after a clean stop), can abort the
+    process in its destructor ("terminate called without an active exception", status -6), which
+    would hide how this rank ended."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)
 
 
 def run_follower(settings, channel) -> int:
@@ -84,6 +85,7 @@ def run_follower(settings, channel) -> int:
         follow(loaded.engine, channel)
     except GroupFailed as e:
         log.error("%s", e)
-        _exit_broken_group()
+        _exit_group_member(1)
     log.info("rank %d: rank 0 stopped; done", channel.rank)
+    _exit_group_member(0)
     return 0
