@@ -12,7 +12,6 @@ and cosine decay. The result is saved in the z-lab checkpoint format the normal 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
@@ -26,12 +25,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .batching import generate_together
 from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
 from .engine import Engine
 from .hub import TARGET_FILES, resolve
 from .loading import load_target
-from .prompts import encode_rendered, hf_tokenizer, render_chat
+from .prompts import hf_tokenizer
+from .train_data import data_report, read_prompt_records, regenerate, split_sequences
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,10 @@ class TrainOptions:
     generation_batch: int = 16  # target responses generated together (continuous batching)
     max_prompt_tokens: int = 384  # longer prompts keep their first quarter and their end
     chat: bool = True
-    held_out: float = 0.1
+    held_out: float = 0.1  # share of prompts held out when the data does not say which (corpus.py does)
+    samples_per_prompt: int = 1  # the greedy response, then sampled ones
+    sample_temperature: float = 0.8
+    shard_prompts: int = 256  # prompts per resumable shard of the data generation
     eval_every: int = 100
     save_every: int = 200
     seed: int = 0
@@ -72,81 +74,6 @@ class TrainOptions:
     loss_vocab: str = "full"
     tap_cache_gb: float = 4.0  # target taps kept across steps
     save_dtype: Optional[str] = None  # the drafter's weights on disk (default: the target's dtype)
-
-
-# --------------------------------------------------------------------------- data
-
-
-def read_prompts(path: Path) -> list:
-    """Prompts from a .txt (one per line), a .jsonl ({"prompt"}, {"text"} or {"messages"}) or a
-    directory of documents (each paragraph's opening is a prompt)."""
-    path = Path(path)
-    if path.is_dir():
-        prompts = []
-        for doc in sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file()):
-            for paragraph in doc.read_text(errors="replace").split("\n\n"):
-                paragraph = paragraph.strip()
-                if len(paragraph) > 40:
-                    prompts.append(paragraph[: max(40, len(paragraph) // 3)])
-        return prompts
-    if path.suffix == ".jsonl":
-        prompts = []
-        for line in path.read_text().splitlines():
-            if line.strip():
-                item = json.loads(line)
-                prompts.append(item.get("messages") or item.get("prompt") or item.get("text"))
-        return [p for p in prompts if p]
-    # A text file holds one prompt per line; "\\n" inside a line stands for a newline (code prompts).
-    return [line.strip().replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
-
-
-def regenerate(engine: Engine, prompts: list, opts: TrainOptions, cache_file: Path) -> list[dict]:
-    """Prompt + the target's own greedy response, token ids; cached so a resumed run skips it.
-    The cache is used only for the same target, prompts and response settings."""
-    key = {"target": str(opts.target), "max_new_tokens": opts.max_new_tokens,
-           "max_prompt_tokens": opts.max_prompt_tokens, "chat": opts.chat,
-           "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()}
-    key_file = cache_file.with_name("sequences.key.json")
-    if cache_file.exists() and key_file.exists() and json.loads(key_file.read_text()) == key:
-        return [json.loads(line) for line in cache_file.read_text().splitlines()]
-    if cache_file.exists():
-        log.info("%s was made for another target, prompts or settings: regenerating", cache_file)
-    from tqdm import tqdm
-
-    tokenizer = engine.tokenizer
-    hf = hf_tokenizer(tokenizer)
-    encoded = []
-    for prompt in prompts:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if opts.chat and getattr(hf, "chat_template", None):  # rendered as the server renders requests
-            tokens = encode_rendered(tokenizer, render_chat(tokenizer, messages))
-        else:
-            tokens = tokenizer.encode(prompt if isinstance(prompt, str) else messages[-1]["content"])
-        tokens = list(tokens)
-        if len(tokens) > opts.max_prompt_tokens:  # keep the head (BOS, system turn) and the end
-            head = opts.max_prompt_tokens // 4
-            tokens = tokens[:head] + tokens[len(tokens) - (opts.max_prompt_tokens - head) :]
-        encoded.append(tokens)
-    # The target's responses, up to generation_batch of them stepping together (batching.py).
-    requests = [{"prompt_tokens": t, "max_tokens": opts.max_new_tokens, "speculative": False} for t in encoded]
-    started = time.perf_counter()
-    with tqdm(total=len(requests), desc="target responses", unit="prompt") as bar:
-        results = generate_together(engine, requests, opts.generation_batch, bar.update)
-    sequences, generated = [], 0
-    for tokens, chunks in zip(encoded, results):
-        response = [t for c in chunks for t in c.token_ids]
-        generated += len(response)
-        if chunks and chunks[-1].stop_token_id is not None:  # the end of turn is part of what drafts should predict
-            response.append(chunks[-1].stop_token_id)
-        if len(response) >= 2:
-            sequences.append({"tokens": tokens + response, "response_start": len(tokens)})
-    seconds = time.perf_counter() - started
-    log.info("target responses: %d tokens in %.1f s, %.1f tok/s (%d at a time)", generated, seconds,
-             generated / seconds if seconds else 0.0, opts.generation_batch)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    cache_file.write_text("".join(json.dumps(s) + "\n" for s in sequences))
-    key_file.write_text(json.dumps(key))
-    return sequences
 
 
 # ----------------------------------------------------------------------- the model
@@ -316,6 +243,9 @@ class TrainReport:
     last_loss: float
     tokens_per_cycle_estimate: float
     history: list = field(default_factory=list)
+    data: dict = field(default_factory=dict)  # train_data.data_report: sizes by category, generation speed
+    trained_block_tokens: int = 0  # drafter block rows trained on this run (after a resume: since it)
+    trained_tokens_per_second: float = 0.0
 
 
 def train(opts: TrainOptions) -> TrainReport:
@@ -326,12 +256,16 @@ def train(opts: TrainOptions) -> TrainReport:
     opts.out.mkdir(parents=True, exist_ok=True)
     target, tokenizer, _ = load_target(resolve(opts.target, files=TARGET_FILES))
     engine = Engine(target, tokenizer)
-    sequences = regenerate(engine, read_prompts(opts.data), opts, opts.out / "data" / "sequences.jsonl")
+    records = read_prompt_records(opts.data)
+    cache_file = opts.out / "data" / "sequences.jsonl"
+    with tqdm(total=len(records) * max(1, opts.samples_per_prompt), desc="target responses", unit="response") as bar:
+        sequences = regenerate(engine, records, opts, cache_file, bar.update)
     if len(sequences) < 2:
         raise ValueError(f"{opts.data}: fewer than 2 usable training prompts")
-    rng.shuffle(sequences)
-    n_held = max(1, int(len(sequences) * opts.held_out))
-    held_out, training = sequences[:n_held], sequences[n_held:]
+    held_out, training = split_sequences(sequences, rng, opts.held_out)
+    if not training:
+        raise ValueError(f"{opts.data}: no training prompts left after holding out {len(held_out)}")
+    data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
 
     drafter = new_drafter(target, tokenizer, opts)
     weights = position_weights(opts.block_size, opts.gamma)
@@ -380,6 +314,7 @@ def train(opts: TrainOptions) -> TrainReport:
             tap_cache[index] = taps
         return taps
     start = time.perf_counter()
+    block_tokens = 0  # drafter rows trained on (each block's rows after its anchor)
     estimate = float("nan")
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
     while step < opts.steps:
@@ -392,6 +327,7 @@ def train(opts: TrainOptions) -> TrainReport:
             tokens = mx.array(seq["tokens"], dtype=mx.int32)
             taps = taps_of(index, tokens)
             loss, g = grad_fn(drafter, taps, tokens, anchors)
+            block_tokens += anchors.size * (opts.block_size - 1)
             grads = g if grads is None else tree_map_add(grads, g)
             total += loss.item()
             count += 1
@@ -411,9 +347,11 @@ def train(opts: TrainOptions) -> TrainReport:
     progress.close()
     save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else target.dtype)
     load_drafter(opts.out)  # the normal loader accepts what was written
-    report = TrainReport(step, time.perf_counter() - start, len(training), len(held_out),
+    seconds = time.perf_counter() - start
+    report = TrainReport(step, seconds, len(training), len(held_out),
                          history[0]["loss"] if history else float("nan"),
-                         history[-1]["loss"] if history else float("nan"), estimate, history)
+                         history[-1]["loss"] if history else float("nan"), estimate, history, data,
+                         block_tokens, block_tokens / seconds if seconds else 0.0)
     (opts.out / "train_report.json").write_text(json.dumps({**asdict(report), "options": _jsonable(opts)}, indent=2))
     return report
 

@@ -16,7 +16,7 @@ from .doctor import add_doctor
 from .generate import add_generate
 from .models import add_models
 from .serve import add_serve
-from .train import add_train
+from .train import add_corpus, add_train
 
 __all__ = ["build_parser", "main", "model_name", "positive_int", "positive_ints", "settings_from_args"]
 
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless DFlash speculative decoding on MLX")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_serve, add_generate, add_models, add_doctor, add_train, add_bench):
+    for add in (add_serve, add_generate, add_models, add_doctor, add_train, add_corpus, add_bench):
         add(sub)
     return parser
 

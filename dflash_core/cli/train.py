@@ -1,10 +1,12 @@
-"""`dflash train`: distil a drafter for a target."""
+"""`dflash train`: distil a drafter for a target; `dflash corpus`: write prompts to train it on."""
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
+from ..corpus import CATEGORIES, HELD_OUT, build_corpus, write_corpus
 from ..train import TrainOptions, train
 from .args import positive_int
 
@@ -28,6 +30,13 @@ def add_train(sub) -> None:
                    help="target responses generated together (one batched forward per step)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=384, help="longer prompts keep their head and end")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
+    p.add_argument("--samples-per-prompt", type=positive_int, default=1,
+                   help="responses per prompt: the greedy one, then sampled ones (seeded)")
+    p.add_argument("--sample-temperature", type=_temperature, default=0.8, help="temperature of the sampled responses")
+    p.add_argument("--shard-prompts", type=positive_int, default=256,
+                   help="prompts per shard of the data generation (a cut run resumes at its first unfinished shard)")
+    p.add_argument("--held-out", type=_share, default=0.1,
+                   help="share of prompts held out where the data has no split (dflash corpus writes one)")
     p.add_argument("--eval-every", type=positive_int, default=100)
     p.add_argument("--save-every", type=positive_int, default=200)
     p.add_argument("--intermediate-size", type=positive_int)
@@ -43,6 +52,40 @@ def add_train(sub) -> None:
     p.set_defaults(func=run_train)
 
 
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a sampling temperature must be above 0, got {text}")
+    return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"a share between 0 and 1 expected, got {text}")
+    return value
+
+
+def add_corpus(sub) -> None:
+    p = sub.add_parser("corpus", help="write a prompt corpus for dflash train from the Python standard library "
+                                      "and the bundled prompt sets (code, prose, chat, structured)")
+    p.add_argument("--out", required=True, type=Path, help="the .jsonl to write (dflash train --data reads it)")
+    p.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma list of: {', '.join(CATEGORIES)}")
+    p.add_argument("--per-category", type=positive_int, help="at most this many prompts of each (default: all)")
+    p.add_argument("--held-out", type=_share, default=HELD_OUT, help="share of prompts held out (by a hash of each)")
+    p.set_defaults(func=run_corpus)
+
+
+def run_corpus(args) -> int:
+    corpus = build_corpus(args.categories.split(","), args.per_category, args.held_out)
+    write_corpus(corpus, args.out)
+    counts = Counter((c.category, c.split) for c in corpus)
+    for category in dict.fromkeys(c.category for c in corpus):
+        print(f"{category:>10}: {counts[category, 'train']} train, {counts[category, 'held_out']} held out")
+    print(f"{len(corpus)} prompts in {args.out}")
+    return 0
+
+
 def _block_size(text: str) -> int:
     value = int(text)
     if value < 2:
@@ -55,7 +98,8 @@ def run_train(args) -> int:
         target=args.target, data=args.data, out=args.out, layers=args.layers, block_size=args.block_size,
         taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-        generation_batch=args.generation_batch,
+        generation_batch=args.generation_batch, samples_per_prompt=args.samples_per_prompt,
+        sample_temperature=args.sample_temperature, shard_prompts=args.shard_prompts, held_out=args.held_out,
         max_prompt_tokens=args.max_prompt_tokens,
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -63,7 +107,11 @@ def run_train(args) -> int:
         save_dtype=args.save_dtype,
     )
     report = train(opts)
-    print(f"trained {report.steps} steps in {report.seconds:.0f}s: loss {report.first_loss:.3f} -> "
-          f"{report.last_loss:.3f}, held-out estimate {report.tokens_per_cycle_estimate:.2f} tokens/cycle; "
-          f"drafter in {opts.out}")
+    data = report.data
+    speed = data.get("generation_tokens_per_second")
+    print(f"data: {data.get('sequences')} sequences, {data.get('response_tokens')} response tokens"
+          + (f" (target responses at {speed:.1f} tok/s)" if speed else ""))
+    print(f"trained {report.steps} steps in {report.seconds:.0f}s ({report.trained_tokens_per_second:.0f} block "
+          f"tokens/s): loss {report.first_loss:.3f} -> {report.last_loss:.3f}, held-out estimate "
+          f"{report.tokens_per_cycle_estimate:.2f} tokens/cycle; drafter in {opts.out}")
     return 0

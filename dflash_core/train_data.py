@@ -1,0 +1,192 @@
+"""`dflash train`'s data: prompts read from a file, and the target's own responses to them.
+
+Responses are generated in shards of prompts, with up to `generation_batch` generations stepping
+together (batching.py); each finished shard is appended to `sequences.jsonl` and recorded in
+`sequences.progress.json`, so a run cut short at any point resumes at its first unfinished shard
+and ends with exactly the sequences an unbroken run makes. Each prompt gives its greedy response
+and, with `samples_per_prompt` > 1, sampled ones (seeded per prompt and sample, so they too are
+the same after a restart); identical sequences are kept once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from .prompts import encode_rendered, hf_tokenizer, render_chat
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def read_prompt_records(path: Path) -> list[dict]:
+    """{"prompt", "category", "split"} from a .txt (one prompt per line), a .jsonl ({"prompt"},
+    {"text"} or {"messages"}, with "category" and "split" where `dflash corpus` wrote them) or a
+    directory of documents (each paragraph's opening is a prompt). "split" is None where the
+    file does not say: training then holds out a random share."""
+    path = Path(path)
+    if path.is_dir():
+        records = []
+        for doc in sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file()):
+            for paragraph in doc.read_text(errors="replace").split("\n\n"):
+                paragraph = paragraph.strip()
+                if len(paragraph) > 40:
+                    records.append({"prompt": paragraph[: max(40, len(paragraph) // 3)], "category": "document",
+                                    "split": None})
+        return records
+    if path.suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            prompt = item.get("messages") or item.get("prompt") or item.get("text")
+            split = item.get("split")
+            if split not in (None, "train", "held_out"):
+                raise ValueError(f"{path}:{number}: split must be 'train' or 'held_out', not {split!r}")
+            if prompt:
+                records.append({"prompt": prompt, "category": item.get("category", "unlabelled"), "split": split})
+        return records
+    # A text file holds one prompt per line; "\\n" inside a line stands for a newline (code prompts).
+    return [{"prompt": line.strip().replace("\\n", "\n"), "category": "unlabelled", "split": None}
+            for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_prompts(path: Path) -> list:
+    """The prompts of `read_prompt_records`, text or chat messages."""
+    return [r["prompt"] for r in read_prompt_records(path)]
+
+
+def encode_prompt(tokenizer, prompt, chat: bool, max_prompt_tokens: int) -> list[int]:
+    """A prompt's tokens as the server renders a request (chat template) or as plain text; longer
+    than `max_prompt_tokens`, it keeps its head (BOS, system turn) and its end."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if chat and getattr(hf_tokenizer(tokenizer), "chat_template", None):
+        tokens = list(encode_rendered(tokenizer, render_chat(tokenizer, messages)))
+    else:
+        tokens = list(tokenizer.encode(prompt if isinstance(prompt, str) else messages[-1]["content"]))
+    if len(tokens) > max_prompt_tokens:
+        head = max_prompt_tokens // 4
+        tokens = tokens[:head] + tokens[len(tokens) - (max_prompt_tokens - head):]
+    return tokens
+
+
+def _sampling(prompt_index: int, sample: int, temperature: float, seed: int) -> SamplingParams:
+    if sample == 0:
+        return SamplingParams()  # greedy: the target's own choice at every position
+    return SamplingParams(temperature=temperature, seed=(seed * 1_000_003 + prompt_index) * 97 + sample)
+
+
+def _read_done(cache_file: Path, progress_file: Path, key: dict) -> tuple[int, list[dict], dict]:
+    """The prompts already done, their sequences and the counters, from an earlier run with the
+    same key; (0, [], {}) otherwise."""
+    if not (cache_file.exists() and progress_file.exists()):
+        return 0, [], {}
+    progress = json.loads(progress_file.read_text())
+    if progress.get("key") != key:
+        log.info("%s was made for another target, prompts or settings: regenerating", cache_file)
+        return 0, [], {}
+    done = progress["prompts_done"]
+    sequences = []
+    for line in cache_file.read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the interruption
+            continue
+        if item["prompt_index"] < done:  # lines past `done` belong to a shard that did not finish
+            sequences.append(item)
+    return done, sequences, progress.get("counters", {})
+
+
+def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=None) -> list[dict]:
+    """Prompt + the target's response, token ids, for every record and sample: {"tokens",
+    "response_start", "prompt_index", "sample", "category", "split"}. `opts` is a TrainOptions
+    (the response settings); `progress(n)` hears of each finished generation."""
+    from .batching import generate_together
+
+    samples = max(1, getattr(opts, "samples_per_prompt", 1))
+    temperature = getattr(opts, "sample_temperature", 0.8)
+    shard = max(1, getattr(opts, "shard_prompts", 256))
+    prompts = [r["prompt"] for r in records]
+    key = {"target": str(opts.target), "max_new_tokens": opts.max_new_tokens,
+           "max_prompt_tokens": opts.max_prompt_tokens, "chat": opts.chat, "samples": samples,
+           "temperature": temperature if samples > 1 else None, "seed": opts.seed,
+           "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()}
+    progress_file = cache_file.with_name("sequences.progress.json")
+    done, sequences, counters = _read_done(cache_file, progress_file, key)
+    if done == len(records):
+        return sequences
+    if done:
+        log.info("target responses: resuming after %d of %d prompts", done, len(records))
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    cache_file.write_text("".join(json.dumps(s) + "\n" for s in sequences))  # drops an unfinished shard
+    seen = {tuple(s["tokens"]) for s in sequences}
+    generated = counters.get("generated_tokens", 0)
+    seconds = counters.get("seconds", 0.0)
+    while done < len(records):
+        chunk = range(done, min(done + shard, len(records)))
+        encoded = {i: encode_prompt(engine.tokenizer, prompts[i], opts.chat, opts.max_prompt_tokens) for i in chunk}
+        jobs = [(i, k) for i in chunk for k in range(samples)]
+        requests = [{"prompt_tokens": encoded[i], "max_tokens": opts.max_new_tokens, "speculative": False,
+                     "sampling": _sampling(i, k, temperature, opts.seed)} for i, k in jobs]
+        started = time.perf_counter()
+        results = generate_together(engine, requests, opts.generation_batch, progress)
+        seconds += time.perf_counter() - started
+        new = []
+        for (i, k), chunks in zip(jobs, results):
+            response = [t for c in chunks for t in c.token_ids]
+            generated += len(response)
+            if chunks and chunks[-1].stop_token_id is not None:  # the end of turn is part of what drafts predict
+                response.append(chunks[-1].stop_token_id)
+            tokens = encoded[i] + response
+            if len(response) >= 2 and tuple(tokens) not in seen:
+                seen.add(tuple(tokens))
+                new.append({"tokens": tokens, "response_start": len(encoded[i]), "prompt_index": i, "sample": k,
+                            "category": records[i]["category"], "split": records[i]["split"]})
+        with cache_file.open("a") as f:
+            f.write("".join(json.dumps(s) + "\n" for s in new))
+        sequences += new
+        done = chunk.stop
+        counters = {"generated_tokens": generated, "seconds": seconds}
+        tmp = progress_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "prompts_done": done, "counters": counters}))
+        tmp.replace(progress_file)  # the shard counts as done only once its lines are written
+        log.info("target responses: %d of %d prompts, %d tokens, %.1f tok/s (%d at a time)", done, len(records),
+                 generated, generated / seconds if seconds else 0.0, opts.generation_batch)
+    return sequences
+
+
+def data_report(sequences: list[dict], progress_file: Path) -> dict:
+    """What the training data holds: sequences and tokens by category and split, and the speed of
+    the target's responses."""
+    counters = json.loads(progress_file.read_text()).get("counters", {}) if progress_file.exists() else {}
+    by: dict = {}
+    for s in sequences:
+        entry = by.setdefault(s.get("category", "unlabelled"), {"sequences": 0, "response_tokens": 0})
+        entry["sequences"] += 1
+        entry["response_tokens"] += len(s["tokens"]) - s["response_start"]
+    generated, seconds = counters.get("generated_tokens"), counters.get("seconds")
+    return {"sequences": len(sequences), "tokens": sum(len(s["tokens"]) for s in sequences),
+            "response_tokens": sum(len(s["tokens"]) - s["response_start"] for s in sequences),
+            "held_out_sequences": sum(s.get("split") == "held_out" for s in sequences),
+            "by_category": by, "generated_tokens": generated,
+            "generation_tokens_per_second": generated / seconds if generated and seconds else None}
+
+
+def split_sequences(sequences: list[dict], rng, held_out: float) -> tuple[list[dict], list[dict]]:
+    """(held_out, training): by the prompts' own split where the data says it, else a random
+    `held_out` share of the prompts; either way every sample of a prompt is on one side."""
+    if sequences and all(s.get("split") in ("train", "held_out") for s in sequences):
+        held = [s for s in sequences if s["split"] == "held_out"]
+        training = [s for s in sequences if s["split"] == "train"]
+        if held and training:
+            return held, training
+        log.warning("the data's split leaves one side empty: holding out a random share instead")
+    prompts = sorted({s["prompt_index"] for s in sequences})
+    rng.shuffle(prompts)
+    held_prompts = set(prompts[: max(1, int(len(prompts) * held_out))])
+    return ([s for s in sequences if s["prompt_index"] in held_prompts],
+            [s for s in sequences if s["prompt_index"] not in held_prompts])

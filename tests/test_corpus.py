@@ -1,0 +1,114 @@
+"""The training corpus (dflash_core/corpus.py) and the resumable data generation of `dflash train`
+(dflash_core/train_data.py), on the real standard library and a tiny real target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_core import cli
+from dflash_core.corpus import CATEGORIES, build_corpus, normalised, split_of
+from dflash_core.engine import Engine
+from dflash_core.loading import load_target
+from dflash_core.train import TrainOptions
+from dflash_core.train_data import read_prompt_records, regenerate
+
+
+def test_the_corpus_has_every_category_distinct_prompts_and_a_stable_split():
+    corpus = build_corpus(per_category=40)
+    assert [sum(c.category == cat for c in corpus) for cat in CATEGORIES] == [40] * 4
+    keys = [normalised(c.prompt) for c in corpus]
+    assert len(set(keys)) == len(keys)
+    assert build_corpus(per_category=40) == corpus  # the same on every build
+    assert all(c.split == split_of(c.prompt) for c in corpus)
+    code = [c for c in corpus if c.category == "code"]
+    assert all(c.prompt.lstrip().startswith(("def ", "class ", "async def ", "@")) for c in code)
+    for c in (c for c in corpus if c.category == "structured"):
+        record = json.loads(c.prompt.splitlines()[-1] + 'a summary"}')  # an opened JSON record
+        assert {"module", "name", "arguments", "summary"} <= record.keys()
+
+
+def test_the_split_is_decided_by_the_text_alone():
+    assert split_of("Explain  how Rivers form.") == split_of("explain how rivers form.")
+    texts = [f"prompt number {i} about something" for i in range(20000)]
+    share = sum(split_of(t, 0.05) == "held_out" for t in texts) / len(texts)
+    assert 0.04 < share < 0.06
+    assert all(split_of(t, 0.05) == "held_out" for t in texts if split_of(t, 0.02) == "held_out")  # nested
+
+
+def test_dflash_corpus_writes_what_dflash_train_reads(tmp_path, capsys):
+    out = tmp_path / "corpus.jsonl"
+    assert cli.main(["corpus", "--out", str(out), "--per-category", "12", "--held-out", "0.25"]) == 0
+    assert "48 prompts" in capsys.readouterr().out
+    records = read_prompt_records(out)
+    assert len(records) == 48 and {r["category"] for r in records} == set(CATEGORIES)
+    assert {r["split"] for r in records} == {"train", "held_out"}
+    assert cli.main(["corpus", "--out", str(out), "--categories", "code,poetry"]) == 2
+    assert "poetry" in capsys.readouterr().err
+
+
+PROMPTS = ["def add(a, b):", "The weather today is", "Count from one to ten.", "Why is the sky blue?",
+           "List three colors.", "Explain how rivers form.", "A fox and a crow", "import os\n",
+           "Dear team,", "Once upon a time", "SELECT * FROM", "The capital of France"]
+
+
+def _records():
+    return [{"prompt": p, "category": "code" if i % 2 else "prose", "split": "held_out" if i in (3, 7) else "train"}
+            for i, p in enumerate(PROMPTS)]
+
+
+def _opts(target_dir, out):
+    return TrainOptions(target=str(target_dir), data=None, out=out, max_new_tokens=12, generation_batch=4,
+                        chat=False, samples_per_prompt=2, sample_temperature=1.0, shard_prompts=4)
+
+
+class Cut(Exception):
+    pass
+
+
+def test_a_cut_generation_resumes_to_what_an_unbroken_run_makes(qwen3_pair, tmp_path):
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    engine = Engine(target, tokenizer)
+    unbroken = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "a"), tmp_path / "a" / "sequences.jsonl")
+    assert {s["sample"] for s in unbroken} == {0, 1}
+    greedy = {s["prompt_index"]: s["tokens"] for s in unbroken if s["sample"] == 0}
+    assert any(s["tokens"] != greedy.get(s["prompt_index"]) for s in unbroken if s["sample"] == 1)  # sampled
+    assert {s["split"] for s in unbroken if s["prompt_index"] in (3, 7)} == {"held_out"}
+
+    cache = tmp_path / "b" / "sequences.jsonl"
+    ends = []
+
+    def cut_in_the_second_shard(n):
+        ends.append(n)
+        if len(ends) == 10:  # a shard is 4 prompts x 2 samples: this is inside the second
+            raise Cut
+    with pytest.raises(Cut):
+        regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b"), cache, cut_in_the_second_shard)
+    assert json.loads(cache.with_name("sequences.progress.json").read_text())["prompts_done"] == 4
+    ends.clear()
+    resumed = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b"), cache, ends.append)
+    assert len(ends) == 16  # the first shard was not generated again
+    assert resumed == unbroken
+    assert [json.loads(line) for line in cache.read_text().splitlines()] == unbroken
+    ends.clear()
+    assert regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b"), cache, ends.append) == unbroken
+    assert ends == []  # all done: nothing generated
+
+
+def test_training_holds_out_the_prompts_the_data_marks(qwen3_pair, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    out = tmp_path / "drafter"
+    assert cli.main(["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
+                     "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "2",
+                     "--anchors", "2", "--max-new-tokens", "12", "--steps", "2", "--eval-every", "2", "--no-chat",
+                     "--samples-per-prompt", "2", "--shard-prompts", "5"]) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    sequences = [json.loads(line) for line in (out / "data" / "sequences.jsonl").read_text().splitlines()]
+    held = [s for s in sequences if s["prompt_index"] in (3, 7)]
+    assert report["held_out_sequences"] == len(held) > 0
+    assert report["sequences"] == len(sequences) - len(held)
+    assert report["data"]["by_category"].keys() == {"code", "prose"}
+    assert report["data"]["generation_tokens_per_second"] > 0 and report["trained_tokens_per_second"] > 0
+    assert "tok/s" in capsys.readouterr().out
