@@ -19,6 +19,7 @@ class BenchPrompt:
     name: str
     messages: list[dict[str, Any]]
     tools: Optional[list[dict[str, Any]]] = field(default=None)
+    text: Optional[str] = None  # a plain completion prompt, encoded as it is (no chat template)
 
 
 def _user(text: str, system: Optional[str] = None) -> list[dict[str, Any]]:
@@ -125,6 +126,31 @@ def select_prompts(sets: Optional[list[str]] = None, per_set: Optional[int] = No
     chosen = []
     for name in sets:
         chosen += [p for p in PROMPTS if p.set == name][:per_set]
+    return chosen
+
+
+def prompts_from_file(path, split: Optional[str] = "held_out", per_set: Optional[int] = None,
+                      chat: bool = True) -> list[BenchPrompt]:
+    """A prompt file `dflash train --data` reads (`dflash corpus` writes one) as bench prompts, one
+    set per category: the prompts of `split` (None: all), the first `per_set` of each category.
+    Text prompts go through the chat template as a user turn, or with `chat` False as they are
+    (a base model, or a drafter trained with --no-chat)."""
+    from .train_data import read_prompt_records
+
+    chosen, counts = [], {}
+    for i, record in enumerate(read_prompt_records(path)):
+        if split is not None and record["split"] != split:
+            continue
+        category = record["category"]
+        if per_set is not None and counts.get(category, 0) >= per_set:
+            continue
+        counts[category] = counts.get(category, 0) + 1
+        prompt = record["prompt"]
+        messages = prompt if isinstance(prompt, list) else _user(prompt)
+        text = prompt if isinstance(prompt, str) and not chat else None
+        chosen.append(BenchPrompt(category, f"{category}-{i}", messages, text=text))
+    if not chosen:
+        raise ValueError(f"{path}: no prompts{f' of the {split} split' if split else ''}")
     return chosen
 
 

@@ -112,3 +112,30 @@ def test_training_holds_out_the_prompts_the_data_marks(qwen3_pair, tmp_path, cap
     assert report["data"]["by_category"].keys() == {"code", "prose"}
     assert report["data"]["generation_tokens_per_second"] > 0 and report["trained_tokens_per_second"] > 0
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_dflash_bench_measures_a_corpus_by_category(qwen3_pair, tmp_path, capsys):
+    from dflash_core import bench
+
+    data = tmp_path / "prompts.jsonl"
+    records = [*_records(), {"messages": [{"role": "user", "content": "Say hi."}], "category": "chat",
+                             "split": "held_out"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "bench.json"
+    target, drafter = qwen3_pair
+    common = ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(data), "--contexts", "8",
+              "--max-tokens", "12", "--repeats", "1", "--cooldown", "0", "--no-plots", "--no-progress", "--out", str(out)]
+    assert cli.main(common + ["--no-chat"]) == 0
+    report = bench.load_report(out)
+    # Only the held-out prompts (3, 7: "code"; the chat one), one set per category, all matched.
+    assert {r.prompt for r in report.results} == {"code-3", "code-7", "chat-12"}
+    assert [s.set for s in report.summary] == ["code", "chat", "all"]
+    assert report.all_matched is True and report.settings.prompts_file == str(data) and not report.settings.chat
+    target_engine, tokenizer, _ = load_target(target)
+    by_name = {r.prompt: r for r in report.results}
+    assert by_name["code-3"].prompt_tokens == len(tokenizer.encode(PROMPTS[3]))  # as it is, no template
+    assert cli.main(common + ["--prompts-split", "train", "--prompts-per-set", "1"]) == 0
+    assert {r.set for r in bench.load_report(out).results} == {"code", "prose"}
+    capsys.readouterr()
+    assert cli.main(common + ["--server", "http://127.0.0.1:9"]) == 2
+    assert "--prompts" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import mlx.core as mx
 
-from ..bench_prompts import BenchPrompt, filler_tokens, select_prompts
+from ..bench_prompts import BenchPrompt, filler_tokens, prompts_from_file, select_prompts
 from ..doctor import package_version
 from ..kernels import backend
 from ..prompts import encode_rendered, hf_tokenizer, render_chat
@@ -64,6 +64,8 @@ def _plain_text(prompt: BenchPrompt) -> str:
 def render_prompt(tokenizer, prompt: BenchPrompt, template_kwargs: Optional[dict] = None) -> list[int]:
     # Rendered to text and then encoded without special tokens, as the server does, so the engine
     # sees the very tokens a client's request would produce.
+    if prompt.text is not None:
+        return list(hf_tokenizer(tokenizer).encode(prompt.text))  # a completion prompt, with the BOS it adds
     if getattr(hf_tokenizer(tokenizer), "chat_template", None):
         text = render_chat(tokenizer, prompt.messages, prompt.tools, **(template_kwargs or {}))
     else:
@@ -264,11 +266,19 @@ class BenchModel:
     note: Optional[str] = None
 
 
+def bench_prompts(settings: EngineSettings) -> list[BenchPrompt]:
+    """The bundled sets, or a prompt file's categories (its held-out prompts, unless it has none)."""
+    if settings.prompts_file:
+        return prompts_from_file(settings.prompts_file, settings.prompts_split, settings.prompts_per_set,
+                                 settings.chat)
+    return select_prompts(settings.sets, settings.prompts_per_set)
+
+
 def run_engine_bench(model: BenchModel, settings: EngineSettings, progress: bool = True) -> EngineReport:
     from tqdm import tqdm
 
     engine = model.engine
-    prompts = select_prompts(settings.sets, settings.prompts_per_set)
+    prompts = bench_prompts(settings)
     sampling = SamplingParams(temperature=settings.temperature,
                               seed=settings.seed if settings.temperature > 0 else None)
     hf = hf_tokenizer(engine.tokenizer)

@@ -45,6 +45,9 @@ class EngineSettings(_Strict):
     contexts: list[int] = Field(description="requested prompt lengths in tokens (filler + prompt)")
     sets: list[str]
     prompts_per_set: Optional[int] = None
+    prompts_file: Optional[str] = Field(None, description="prompts from this file (dflash corpus), one set per category")
+    prompts_split: Optional[str] = Field("held_out", description="the file's prompts of this split (null: all)")
+    chat: bool = Field(True, description="false: a file's text prompts encoded as they are, without the chat template")
     repeats: int = Field(ge=1)
     cooldown_seconds: float = Field(ge=0)
     max_tokens: int = Field(ge=1)

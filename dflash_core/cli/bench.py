@@ -18,7 +18,7 @@ from ..bench import (
     server_table,
     write_plots,
 )
-from ..bench_prompts import PROMPT_SETS, select_prompts
+from ..bench_prompts import PROMPT_SETS, prompts_from_file, select_prompts
 from ..random_models import QUANTS
 from .args import add_distributed_flag, add_model_flags, distributed_channel, positive_int, positive_ints, settings_from_args
 
@@ -43,6 +43,13 @@ def add_bench(sub) -> None:
                    help="random weights: force K accepted drafts per cycle (speed at K+1 tokens per cycle)")
     p.add_argument("--sets", type=_names, default=list(PROMPT_SETS), help="prompt sets (default: math,code,chat,agent)")
     p.add_argument("--prompts-per-set", type=positive_int, help="use only the first N prompts of each set")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="prompts from a file dflash train reads (dflash corpus writes one), one set per category, "
+                        "instead of the bundled sets")
+    p.add_argument("--prompts-split", choices=("held_out", "train", "all"), default="held_out",
+                   help="with --prompts: the file's prompts of this split (default: held_out)")
+    p.add_argument("--no-chat", action="store_true",
+                   help="with --prompts: text prompts as they are, without the chat template (a base model)")
     p.add_argument("--contexts", type=positive_ints, default=[512, 2048, 8192],
                    help="prompt lengths in tokens, filler document + prompt (default: 512,2048,8192)")
     p.add_argument("--max-tokens", type=positive_int, default=256)
@@ -67,6 +74,8 @@ def add_bench(sub) -> None:
 
 def run_bench(args) -> int:
     """Exit code 0; 1 when an output did not match or a request failed (2: bad arguments)."""
+    if args.server and (args.prompts or args.no_chat):
+        raise ValueError("--prompts and --no-chat choose the engine benchmark's prompts; with --server use --sets")
     if args.server:
         report = run_server_bench(
             args.server, concurrency=args.concurrency, requests=args.requests or 4 * args.concurrency,
@@ -96,12 +105,18 @@ def run_bench(args) -> int:
     else:
         channel = distributed_channel(args)
         model = checkpoint_bench_model(settings, channel)
+    if args.prompts:  # the file's categories are the sets; an empty or unreadable file fails before any work
+        split = None if args.prompts_split == "all" else args.prompts_split
+        args.sets = list(dict.fromkeys(p.set for p in prompts_from_file(args.prompts, split, args.prompts_per_set)))
     bench_settings = EngineSettings(
+        prompts_file=str(args.prompts) if args.prompts else None,
+        prompts_split=None if args.prompts_split == "all" else args.prompts_split, chat=not args.no_chat,
         contexts=args.contexts, sets=args.sets, prompts_per_set=args.prompts_per_set, repeats=args.repeats,
         cooldown_seconds=args.cooldown, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
         temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
         forced_accepted=args.forced_accepted)
-    select_prompts(args.sets, args.prompts_per_set)  # unknown set names fail before any work
+    if not args.prompts:
+        select_prompts(args.sets, args.prompts_per_set)  # unknown set names fail before any work
     leader = channel is None or channel.leader
     report = run_engine_bench(model, bench_settings, progress=not args.no_progress and leader)
     if not leader:  # every rank ran the benchmark; rank 0 reports it
