@@ -107,14 +107,13 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
     (the response settings); `progress(n)` hears of each finished generation."""
     from .batching import generate_together
 
-    samples = max(1, getattr(opts, "samples_per_prompt", 1))
-    temperature = getattr(opts, "sample_temperature", 0.8)
-    shard = max(1, getattr(opts, "shard_prompts", 256))
+    samples, temperature, shard = max(1, opts.samples_per_prompt), opts.sample_temperature, max(1, opts.shard_prompts)
     prompts = [r["prompt"] for r in records]
+    sampled = samples > 1  # the seed and temperature matter only to sampled responses
     key = {"target": str(opts.target), "max_new_tokens": opts.max_new_tokens,
            "max_prompt_tokens": opts.max_prompt_tokens, "chat": opts.chat, "samples": samples,
-           "temperature": temperature if samples > 1 else None, "seed": opts.seed,
-           "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()}
+           "temperature": temperature if sampled else None, "seed": opts.seed if sampled else None,
+           "prompts": hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()}
     progress_file = cache_file.with_name("sequences.progress.json")
     done, sequences, counters = _read_done(cache_file, progress_file, key)
     if done == len(records):
