@@ -38,15 +38,16 @@ def engine_table(report: EngineReport) -> str:
     ]
     if not report.acceptance_measured:
         lines.append(f"RANDOM WEIGHTS: speed only; tokens/cycle is NOT a measure of acceptance. {report.note or ''}")
-    header = (f"{'context':>7} {'set':<6} {'n':>2} {'prompt':>6} | {'prefill tok/s':>17} | "
+    w = max([6] + [len(r.set) for r in report.summary])  # a file's categories can be longer than the bundled sets
+    header = (f"{'context':>7} {'set':<{w}} {'n':>2} {'prompt':>6} | {'prefill tok/s':>17} | "
               f"{'decode tok/s':>26} | {'speedup':>15} {'tok/cycle':>9} | {'peak GB':>11} | match")
-    lines += [header, f"{'':>24} | {'target':>8} {'dflash':>8} | {'target':>8} {'dflash':>8} {'auto':>8} |"
+    lines += [header, f"{'':>{18 + w}} | {'target':>8} {'dflash':>8} | {'target':>8} {'dflash':>8} {'auto':>8} |"
               f" {'dflash':>7} {'auto':>7}{'':>10} | {'tgt':>5} {'dfl':>5} |", "-" * len(header)]
     for r in report.summary:
         match = "-" if r.matched + r.mismatched == 0 else (
             "yes" if not r.mismatched else f"NO ({r.mismatched}/{r.matched + r.mismatched})")
         lines.append(
-            f"{r.context:>7} {r.set:<6} {r.prompts:>2} {r.prompt_tokens:>6} | "
+            f"{r.context:>7} {r.set:<{w}} {r.prompts:>2} {r.prompt_tokens:>6} | "
             f"{_fmt(r.target_prefill_tokens_per_second, '.0f'):>8} {_fmt(r.dflash_prefill_tokens_per_second, '.0f'):>8} | "
             f"{_fmt(r.target_decode_tokens_per_second):>8} {_fmt(r.dflash_decode_tokens_per_second):>8} "
             f"{_fmt(r.auto_decode_tokens_per_second):>8} | "
