@@ -27,5 +27,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q chromium >/dev/null
 fi
 .venv-test/bin/ruff check .
-# Every test, the slow ones too (plain `pytest` leaves them out: pyproject.toml).
-exec .venv-test/bin/python -m pytest -m "slow or not slow" "$@"
+# Every test, the slow ones too (plain `pytest` leaves them out: pyproject.toml), on two workers
+# (pytest-xdist), a test file's tests on one worker (its module fixtures are then made once).
+exec .venv-test/bin/python -m pytest -m "slow or not slow" -n 2 --dist loadfile "$@"

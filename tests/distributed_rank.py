@@ -2,12 +2,14 @@
 pair sharded over the group and runs the same generations in lockstep; rank 0 writes what came out.
 
     python tests/distributed_rank.py OUT.json FAMILY=TARGET_DIR,DRAFTER_DIR ...
+
+A FAMILY ending in ":stacked" (qwen3_5:stacked=...) runs that pair with the CUDA path's stacked
+projections on, and only the generations tests/test_distributed.py checks for it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from dflash_core.loading import load_engine, parameter_bytes  # noqa: E402
 from dflash_core.sampling import SamplingParams  # noqa: E402
 
 PROMPT = list(range(5, 45))
-N_TOKENS = 160
+N_TOKENS = 144  # every acceptance length once (1 + 136 tokens), a few more; contexts far past the windows (8)
 SCHEDULE = list(range(16))  # every acceptance length once: 136 tokens
 
 
@@ -30,7 +32,7 @@ def tokens(engine, **kwargs) -> list[int]:
     return [t for c in engine.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=set(), **kwargs) for t in c.token_ids]
 
 
-def run(family: str, target: str, drafter: str, channel: Channel) -> dict:
+def run(family: str, target: str, drafter: str, channel: Channel, stacked_only: bool = False) -> dict:
     engine = load_engine(target, drafter, prefill_chunk=16, group=channel.group)
     stacked = sum(g.stacked for groups in engine.target.shared_inputs for g in groups.values())
     lockstep = LockstepEngine(engine, channel)
@@ -39,6 +41,9 @@ def run(family: str, target: str, drafter: str, channel: Channel) -> dict:
                            vocab_size=engine.target.vocab_size, target_layer_ids=engine.drafter.config.target_layer_ids)
     forced_engine = LockstepEngine(Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16), channel)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    if stacked_only:  # what the stacked-projections test checks
+        return {"alone": alone, "every_acceptance_length": tokens(forced_engine, speculation="on"),
+                "random_drafter_on": tokens(lockstep, speculation="on"), "stacked_groups": stacked}
     return {
         "alone": alone,
         "every_acceptance_length": tokens(forced_engine, speculation="on"),
@@ -54,19 +59,25 @@ def run(family: str, target: str, drafter: str, channel: Channel) -> dict:
 
 
 def main() -> None:
-    if os.environ.get("DFLASH_TEST_STACKED"):
-        # The CUDA path's stacked projections (kernels/matmul.py), here on the CPU, over the
-        # slices each rank holds (as tests/test_lossless.py forces them in one process).
-        from dflash_core.kernels import matmul
+    from dflash_core.kernels import matmul
 
-        matmul.backend = lambda: "cuda"
     out = Path(sys.argv[1])
     channel = Channel(init_group())
     results = {"size": channel.size}
     for spec in sys.argv[2:]:
         family, paths = spec.split("=", 1)
         target, drafter = paths.split(",")
-        results[family] = run(family, target, drafter, channel)
+        if family.endswith(":stacked"):
+            # The CUDA path's stacked projections (kernels/matmul.py), here on the CPU, over the
+            # slices each rank holds (as tests/test_lossless.py forces them in one process), for
+            # this pair's load and generations only.
+            backend, matmul.backend = matmul.backend, lambda: "cuda"
+            try:
+                results[family] = run(family, target, drafter, channel, stacked_only=True)
+            finally:
+                matmul.backend = backend
+        else:
+            results[family] = run(family, target, drafter, channel)
     # Every rank says what it saw: the ranks must agree token for token.
     Path(f"{out}.rank{channel.rank}").write_text(json.dumps(results))
 

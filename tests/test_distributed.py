@@ -23,6 +23,7 @@ from dflash_core.sampling import SamplingParams
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SHARDED = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"]
+N_TOKENS = 144  # as tests/distributed_rank.py
 
 
 def _free_ports(n: int) -> list[int]:
@@ -70,6 +71,8 @@ def _wait(procs, timeout: float) -> list[int]:
 def two_rank_results(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distributed")
     pairs = [f"{f}={','.join(str(p) for p in request.getfixturevalue(f'{f}_pair'))}" for f in SHARDED]
+    # The stacked-projections run (test_stacked_projections_over_sharded_weights) in the same ranks.
+    pairs.append(f"qwen3_5:stacked={','.join(str(p) for p in request.getfixturevalue('qwen3_5_pair'))}")
     out = tmp / "results.json"
     procs = _start_ranks(tmp, [sys.executable, str(HERE / "distributed_rank.py"), str(out), *pairs])
     codes = _wait(procs, timeout=300)
@@ -79,16 +82,12 @@ def two_rank_results(request, tmp_path_factory):
     return ranks
 
 
-def test_stacked_projections_over_sharded_weights(qwen3_5_pair, tmp_path):
+def test_stacked_projections_over_sharded_weights(two_rank_results, qwen3_5_pair):
     """The CUDA path's stacked projections (run here on the CPU) multiply each rank's slices of
     Qwen3.5's linear-attention projections, which mlx-lm shards in place: still lossless, and still
     what one process decodes."""
-    out = tmp_path / "stacked.json"
-    pair = ",".join(str(p) for p in qwen3_5_pair)
-    procs = _start_ranks(tmp_path, [sys.executable, str(HERE / "distributed_rank.py"), str(out), f"qwen3_5={pair}"],
-                         env={"DFLASH_TEST_STACKED": "1"})
-    assert _wait(procs, timeout=300) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
-    got = json.loads(Path(f"{out}.rank0").read_text())["qwen3_5"]
+    got, other = (rank["qwen3_5:stacked"] for rank in two_rank_results)
+    assert got == other
     assert got["stacked_groups"] > 0
     single = load_engine(str(qwen3_5_pair[0]), str(qwen3_5_pair[1]), prefill_chunk=16)
     alone = _tokens(single, speculative=False)
@@ -126,7 +125,7 @@ def test_bench_on_two_ranks_reports_once_with_outputs_matching(qwen3_pair, tmp_p
 
 def _tokens(engine, **kwargs):
     prompt = list(range(5, 45))
-    return [t for c in engine.generate(prompt, max_tokens=160, stop_token_ids=set(), **kwargs) for t in c.token_ids]
+    return [t for c in engine.generate(prompt, max_tokens=N_TOKENS, stop_token_ids=set(), **kwargs) for t in c.token_ids]
 
 
 @pytest.mark.parametrize("family", SHARDED)
@@ -145,7 +144,7 @@ def test_two_ranks_give_what_one_process_gives(two_rank_results, request, family
     assert got["every_acceptance_length"] == alone
     assert got["random_drafter_on"] == alone and got["random_drafter_auto"] == alone
     assert got["seeded_alone"] == got["seeded_on"] == _tokens(single, speculative=False, sampling=seeded)
-    assert len(got["unseeded"]) == 160
+    assert len(got["unseeded"]) == N_TOKENS
     # Each rank holds about half of the target: the sharded projections split, the embedding
     # (and tied or split LM head) and the norms stay whole.
     whole = parameter_bytes(load_target(target)[0].model)

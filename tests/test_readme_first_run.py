@@ -68,8 +68,10 @@ def test_readme_first_command_serves_offline_and_its_examples_answer(tmp_path):
 
     port = _free_port()
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:  # the README's command, moved off port 8000 as a flag would
-        proc = subprocess.Popen(["/bin/sh", "-c", f"{serve} --port {port}"], cwd=checkout, env=env,
+    # The README's command, moved off port 8000 as a flag would; exec'd, so that `stop` signals the
+    # server itself rather than leaving it running past the test.
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["/bin/sh", "-c", f"exec {serve} --port {port}"], cwd=checkout, env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
