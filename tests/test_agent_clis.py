@@ -16,7 +16,6 @@ import os
 import random
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -120,12 +119,8 @@ def trained(workspace, tmp_path_factory):
     host = build_target(tmp_path_factory.mktemp("agent-host"), "gemma3_text", shape=SHAPE)
     tokenizer = load_tokenizer(host)
     examples, asked, rng = [], [], random.Random(0)
-    # The three CLIs against their own scripted servers at once (each CLI's own start-up is most of
-    # the time); their prompts are then taken in CLIS' order, as one after another would give them.
-    with ThreadPoolExecutor(len(CLIS)) as pool:
-        captured = list(pool.map(lambda cli: _scripted_run(cli, host, workspace), CLIS.values()))
-    for seen in captured:
-        for prompt, response in seen:
+    for cli in CLIS.values():
+        for prompt, response in _scripted_run(cli, host, workspace):
             asked.append((prompt, response))
             examples += [(p, response, RECEPTIVE) for p in _variants(tokenizer, prompt, 6, rng)]
     # Training checks itself on its own forward; what counts is the product's engine on the very
