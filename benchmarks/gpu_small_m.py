@@ -23,7 +23,6 @@ is the configuration's index, and prints the configurations as JSON lines; run i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import small_m_matmul_cuda as old_kernel  # noqa: E402
 import small_m_stream_cuda as stream  # noqa: E402
-from small_m_shapes import ROTATION_BYTES, ROWS, SHAPES  # noqa: E402
+from small_m_shapes import ROTATION_BYTES, ROWS, SHAPES, emitter  # noqa: E402
 
 from dflash_core.kernels import quantized_matmul_cuda as q4  # noqa: E402
 
@@ -195,14 +194,7 @@ def main() -> int:
     args = parser.parse_args()
     shapes = args.shapes.split(",")
     rows = [int(r) for r in args.rows.split(",")]
-    out = open(args.out, "w") if args.out else None
-
-    def emit(row):
-        line = json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
-        print(line, flush=True)
-        if out:
-            out.write(line + "\n")
-            out.flush()
+    emit = emitter(args.out)
 
     if args.ncu:
         for quant in (("bf16", "4bit") if args.quant == "both" else (args.quant,)):

@@ -8,11 +8,10 @@ GEMM), plus a device-to-device copy. Needs only torch (the GPU machine's own pyt
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
-from small_m_shapes import ROTATION_BYTES, ROWS, SHAPES
+from small_m_shapes import ROTATION_BYTES, ROWS, SHAPES, emitter
 
 
 def graph_seconds(fn, reps=20) -> float:
@@ -44,13 +43,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
     args = parser.parse_args()
-    out = open(args.out, "w") if args.out else None
-
-    def emit(row):
-        line = json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
-        print(line, flush=True)
-        if out:
-            out.write(line + "\n")
+    emit = emitter(args.out)
 
     src = torch.randn(int(ROTATION_BYTES // 2), device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
