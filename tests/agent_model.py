@@ -28,20 +28,12 @@ weights: speculation stays lossless, it only accepts little.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-if __name__ == "__main__":  # the training child of agent_pair: the fast BLAS, loaded before MLX is
-    from dflash_core.blas import preload
-
-    preload()
-
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx_lm.utils import load_model, load_tokenizer, save_model
@@ -78,24 +70,9 @@ def shared_tail(*prompts: Sequence[int]) -> int:
 
 
 def agent_pair(root, examples: Sequence[Example], **kw) -> tuple[Path, Path]:
-    """train_agent_target under root/"target" and a random drafter for it under root/"drafter".
-
-    Training runs in a child process on the fast BLAS `dflash` itself loads (dflash_core/blas.py;
-    this process keeps MLX's reference BLAS, which the lossless tests need): tens of times faster.
-    Only the weights come back; whoever uses them checks them through the product's engine here."""
+    """train_agent_target under root/"target" and a random drafter for it under root/"drafter"."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    job = root / "training.json"
-    job.write_text(json.dumps({"out": str(root / "target"), "kw": kw,
-                               "examples": [[list(e[0]), list(e[1]), *e[2:]] for e in examples]}))
-    here = Path(__file__).resolve().parent
-    done = subprocess.run([sys.executable, str(here / "agent_model.py"), str(job)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              p for p in (str(here.parent), str(here), os.environ.get("PYTHONPATH")) if p)})
-    print(done.stdout, end="")
-    if done.returncode != 0:
-        raise RuntimeError(f"training failed:\n{done.stderr[-4000:]}")
-    target = root / "target"
+    target = train_agent_target(root / "target", examples, **kw)
     return target, build_drafter(root / "drafter", target)
 
 
@@ -272,8 +249,3 @@ def _reproduces(model, examples, pool, rng, width, margin) -> bool:
         if not mx.all(ok).item():
             return False
     return True
-
-
-if __name__ == "__main__":
-    job = json.loads(Path(sys.argv[1]).read_text())
-    train_agent_target(job["out"], [tuple(e) for e in job["examples"]], **job["kw"])
