@@ -55,11 +55,6 @@ def read_prompt_records(path: Path) -> list[dict]:
             for line in path.read_text().splitlines() if line.strip()]
 
 
-def read_prompts(path: Path) -> list:
-    """The prompts of `read_prompt_records`, text or chat messages."""
-    return [r["prompt"] for r in read_prompt_records(path)]
-
-
 def encode_prompt(tokenizer, prompt, chat: bool, max_prompt_tokens: int) -> list[int]:
     """A prompt's tokens as the server renders a request (chat template) or as plain text; longer
     than `max_prompt_tokens`, it keeps its head (BOS, system turn) and its end."""

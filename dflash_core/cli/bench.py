@@ -105,12 +105,11 @@ def run_bench(args) -> int:
     else:
         channel = distributed_channel(args)
         model = checkpoint_bench_model(settings, channel)
+    split = None if args.prompts_split == "all" else args.prompts_split
     if args.prompts:  # the file's categories are the sets; an empty or unreadable file fails before any work
-        split = None if args.prompts_split == "all" else args.prompts_split
         args.sets = list(dict.fromkeys(p.set for p in prompts_from_file(args.prompts, split, args.prompts_per_set)))
     bench_settings = EngineSettings(
-        prompts_file=str(args.prompts) if args.prompts else None,
-        prompts_split=None if args.prompts_split == "all" else args.prompts_split, chat=not args.no_chat,
+        prompts_file=str(args.prompts) if args.prompts else None, prompts_split=split, chat=not args.no_chat,
         contexts=args.contexts, sets=args.sets, prompts_per_set=args.prompts_per_set, repeats=args.repeats,
         cooldown_seconds=args.cooldown, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
         temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
