@@ -68,6 +68,7 @@ def test_the_byte_path_equals_the_tokenizers_decode(request, family):
     assert text == tokenizer._tokenizer.decode(ids, skip_special_tokens=False).rstrip("\ufffd")
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize("bytes_path", [True, False], ids=["byte-level", "window"])
 def test_bytes_that_never_form_a_character_do_not_stall(qwen3_pair, bytes_path):
     """600 tokens of lone continuation bytes: text keeps coming (as U+FFFD), in linear time."""

@@ -47,6 +47,7 @@ def _long_prompt(n=2000):
     return [5 + (i * 7) % 500 for i in range(n)]
 
 
+@pytest.mark.timed
 def test_every_prefill_step_is_short(slow_target):
     paced = load_model(str(slow_target), None, prefill_seconds=STEP_SECONDS).engine
     gaps, last = [], time.perf_counter()
@@ -58,6 +59,7 @@ def test_every_prefill_step_is_short(slow_target):
     assert max(gaps) <= STEP_BOUND, gaps
 
 
+@pytest.mark.timed
 def test_a_cancel_during_prefill_lands_within_a_step(slow_target):
     engine = load_model(str(slow_target), None, prefill_seconds=STEP_SECONDS).engine
     list(engine.generate(_long_prompt(300), max_tokens=1))  # the pacer has measured this machine
