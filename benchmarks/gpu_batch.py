@@ -112,6 +112,9 @@ def main() -> None:
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's BatchGenerator")
     parser.add_argument("--unqueued", action="store_true",
                         help="also run both modes with forwards that start on the device only once built whole")
+    parser.add_argument("--restacked", action="store_true",
+                        help="also run each mode with every batched forward stacking the rows' caches anew "
+                             "(rows.StackedRows off), alternating with the default")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # as a speculating server runs
@@ -146,6 +149,13 @@ def main() -> None:
             row = {"quant": quant, "streams": n,
                    "dflash": run_dflash(forced, prompts, args.max_tokens, "on"),
                    "target": run_dflash(alone, prompts, args.max_tokens, "off")}
+            if args.restacked:
+                for part in (target, drafter):
+                    part.stacked_rows.enabled = False
+                row["dflash_restacked"] = run_dflash(forced, prompts, args.max_tokens, "on")
+                row["target_restacked"] = run_dflash(alone, prompts, args.max_tokens, "off")
+                for part in (target, drafter):
+                    part.stacked_rows.enabled = True
             if unqueued is not None:
                 row["dflash_unqueued"] = run_dflash(unqueued[0], prompts, args.max_tokens, "on")
                 row["target_unqueued"] = run_dflash(unqueued[1], prompts, args.max_tokens, "off")
@@ -160,7 +170,9 @@ def main() -> None:
                   f"{t['aggregate_tok_s']:10.1f} {t['per_stream_tok_s']:10.1f} | "
                   f"{m.get('aggregate_tok_s') or float('nan'):10.1f}"
                   + (f" | unqueued: dflash {row['dflash_unqueued']['aggregate_tok_s']:.1f}"
-                     f" target {row['target_unqueued']['aggregate_tok_s']:.1f}" if unqueued else ""), flush=True)
+                     f" target {row['target_unqueued']['aggregate_tok_s']:.1f}" if unqueued else "")
+                  + (f" | restacked: dflash {row['dflash_restacked']['aggregate_tok_s']:.1f}"
+                     f" target {row['target_restacked']['aggregate_tok_s']:.1f}" if args.restacked else ""), flush=True)
         del forced, alone, target, drafter, unqueued
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

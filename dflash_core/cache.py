@@ -108,6 +108,20 @@ class SlidingWindowCache:
         return cache
 
 
+class RowsKVCache(KVCache):
+    """mlx-lm's KVCache, counting the writes into its buffers. A batched forward gives each row a
+    slice of one stacked buffer and starts the same rows' next forward from that stack
+    (`rows.StackedRows`) only while no row wrote into its slice since: `update_and_fetch` writes by
+    MLX's slice assignment, which changes the array in place, so the array's identity alone would
+    not show it."""
+
+    writes = 0  # also for caches thawed through `from_state`, which skips __init__
+
+    def update_and_fetch(self, keys, values):
+        self.writes += 1
+        return super().update_and_fetch(keys, values)
+
+
 def cache_arrays(cache: list) -> list[mx.array]:
     """Every array a list of layer caches holds (for eval and for memory accounting)."""
     arrays = []

@@ -31,10 +31,11 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .cache import RowsKVCache
 from .kernels import DEFAULT_KERNELS, KernelOptions
 from .kernels.attention import attention
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
-from .rows import from_batch, stack_buffers, to_batch, write_rows
+from .rows import StackedRows, from_batch, stack_buffers, to_batch, write_rows
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +306,14 @@ class BlockBatch:
         self._widths = mx.array(list(widths))
         self._masks: dict = {}
 
-    def context(self, caches: Sequence[KVCache], attn: "DrafterAttention", dtype) -> tuple[mx.array, mx.array]:
+    def context(self, caches: Sequence[KVCache], attn: "DrafterAttention", dtype,
+                stacked: Optional[StackedRows] = None) -> tuple[mx.array, mx.array]:
+        """The rows' context buffers stacked [rows, heads, T, D]: as their last batched write left
+        them (`stacked`), else each row's padded to the longest."""
+        last = stacked.take(caches) if stacked is not None else None
+        if last is not None:
+            stacked.keep(caches, last)  # read, not written: the next block of these rows reads it again
+            return last
         size = max([c.keys.shape[2] for c in caches if c.keys is not None] + [0])
         like = mx.zeros((1, attn.n_kv_heads, 0, attn.head_dim), dtype)
         return (stack_buffers([c.keys for c in caches], size, like), stack_buffers([c.values for c in caches], size, like))
@@ -379,13 +387,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.layers = [DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.stacked_rows = StackedRows()  # the batched rows' context buffers, for their next block
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
     def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+        return [RowsKVCache() for _ in self.layers]
 
     def with_kernels(self, kernels: KernelOptions) -> "DFlashDrafter":
         """This drafter, same layers and weights (as stacked), with other kernel options."""
@@ -423,7 +432,10 @@ class DFlashDrafter(nn.Module):
                 cache.update_and_fetch(layer.self_attn.rope(k, offset=cache.offset), v)
                 continue
             k, v = (to_batch(a.transpose(0, 2, 1, 3), bounds, max(widths)).transpose(0, 2, 1, 3) for a in (k, v))
-            write_rows([cache[i] for _, cache in rows], starts, widths, layer.self_attn.rope(k, offset=offsets), v)
+            write_rows([cache[i] for _, cache in rows], starts, widths, layer.self_attn.rope(k, offset=offsets), v,
+                       stacked=self.stacked_rows)
+        if len(rows) > 1:
+            self.stacked_rows.end_forward()
 
     def _block_row(self, layer: int, cache: KVCache, start: int, block: int) -> BlockRow:
         """A block's row of one layer: its context buffer and the boolean mask of what each block
@@ -470,9 +482,10 @@ class DFlashDrafter(nn.Module):
         # (the masks hide each row's padding and the stale tail of its buffer).
         batch = BlockBatch(widths, starts)
         for i, layer in enumerate(self.layers):
-            context = batch.context([cache[i] for cache in caches], layer.self_attn, h.dtype)
+            context = batch.context([cache[i] for cache in caches], layer.self_attn, h.dtype, self.stacked_rows)
             mask = batch.mask(self.config, i, context[0].shape[2])
             h = layer.over_batch(h, batch, context, mask, self.kernels)
+        self.stacked_rows.end_forward()
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head) -> mx.array:

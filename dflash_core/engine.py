@@ -315,6 +315,12 @@ class Engine:
         finally:
             steps.close()
             self._measure_caches(state)
+            # The batched rows' stacked buffers hold this generation's caches' memory: let it go
+            # now (the rows left stack theirs anew at their next step).
+            for model in (self.target, self.drafter):
+                stacked = getattr(model, "stacked_rows", None)
+                if stacked is not None:
+                    stacked.clear()
 
     def _measure_caches(self, state: DecodeState) -> None:
         if state.fed:

@@ -9,7 +9,9 @@ back and its keys are masked.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -60,25 +62,117 @@ def stack_buffers(buffers: Sequence[Optional[mx.array]], size: int, like: mx.arr
 KV_STEP = 256
 
 
+def kv_buffers(cache) -> Optional[tuple]:
+    """What a KV cache holds of its row in a stacked batch, and its count of writes since (None: a
+    cache that does not count them, `cache.RowsKVCache`, whose stack is never reused)."""
+    writes = getattr(cache, "writes", None)
+    return None if writes is None else (cache.keys, cache.values, writes)
+
+
+def _same(a, b) -> bool:
+    return a is b if isinstance(a, mx.array) or isinstance(b, mx.array) else a == b
+
+
+@dataclass
+class _Stacked:
+    arrays: tuple  # the batch arrays, each [rows, ...]
+    caches: list  # weak references to the rows' caches, in row order
+    given: list  # per row, the slices of `arrays` its cache was given
+    read: Callable  # what a cache holds now, to compare with what it was given
+    written: int  # the StackedRows.forwards count when kept
+
+    def current(self) -> bool:
+        """Every cache is alive and still holds the slices it was given (a cache that grew, ran a
+        forward alone, rolled back or was restored since holds other arrays)."""
+        for ref, given in zip(self.caches, self.given):
+            cache = ref()
+            if cache is None or not all(_same(a, b) for a, b in zip(self.read(cache), given)):
+                return False
+        return True
+
+
+class StackedRows:
+    """The batch arrays of the rows' last batched forward (KV buffers [rows, heads, T, D], recurrent
+    states), per set of caches (one layer's caches of the rows, in order), for the next forward of
+    the same rows to start from. Stacking each row's arrays anew every step copied every row's whole
+    KV buffer in every layer, most of what a batched step cost where the model is small
+    (docs/performance.md). An entry is used only while its caches all still hold the slices they
+    were given; `end_forward` drops the entries the last few forwards did not keep (rows that left),
+    `clear` all of them (a generation ended: its memory goes now)."""
+
+    KEEP_FORWARDS = 4  # a step runs a forward per group of tapped layers: a few, not more
+
+    def __init__(self):
+        self._entries: dict[tuple, _Stacked] = {}
+        self.forwards = 0
+        self.reused = 0  # takes that found a kept batch (tests, benchmarks)
+        self.enabled = True  # False: every forward stacks anew (benchmarks measure the difference)
+
+    def take(self, caches: Sequence, tag=None) -> Optional[tuple]:
+        """The batch arrays kept for these caches (with `tag`: one of several kinds kept per set),
+        if every cache still holds its slices of them; None otherwise."""
+        entry = self._entries.pop((tag, *map(id, caches)), None)
+        if entry is None or not self.enabled or not entry.current():
+            return None
+        self.reused += 1
+        return entry.arrays
+
+    def keep(self, caches: Sequence, arrays: tuple, read: Callable = kv_buffers, tag=None) -> None:
+        """Remember `arrays` as the batch of these caches, each of which now holds `read(cache)`
+        (None: a cache that cannot tell; then nothing is kept)."""
+        given = [read(c) for c in caches]
+        if not self.enabled or any(g is None for g in given):
+            return
+        self._entries[(tag, *map(id, caches))] = _Stacked(
+            tuple(arrays), [weakref.ref(c) for c in caches], given, read, self.forwards)
+
+    def end_forward(self) -> None:
+        self.forwards += 1
+        oldest = self.forwards - self.KEEP_FORWARDS
+        if any(e.written < oldest for e in self._entries.values()):
+            self._entries = {k: e for k, e in self._entries.items() if e.written >= oldest}
+
+    def clear(self) -> None:
+        self._entries = {}
+
+
+def _grown(buffer: mx.array, size: int) -> mx.array:
+    if buffer.shape[2] >= size:
+        return buffer
+    tail = mx.zeros((buffer.shape[0], buffer.shape[1], size - buffer.shape[2], buffer.shape[3]), buffer.dtype)
+    return mx.concatenate([buffer, tail], axis=2)
+
+
 def write_rows(caches: Sequence, starts: Sequence[int], lengths: Sequence[int], keys: mx.array, values: mx.array,
-               positions: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
+               positions: Optional[mx.array] = None,
+               stacked: Optional[StackedRows] = None) -> tuple[mx.array, mx.array]:
     """Write each row's new keys and values (batches [rows, heads, length, D], row b's first
     lengths[b] real, the rest padding) into its mlx-lm KVCache at its offset, for all rows at once:
     the rows' buffers are stacked into one [rows, heads, T, D] with room for the longest write
     (`stack_buffers`; a buffer shorter than another is padded, and its tail is never read: masks
     stop at each row's position) and the new positions scattered in. Returns the stacked buffers;
     each cache then holds its row of them and its new offset. `positions` [rows, 1, length, 1]:
-    each row's write positions (starts + 0..length-1), where the caller has them already."""
+    each row's write positions (starts + 0..length-1), where the caller has them already.
+    `stacked`: where the same rows' last write is kept, to start from instead of stacking again."""
     length = keys.shape[2]
-    size = max([c.keys.shape[2] for c in caches if c.keys is not None] + [0])
     need = max(starts) + length
-    if size < need:
-        size = (need + KV_STEP - 1) // KV_STEP * KV_STEP
     if positions is None:
         positions = (mx.array(list(starts))[:, None] + mx.arange(length)[None]).reshape(len(caches), 1, length, 1)
-    stacked_keys = mx.put_along_axis(stack_buffers([c.keys for c in caches], size, keys), positions, keys, axis=2)
-    stacked_values = mx.put_along_axis(stack_buffers([c.values for c in caches], size, values), positions, values,
-                                       axis=2)
+    last = stacked.take(caches) if stacked is not None else None
+    if last is not None:
+        size = last[0].shape[2]
+        size = size if size >= need else (need + KV_STEP - 1) // KV_STEP * KV_STEP
+        base_keys, base_values = _grown(last[0], size), _grown(last[1], size)
+    else:
+        size = max([c.keys.shape[2] for c in caches if c.keys is not None] + [0])
+        if size < need:
+            size = (need + KV_STEP - 1) // KV_STEP * KV_STEP
+        base_keys, base_values = (stack_buffers([c.keys for c in caches], size, keys),
+                                  stack_buffers([c.values for c in caches], size, values))
+    stacked_keys = mx.put_along_axis(base_keys, positions, keys, axis=2)
+    stacked_values = mx.put_along_axis(base_values, positions, values, axis=2)
     for b, (cache, start, n) in enumerate(zip(caches, starts, lengths)):
         cache.keys, cache.values, cache.offset = stacked_keys[b : b + 1], stacked_values[b : b + 1], start + n
+    if stacked is not None:
+        stacked.keep(caches, (stacked_keys, stacked_values))
     return stacked_keys, stacked_values

@@ -165,3 +165,30 @@ def test_verify_started_in_parts_gives_the_same_rows(adapters, family, monkeypat
             _same_output(a, b)
         for a, b in zip(part_caches, whole_caches):
             _same_cache(a, b)
+
+
+# Gemma 4 attends row by row (its KV-shared layers read each row's own): nothing is stacked there.
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_rows_carry_their_stacked_buffers_to_the_next_forward(adapters, family):
+    """A batched forward starts from the buffers the same rows' last one stacked (no copy of every
+    row's cache per layer), also where they must grow past a 256-position buffer; a row whose cache
+    moved on in between (it ran alone) makes its rows stack anew. Each round is exact against solo."""
+    adapter = adapters[family]
+    stacked = adapter.stacked_rows
+    prompts = [240, 30, 241]
+    solo_caches, batched_caches = _prefilled(adapter, prompts), _prefilled(adapter, prompts)
+    _round(adapter, solo_caches, batched_caches, [16, 1, 15], seed=400)
+    before = stacked.reused
+    _round(adapter, solo_caches, batched_caches, [16, 16, 1], seed=500)  # rows 0 and 2 past 256
+    carried = stacked.reused - before
+    assert carried > 0, "the second forward of the same rows stacked every buffer again"
+    assert max(c.offset for c in batched_caches[0] if isinstance(c, KVCache)) > 256
+    # Row 1 steps alone in both worlds: its caches hold buffers of their own now.
+    token = _tokens(adapter, 1, seed=600)
+    mx.eval(adapter.forward(token, solo_caches[1]).logits, adapter.forward(token, batched_caches[1]).logits)
+    before = stacked.reused
+    _round(adapter, solo_caches, batched_caches, [1, 16, 16], seed=700)
+    assert stacked.reused == before, "buffers were reused although a row's cache had changed"
+    before = stacked.reused
+    _round(adapter, solo_caches, batched_caches, [16, 1, 1], seed=800)
+    assert stacked.reused - before == carried

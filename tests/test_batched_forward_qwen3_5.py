@@ -182,3 +182,33 @@ def test_rows_of_one_length_share_the_recurrence(setup, monkeypatch, step_states
         adapter.rollback(s, ref.rollback, keep)
         _same_caches(b, s)
     _round(adapter, taps, batched, solo, _tokens(adapter, [1] * 6, 9), [True] * 6, record=False)
+
+
+@pytest.mark.parametrize("step_states", [False, True])
+def test_rows_carry_their_states_to_the_next_forward(setup, monkeypatch, step_states):
+    """The same rows' next forward starts from the batch their last one left, in every layer (the
+    GatedDeltaNet windows and states, the attention buffers) instead of stacking each row's again;
+    after a batched rollback (verifies with step states, as on CUDA) the GatedDeltaNet layers start
+    from its gathers. Every round is exact against the rows alone."""
+    from dflash_core.adapters import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: step_states)
+    adapter, taps, prompts = setup
+    stacked = adapter.stacked_rows
+    batched, solo = _world(adapter, prompts), _world(adapter, prompts)
+    _round(adapter, taps, batched, solo, _tokens(adapter, [1] * 4, 10), [True] * 4, record=False)
+    before = stacked.reused
+    _round(adapter, taps, batched, solo, _tokens(adapter, [1] * 4, 11), [True] * 4, record=False)
+    assert stacked.reused - before == len(adapter.layers)
+    outs, alone = _round(adapter, taps, batched, solo, _tokens(adapter, [16] * 4, 12), [False] * 4)
+    keeps = [3, 7, 1, 15]
+    adapter.rollback_rows([(b, out.rollback, keep) for b, out, keep in zip(batched, outs, keeps)])
+    for s, ref, keep in zip(solo, alone, keeps):
+        adapter.rollback(s, ref.rollback, keep)
+    for b, s in zip(batched, solo):
+        _same_caches(b, s)
+    before = stacked.reused
+    _round(adapter, taps, batched, solo, _tokens(adapter, [16] * 4, 13), [False] * 4)
+    attention_layers = sum(not layer.is_linear for layer in adapter.layers)
+    # Rolled back row by row (no step states), the GatedDeltaNet rows hold arrays of their own.
+    assert stacked.reused - before == (len(adapter.layers) if step_states else attention_layers)

@@ -32,7 +32,7 @@ from mlx_lm.models.base import gather_last_axis, scaled_dot_product_attention
 from ..kernels import DEFAULT_KERNELS, KernelOptions
 from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
-from ..rows import from_batch, part, to_batch, write_rows
+from ..rows import StackedRows, from_batch, part, to_batch, write_rows
 
 
 @dataclass
@@ -80,6 +80,7 @@ class Rows:
     rows: Sequence[ForwardRow]
     bounds: list[tuple[int, int]]  # where each row's tokens sit in the concatenation
     starts: list[int]  # each row's position before the forward (its caches' offset)
+    stacked: Optional[StackedRows] = None  # the rows' KV buffers as the last forward stacked them
     offsets: list[mx.array] = field(init=False)  # the same as arrays, for RoPE: no retracing
     # Per row, what its layers share: masks by buffer length (`cached_attention`).
     masks: list[dict] = field(init=False)
@@ -163,8 +164,11 @@ def attend_rows(q, k, v, rows: Rows, caches: Sequence, scale: float, rope, kerne
         positions = rows.batch_offsets[:, None] + mx.arange(length)[None]
         rows.write_positions = positions.reshape(len(rows.rows), 1, length, 1)
     lengths = [e - s for s, e in rows.bounds]
-    keys, values = write_rows(caches, rows.starts, lengths, k_b, v_b, rows.write_positions)
-    size = keys.shape[2]
+    keys, values = write_rows(caches, rows.starts, lengths, k_b, v_b, rows.write_positions, rows.stacked)
+    # Attend over the positions some row has, not the buffers' unused tail (a row's own padding
+    # is masked either way).
+    size = max(s + n for s, n in zip(rows.starts, lengths))
+    keys, values = keys[:, :, :size], values[:, :, :size]
     if size not in rows.batch_masks:
         rows.batch_masks[size] = mx.arange(size).reshape(1, 1, 1, size) <= rows.write_positions
     out = attention(q_b, [keys], [values], scale, rows.batch_masks[size], kernels)
@@ -204,6 +208,7 @@ class TargetAdapter:
         self.model = model
         self.kernels = kernels
         self._compiled_fns: dict = {}
+        self.stacked_rows = StackedRows()  # batched forwards' KV buffers, for the same rows' next one
         self.compile_max_tokens = COMPILED_MAX_TOKENS  # 0: every forward eager
         # Vision-language checkpoints wrap the text model; only the language model is served.
         self.text_model = getattr(model, "language_model", model)
@@ -354,8 +359,12 @@ class TargetAdapter:
         for r in rows:
             bounds.append((end, end + r.tokens.shape[1]))
             end += r.tokens.shape[1]
-        state = Rows(rows, bounds, [self.position(r.cache) for r in rows])
-        h, tapped = self.run_rows(join([r.tokens for r in rows]), state, tap_ids)
+        state = Rows(rows, bounds, [self.position(r.cache) for r in rows], self.stacked_rows)
+        try:
+            h, tapped = self.run_rows(join([r.tokens for r in rows]), state, tap_ids)
+        finally:
+            if len(rows) > 1:  # (a row alone stacks nothing)
+                self.stacked_rows.end_forward()
         # The LM head once, over the positions each row wants.
         picks = [(e - 1, e) if r.last_logits_only else (s, e) for r, (s, e) in zip(rows, bounds)]
         logits = self.logits(join([part(h, s, e) for s, e in picks]))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 
+from ..cache import RowsKVCache
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, attend_rows, gated_mlp_group, rotary
 
@@ -41,7 +41,7 @@ class DenseAdapter(TargetAdapter):
     family = "qwen3"
 
     def make_cache(self, max_rollback: int) -> list:
-        return [KVCache() for _ in self.layers]
+        return [RowsKVCache() for _ in self.layers]
 
     def layer_groups(self, layer):
         attn = layer.self_attn

@@ -14,9 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache
 
-from ..cache import SlidingWindowCache
+from ..cache import RowsKVCache, SlidingWindowCache
 from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear
 from .base import TargetAdapter, attend_rows, gated_mlp_group, heads_first, join, part, rotary
@@ -68,7 +67,7 @@ class Gemma3Adapter(TargetAdapter):
 
     def make_cache(self, max_rollback: int) -> list:
         return [
-            KVCache() if self._is_global(i) else SlidingWindowCache(self.args.sliding_window, slack=max_rollback)
+            RowsKVCache() if self._is_global(i) else SlidingWindowCache(self.args.sliding_window, slack=max_rollback)
             for i in range(len(self.layers))
         ]
 

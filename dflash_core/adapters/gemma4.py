@@ -16,7 +16,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import geglu
 
-from ..cache import SlidingWindowCache
+from ..cache import RowsKVCache, SlidingWindowCache
 from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, gated_mlp_group, heads_first, join, part, rotary
@@ -86,7 +86,7 @@ class Gemma4Adapter(TargetAdapter):
     def make_cache(self, max_rollback: int) -> list:
         first_shared = self.args.num_hidden_layers - self.args.num_kv_shared_layers
         return [
-            KVCache()
+            RowsKVCache()
             if self.args.layer_types[i] == "full_attention"
             else SlidingWindowCache(self.args.sliding_window, slack=max_rollback)
             for i in range(first_shared)

@@ -29,9 +29,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
+from ..cache import RowsKVCache
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary
@@ -147,6 +148,11 @@ def _stack(x: mx.array, spans: list) -> mx.array:
     return mx.concatenate([part(x, s, e) for s, e in spans], axis=0)
 
 
+def gated_delta_states(cache) -> tuple:
+    """What a GatedDeltaNet layer's cache holds of its row in a batch: conv window, recurrent state."""
+    return cache[0], cache[1]
+
+
 def _row(x: mx.array, j: int, rows: list) -> mx.array:
     """Row j of a group's batch: a slice along the batch axis (x itself for a group of one)."""
     return x if len(rows) == 1 else x[j : j + 1]
@@ -167,7 +173,7 @@ class Qwen35Adapter(TargetAdapter):
     family = "qwen3_5"
 
     def make_cache(self, max_rollback: int) -> list:
-        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
+        return [ArraysCache(size=2) if layer.is_linear else RowsKVCache() for layer in self.layers]
 
     def layer_groups(self, layer):
         if layer.is_linear:
@@ -218,6 +224,10 @@ class Qwen35Adapter(TargetAdapter):
         ys = [None] * len(bounds)
         for (_, step_states), rows in members.items():
             spans = [bounds[r] for r in rows]
+            group = [caches[r] for r in rows]
+            # The rows' states as their last batched forward or rollback left them, stacked; else
+            # each row's, stacked now.
+            last = self.stacked_rows.take(group, tag="gdn") if len(rows) > 1 else None
             conv_states, recurrent = [], []
             for r in rows:
                 conv_state, state = caches[r][0], caches[r][1]
@@ -226,9 +236,10 @@ class Qwen35Adapter(TargetAdapter):
                     state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
                 conv_states.append(conv_state)
                 recurrent.append(state)
+            conv_before, state_before = last if last is not None else (join(conv_states, 0), join(recurrent, 0))
             mix = block(("gdn_mix", step_states), lambda: gated_delta_mixer(m, step_states))
-            y, conv_state, state, conv_input, kept = mix(_stack(qkv, spans), join(conv_states, 0),
-                                                         join(recurrent, 0), _stack(g, spans), _stack(beta, spans))
+            y, conv_state, state, conv_input, kept = mix(_stack(qkv, spans), conv_before, state_before,
+                                                         _stack(g, spans), _stack(beta, spans))
             for j, r in enumerate(rows):
                 layer_cache, (s, e) = caches[r], bounds[r]
                 layer_cache[0], layer_cache[1] = _row(conv_state, j, rows), _row(state, j, rows)
@@ -239,6 +250,8 @@ class Qwen35Adapter(TargetAdapter):
                     else:
                         steps, after_each = (*(_row(x, j, rows) for x in kept), part(g, s, e), part(beta, s, e)), None
                     states[r].append(GatedDeltaRecord(_row(conv_input, j, rows), recurrent[j], steps, after_each, batch))
+            if len(rows) > 1:
+                self.stacked_rows.keep(group, (conv_state, state), read=gated_delta_states, tag="gdn")
             for r, piece in _unstack(y, rows):
                 ys[r] = piece
         ys = [y for y in ys if y is not None]
@@ -297,6 +310,9 @@ class Qwen35Adapter(TargetAdapter):
                 states = kept[rows, keeps - 1]
                 for b, (cache, _, _) in enumerate(members):
                     cache[i][0], cache[i][1] = windows[b : b + 1], states[b : b + 1]
+                # Already one batch: the rows' next forward starts from it, if they run in this order.
+                self.stacked_rows.keep([cache[i] for cache, _, _ in members], (windows, states),
+                                       read=gated_delta_states, tag="gdn")
 
     def rollback(self, cache, record, keep):
         if keep >= record.tokens:
