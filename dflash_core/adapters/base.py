@@ -368,10 +368,11 @@ class TargetAdapter:
         # The LM head once, over the positions each row wants.
         picks = [(e - 1, e) if r.last_logits_only else (s, e) for r, (s, e) in zip(rows, bounds)]
         logits = self.logits(join([part(h, s, e) for s, e in picks]))
+        # The tapped layers side by side once for all rows; each row then takes its tokens' part.
+        taps = join([tapped[i] for i in tap_ids], axis=-1) if tap_ids else None
         outputs, at = [], 0
         for (s, e), (ps, pe), record in zip(bounds, picks, state.records):
-            taps = mx.concatenate([part(tapped[i], s, e) for i in tap_ids], axis=-1) if tap_ids else None
-            outputs.append(TargetOutput(part(logits, at, at + pe - ps), taps, record))
+            outputs.append(TargetOutput(part(logits, at, at + pe - ps), part(taps, s, e) if tap_ids else None, record))
             at += pe - ps
         return outputs
 
