@@ -4,11 +4,12 @@ another, through a real server, in one run.
     python benchmarks/cpu_batch.py --streams 1,2,4,8 --out cpu_batch.json
 
 A tiny random Qwen3 target with an untrained drafter (the tests' fixtures, tests/synthetic.py) is
-served by `dflash serve` (one process per speculation mode: `off`, the target alone, and `on`,
-DFlash at about one token per cycle); each request asks for --max-tokens greedy tokens of a
-distinct prompt with EOS ignored. For each N: the wall time of N requests one after another and of
-N requests sent together, aggregate tok/s, per-stream tok/s and time to first token, and whether
-every answer was the same both ways (batching must not change a token).
+served by `dflash serve` (one process per speculation mode in --modes: `off`, the target alone;
+`auto`, the default; `on`, DFlash at about one token per cycle); each request asks for
+--max-tokens greedy tokens of a distinct prompt with EOS ignored. For each N: the wall time of N
+requests one after another and of N requests sent together (medians of --repeats runs of each, in
+turn), aggregate tok/s, per-stream tok/s and time to first token, and whether every answer was the
+same both ways (batching must not change a token).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import threading
@@ -66,27 +68,40 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def measure(url: str, n: int, max_tokens: int) -> dict:
-    texts = prompts(n)
-    stream(url, texts[0], 8)  # warm-up: compiled blocks for these shapes
-    start = time.perf_counter()
-    alone = [stream(url, t, max_tokens) for t in texts]
-    one_by_one = time.perf_counter() - start
-    together = [None] * n
+def _together(url: str, texts: list[str], max_tokens: int) -> tuple[float, list]:
+    results = [None] * len(texts)
 
     def run(i):
-        together[i] = stream(url, texts[i], max_tokens)
+        results[i] = stream(url, texts[i], max_tokens)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    at_once = time.perf_counter() - start
+    return time.perf_counter() - start, results
+
+
+def measure(url: str, n: int, max_tokens: int, repeats: int = 3) -> dict:
+    """N requests one after another, then the same N at once, `repeats` times in turn: the median
+    wall time of each way (this 2-core machine is noisy; one run of a second or less is not a figure)."""
+    texts = prompts(n)
+    stream(url, texts[0], 8)  # warm-up: compiled blocks for these shapes
+    walls_alone, walls_together = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        alone = [stream(url, t, max_tokens) for t in texts]
+        walls_alone.append(time.perf_counter() - start)
+        wall, together = _together(url, texts, max_tokens)
+        walls_together.append(wall)
+        if [a["text"] for a in alone] != [b["text"] for b in together]:
+            break
+    one_by_one, at_once = statistics.median(walls_alone), statistics.median(walls_together)
     tokens = n * max_tokens
     return {
-        "streams": n, "one_by_one_s": one_by_one, "together_s": at_once, "speedup": one_by_one / at_once,
+        "streams": n, "repeats": len(walls_alone), "one_by_one_s": one_by_one, "together_s": at_once,
+        "one_by_one_s_all": walls_alone, "together_s_all": walls_together, "speedup": one_by_one / at_once,
         "aggregate_tok_s": tokens / at_once, "aggregate_tok_s_one_by_one": tokens / one_by_one,
         "per_stream_tok_s": sum(max_tokens / r["seconds"] for r in together) / n,
         "solo_stream_tok_s": sum(max_tokens / r["seconds"] for r in alone) / n,
@@ -100,6 +115,7 @@ def main() -> None:
     parser.add_argument("--streams", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", default="off,on")
+    parser.add_argument("--repeats", type=int, default=3, help="each N's two ways, this many times in turn (medians)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
@@ -115,7 +131,7 @@ def main() -> None:
             process, url = start(target, drafter, mode, Path(work))
             try:
                 for n in args.streams:
-                    row = {"speculation": mode, **measure(url, n, args.max_tokens)}
+                    row = {"speculation": mode, **measure(url, n, args.max_tokens, args.repeats)}
                     report["rows"].append(row)
                     print(f"{mode:>4} {n:>3} streams | one by one {row['one_by_one_s']:6.2f} s, together "
                           f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | aggregate {row['aggregate_tok_s']:7.1f} "

@@ -103,3 +103,15 @@ def test_cpu_distributed_runs_on_a_small_shape(tmp_path):
     assert all(r["same_tokens"] and r["one_process_tok_s"] > 0 and r["two_ranks_tok_s"] > 0 for r in report["rows"])
     sizes = report["target_bytes"]
     assert sizes["each of two ranks"] < sizes["one process"]
+
+
+def test_cpu_batch_runs_through_a_real_server(tmp_path):
+    out = tmp_path / "cpu_batch.json"
+    done = _run("benchmarks/cpu_batch.py", "--streams", "2", "--modes", "off,on", "--max-tokens", "6", "--repeats", "2",
+                "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["speculation"], r["streams"], r["repeats"]) for r in rows] == [("off", 2, 2), ("on", 2, 2)]
+    for row in rows:
+        assert row["same_output"] and len(row["together_s_all"]) == 2
+        assert row["together_s"] > 0 and row["speedup"] == row["one_by_one_s"] / row["together_s"]
