@@ -74,18 +74,29 @@ def quantized(ws):
     return qs
 
 
-def q4_paths_for(M):
-    """(name, fn(x, (w, scales, biases))) for the 4-bit paths at M rows."""
+# (warps splitting K, chunks loaded ahead); 16 warps with U = 2, or U = 4, need more registers than
+# a block has at 16 rows (the launch fails).
+Q4_SWEEP = [(nw, u) for nw in (4, 8) for u in (1, 2)]
+
+
+def q4_paths_for(M, sweep=False):
+    """(name, fn(x, (w, scales, biases))) for the 4-bit paths at M rows; `sweep`: our kernel also at
+    every (NW, U) of Q4_SWEEP (MT as launch_shape picks it), named ours_q4_nw{NW}_u{U}."""
     paths = [("mlx_qmm", lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4))]
     if M <= 16:
         paths.append(("ours_q4", lambda x, q: q4.quantized_matmuls_cuda(x, [q], 64)[0]))
+        for nw, u in Q4_SWEEP if sweep else ():
+            def fn(x, q, nw=nw, u=u):
+                _, mt, _ = q4.launch_shape((q[0].shape[0],), x.shape[1], x.shape[0])
+                return q4.quantized_matmuls_cuda(x, [q], 64, shape=(nw, mt, u))[0]
+            paths.append((f"ours_q4_nw{nw}_u{u}", fn))
     return paths
 
 
-def paths_for(M, quant="bf16"):
+def paths_for(M, quant="bf16", sweep=False):
     """(name, fn(x, w)) for every path measured at M rows."""
     if quant == "4bit":
-        return q4_paths_for(M)
+        return q4_paths_for(M, sweep)
     paths = [("mlx", lambda x, w: x @ w.T)]
     if M > 32:
         return paths
@@ -158,7 +169,7 @@ def streaming(emit, shapes, rows):
         mx.clear_cache()
 
 
-def ncu_configs(emit, shapes, rows, quant="bf16"):
+def ncu_configs(emit, shapes, rows, quant="bf16", sweep=False):
     """Each configuration: a marker, then up to three launches over distinct weights (cold L2)."""
     index = 0 if quant == "bf16" else 10000  # bf16 and 4-bit configurations never share an index
     for name in shapes:
@@ -170,7 +181,7 @@ def ncu_configs(emit, shapes, rows, quant="bf16"):
         nbytes = sum(a.nbytes for a in ws[0]) if quant == "4bit" else ws[0].nbytes
         for M in rows:
             x = mx.random.normal((M, K)).astype(mx.bfloat16)
-            for path, fn in paths_for(M, quant):
+            for path, fn in paths_for(M, quant, sweep):
                 if path.startswith("old") and not old_kernel.supported(M, x.dtype, w=ws[0]):
                     continue
                 mx.eval(stream.marker(stream.IGNORE))
@@ -191,6 +202,7 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(map(str, (*ROWS, 128))))
     parser.add_argument("--ncu", action="store_true", help="marked launches for an ncu trace (configs on stdout)")
     parser.add_argument("--quant", default="bf16", help="bf16, 4bit or both (--ncu only)")
+    parser.add_argument("--q4-sweep", action="store_true", help="with --ncu: our 4-bit kernel at every (NW, U) too")
     args = parser.parse_args()
     shapes = args.shapes.split(",")
     rows = [int(r) for r in args.rows.split(",")]
@@ -198,7 +210,7 @@ def main() -> int:
 
     if args.ncu:
         for quant in (("bf16", "4bit") if args.quant == "both" else (args.quant,)):
-            ncu_configs(emit, shapes, rows, quant)
+            ncu_configs(emit, shapes, rows, quant, args.q4_sweep)
         return 0
     only = set(args.only.split(","))
     if "ceilings" in only:

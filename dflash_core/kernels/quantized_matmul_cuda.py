@@ -288,13 +288,15 @@ def launch_shape(ns: tuple[int, ...], k: int, m: int = 1) -> tuple[int, int, int
     """(NW warps per block splitting K, MT 16-row tiles per warp, U chunks loaded ahead) for
     weights of N = ns rows each and K columns, multiplied by M rows in one launch. NW fixes the
     order of the sum over K, so it depends on the weights' shapes only: a token's output must not
-    depend on M. MT and U change which registers and when, not the arithmetic. Set after
-    gpu_kernels.py's sweep (docs/performance.md), which favoured fewer warps for 16 rows: two row
-    tiles, at most 4 warps, two chunks ahead for one token tile, one for two (fewer registers)."""
+    depend on M. MT and U change which registers and when, not the arithmetic. Set after the
+    kernel-only sweep on the H200 (benchmarks/gpu_q4_sweep.sh, docs/performance.md): two row tiles;
+    warps enough for WARP_TARGET across the card, at most 8 (weights of 4096 rows: 8 warps made the
+    MLP's down projection 1.5-1.8x faster than 4, the larger weights gain nothing past 4); two chunks
+    ahead, except for 16 rows with fewer than 4 warps (the register cost there was not measured to pay)."""
     mt = 2 if all(n % 32 == 0 for n in ns) else 1
     blocks = sum(ns) // (16 * mt)
-    nw = max(1, min(4, k // 128, -(-WARP_TARGET // blocks)))
-    return nw, mt, 2 if m <= 8 else 1
+    nw = max(1, min(8, k // 128, -(-WARP_TARGET // blocks)))
+    return nw, mt, 2 if m <= 8 or nw >= 4 else 1
 
 
 def quantized_matmuls_cuda(x: mx.array, weights: list[tuple[mx.array, mx.array, mx.array]], group_size: int,
