@@ -445,3 +445,17 @@ def _assert_close(got, expected):
     """Within 3% of the output's largest magnitude: bf16 rounding, not a wrong layout or scale."""
     got, expected = got.astype(mx.float32), expected.astype(mx.float32)
     assert mx.abs(got - expected).max().item() <= 0.03 * mx.abs(expected).max().item()
+
+
+def test_q4_launch_shape_splits_k_by_the_weights_alone():
+    """The warps splitting K fix the order of the sum: they may depend on the weights' shapes only,
+    never on the rows multiplied (a token's logits must not change between decode and verify), and
+    stay within what a block of 16 rows can hold (8 warps)."""
+    from dflash_core.kernels.quantized_matmul_cuda import MAX_ROWS, launch_shape
+
+    for ns, k in [((12352,), 4096), ((24576,), 4096), ((4096,), 12288), ((4096,), 4096), ((248320,), 4096),
+                  ((4096, 1024, 1024), 4096), ((48,), 256)]:
+        shapes = [launch_shape(ns, k, m) for m in range(1, MAX_ROWS + 1)]
+        assert len({(nw, mt) for nw, mt, _ in shapes}) == 1, (ns, k, shapes)
+        assert 1 <= shapes[0][0] <= min(8, k // 128)
+    assert launch_shape((4096,), 12288, 16)[0] == 8  # small weights get the warps the sweep found faster
