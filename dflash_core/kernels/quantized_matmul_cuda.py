@@ -289,7 +289,7 @@ def launch_shape(ns: tuple[int, ...], k: int, m: int = 1) -> tuple[int, int, int
     weights of N = ns rows each and K columns, multiplied by M rows in one launch. NW fixes the
     order of the sum over K, so it depends on the weights' shapes only: a token's output must not
     depend on M. MT and U change which registers and when, not the arithmetic. Set after the
-    kernel-only sweep on the H200 (benchmarks/gpu_q4_sweep.sh, docs/performance.md): two row tiles;
+    kernel-only sweep on the H200 (SWEEP=1 benchmarks/gpu_small_m_q4.sh, docs/performance.md): two row tiles;
     warps enough for WARP_TARGET across the card, at most 8 (weights of 4096 rows: 8 warps made the
     MLP's down projection 1.5-1.8x faster than 4, the larger weights gain nothing past 4); two chunks
     ahead, except for 16 rows with fewer than 4 warps (the register cost there was not measured to pay)."""
