@@ -9,11 +9,13 @@ import threading
 import time
 
 import httpx
+import pytest
 from live_server import LiveServer
 
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
 
 
+@pytest.mark.timed  # the short request must finish within the 1.5 s drain
 def test_sigterm_drains_then_ends_what_still_runs(qwen3_5_pair):
     target, drafter = qwen3_5_pair
     settings = Settings(server=ServerSettings(shutdown_timeout=1.5, max_active=4),
