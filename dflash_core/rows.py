@@ -44,13 +44,14 @@ def from_batch(y: mx.array, bounds: Bounds) -> mx.array:
 
 def stack_buffers(buffers: Sequence[Optional[mx.array]], size: int, like: mx.array) -> mx.array:
     """Cache buffers [1, heads, T_i, D] (None: nothing yet) as one batch [rows, heads, size, D],
-    each padded with zeros at its end (`like`: an array of the heads, D and dtype, for None)."""
+    each padded with zeros at its end (`like`: an array of the heads, D and dtype, for None). A
+    buffer that is a batch already ([rows, ...]) is padded as a whole."""
 
     def padded(buffer: Optional[mx.array]) -> mx.array:
         if buffer is None:
             return mx.zeros((1, like.shape[1], size, like.shape[3]), like.dtype)
         if buffer.shape[2] < size:
-            tail = mx.zeros((1, buffer.shape[1], size - buffer.shape[2], buffer.shape[3]), buffer.dtype)
+            tail = mx.zeros((buffer.shape[0], buffer.shape[1], size - buffer.shape[2], buffer.shape[3]), buffer.dtype)
             return mx.concatenate([buffer, tail], axis=2)
         return buffer
 
@@ -63,8 +64,9 @@ KV_STEP = 256
 
 
 def kv_buffers(cache) -> Optional[tuple]:
-    """What a KV cache holds of its row in a stacked batch, and its count of writes since (None: a
-    cache that does not count them, `cache.RowsKVCache`, whose stack is never reused)."""
+    """What a KV cache holds of its row in a stacked batch, and its count of writes since; None for
+    a cache that does not count its writes (anything but `cache.RowsKVCache`), whose stack is
+    then never reused."""
     writes = getattr(cache, "writes", None)
     return None if writes is None else (cache.keys, cache.values, writes)
 
@@ -136,13 +138,6 @@ class StackedRows:
         self._entries = {}
 
 
-def _grown(buffer: mx.array, size: int) -> mx.array:
-    if buffer.shape[2] >= size:
-        return buffer
-    tail = mx.zeros((buffer.shape[0], buffer.shape[1], size - buffer.shape[2], buffer.shape[3]), buffer.dtype)
-    return mx.concatenate([buffer, tail], axis=2)
-
-
 def write_rows(caches: Sequence, starts: Sequence[int], lengths: Sequence[int], keys: mx.array, values: mx.array,
                positions: Optional[mx.array] = None,
                stacked: Optional[StackedRows] = None) -> tuple[mx.array, mx.array]:
@@ -158,17 +153,16 @@ def write_rows(caches: Sequence, starts: Sequence[int], lengths: Sequence[int], 
     need = max(starts) + length
     if positions is None:
         positions = (mx.array(list(starts))[:, None] + mx.arange(length)[None]).reshape(len(caches), 1, length, 1)
+    # The rows' buffers: the batch their last write kept, else each row's own.
     last = stacked.take(caches) if stacked is not None else None
     if last is not None:
-        size = last[0].shape[2]
-        size = size if size >= need else (need + KV_STEP - 1) // KV_STEP * KV_STEP
-        base_keys, base_values = _grown(last[0], size), _grown(last[1], size)
+        key_buffers, value_buffers = [last[0]], [last[1]]
     else:
-        size = max([c.keys.shape[2] for c in caches if c.keys is not None] + [0])
-        if size < need:
-            size = (need + KV_STEP - 1) // KV_STEP * KV_STEP
-        base_keys, base_values = (stack_buffers([c.keys for c in caches], size, keys),
-                                  stack_buffers([c.values for c in caches], size, values))
+        key_buffers, value_buffers = [c.keys for c in caches], [c.values for c in caches]
+    size = max([b.shape[2] for b in key_buffers if b is not None] + [0])
+    if size < need:
+        size = (need + KV_STEP - 1) // KV_STEP * KV_STEP
+    base_keys, base_values = stack_buffers(key_buffers, size, keys), stack_buffers(value_buffers, size, values)
     stacked_keys = mx.put_along_axis(base_keys, positions, keys, axis=2)
     stacked_values = mx.put_along_axis(base_values, positions, values, axis=2)
     for b, (cache, start, n) in enumerate(zip(caches, starts, lengths)):

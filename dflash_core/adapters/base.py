@@ -372,7 +372,7 @@ class TargetAdapter:
         taps = join([tapped[i] for i in tap_ids], axis=-1) if tap_ids else None
         outputs, at = [], 0
         for (s, e), (ps, pe), record in zip(bounds, picks, state.records):
-            outputs.append(TargetOutput(part(logits, at, at + pe - ps), part(taps, s, e) if tap_ids else None, record))
+            outputs.append(TargetOutput(part(logits, at, at + pe - ps), part(taps, s, e) if taps is not None else None, record))
             at += pe - ps
         return outputs
 
