@@ -94,6 +94,8 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
         return own(streams)
     results = [Stepped() for _ in streams]
     calls: dict[int, Any] = {}
+    called: set[int] = set()  # the streams that made forwards this round
+    target_tokens = draft_calls = widest = 0
 
     def advance(i: int, value: Any = None, first: bool = False) -> None:
         try:
@@ -106,6 +108,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
             return
         if isinstance(item, (TargetCall, DraftCall)):
             calls[i] = item
+            called.add(i)
         else:
             results[i].chunk = item
 
@@ -114,6 +117,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
     while calls:
         drafting = [i for i, c in calls.items() if isinstance(c, DraftCall)]
         if drafting:
+            draft_calls += len(drafting)
             outputs = _draft_rows(engine, [calls.pop(i) for i in drafting])
             for i, out in zip(drafting, outputs):
                 advance(i, out)
@@ -125,10 +129,25 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
         if undos:  # the rollbacks the rows decided since their last forward, all at once
             engine.target.rollback_rows(undos)
         for taps, members in by_taps.items():
-            outputs = engine.target.forward_rows([calls.pop(i).row for i in members], taps)
+            rows = [calls.pop(i).row for i in members]
+            widths = [r.tokens.shape[-1] for r in rows]
+            target_tokens, widest = target_tokens + sum(widths), max(widest, *widths)
+            outputs = engine.target.forward_rows(rows, taps)
             for i, out in zip(members, outputs):
                 advance(i, out)
+    spec = getattr(engine, "speculation_state", None)
+    if spec is not None:
+        # Clean: every row decoded (a prefill chunk, or the first token's read of the prompt's last
+        # chunk, would put host-timed work into this round's wall).
+        clean = len(called) == len(streams) and all(r.chunk is None or _decoded(r.chunk) for r in results)
+        spec.rounds.end_round(len(called), target_tokens, draft_calls, widest, clean)
     return results
+
+
+def _decoded(chunk) -> bool:
+    """Whether a chunk came out of a decode step: not a prefill chunk, nor the first token."""
+    stats = getattr(chunk, "stats", None)
+    return bool(chunk.token_ids) and stats is not None and stats.generated_tokens > len(chunk.token_ids)
 
 
 def _draft_rows(engine, calls: list[DraftCall]) -> list[mx.array]:

@@ -229,7 +229,7 @@ class Engine:
             stats.block_size = self.drafter.block_size
             stats.accepted_by_position = [0] * (self.drafter.block_size - 1)
             stats.verified_by_position = [0] * (self.drafter.block_size - 1)
-            policy = mode if not isinstance(mode, str) else self.speculation_state.policy(mode)
+            policy = mode if not isinstance(mode, str) else self.speculation_state.policy(mode, batched)
         eos = self.eos_token_ids if stop_token_ids is None else set(stop_token_ids)
         constraint = None
         if grammar is not None:

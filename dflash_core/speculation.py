@@ -21,7 +21,10 @@ doubling while probes keep losing. Widths are explored from the block size down.
 this: a plain step and a cycle both commit exactly the target's tokens.
 
 Timings are wall times between this generation's reads: with other generations interleaved on
-the worker, both kinds of step include their share of the others' time.
+the worker, both kinds of step include their share of the others' time. In a batch, where every
+row waits for the whole round, the prices are instead each row's share of a round and what a
+cycle adds to it (`rounds.RoundCosts`), and probes count rounds, not rows' steps, so that a batch
+probes no more often than one generation.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
+
+from .rounds import RoundCosts
 
 MODES = ("auto", "on", "off")
 
@@ -105,11 +110,13 @@ class ProbeSchedule:
     shortest: int = 4
     longest: int = 256
     interval: int = 4
-    countdown: int = 0
+    countdown: float = 0
 
-    def due(self) -> bool:
+    def due(self, share: float = 1.0) -> bool:
+        """Asked before each plain step; `share` is the step's part of its round (1/N in a round of
+        N rows, each of which asks), so the interval counts rounds."""
         if self.countdown > 0:
-            self.countdown -= 1
+            self.countdown -= share
             return False
         self.countdown = self.interval
         self.interval = min(2 * self.interval, self.longest)
@@ -127,6 +134,7 @@ class AutoSpeculation:
     prior: AcceptanceCounts  # the model's, decaying
     block_size: int
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
+    rounds: Optional[RoundCosts] = None  # the model's batched rounds (None: never batched)
     margin: float = 1.1
     refresh_every: int = 32  # while speculating, a plain step after this many cycles keeps its time current
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
@@ -175,21 +183,40 @@ class AutoSpeculation:
         lo, hi = max(below), min(above)
         return measured[lo] + (measured[hi] - measured[lo]) * (width - lo) / (hi - lo)
 
+    def _batch_rows(self) -> int:
+        """The rows of this model's latest round when it was a batch (else 1: this one alone)."""
+        rows = self.rounds.rows if self.rounds is not None else 0
+        return max(rows, 1)
+
+    def prices(self, context: int) -> tuple[Optional[float], dict[int, float], str]:
+        """A plain step's price, each width's cycle's (those known) and what they are, as seen by
+        this generation now: alone, their measured times; in a batch, the shares of a round."""
+        rows = self._batch_rows()
+        if rows > 1:
+            step = self.rounds.step_share(rows)  # (None until a round was timed: plain steps until then)
+            if step is None:
+                return None, {}, ""
+            return step, {w: step + self.rounds.cycle_extra(w) for w in self.widths}, f" (shares of a round of {rows})"
+        cycles = {w: t for w in self.widths if (t := self.cycle_seconds(w, context)) is not None}
+        return self.timings.estimate(0, context), cycles, ""
+
     def plan(self, context: int) -> int:
-        if self._dropped and self._last is not None:
+        share = 1.0 / self._batch_rows()
+        if self._dropped and self._last is not None and share == 1.0:
             return self._last  # its first sample compiled; measure it again
         if not self.speculating and self._probe_width is not None and self._steps_since_check < self.recheck_every:
             # Off, and nothing but the step's time has changed since the last look: decide again
             # only now and then (a step can take a millisecond; this runs before each one).
             self._steps_since_check += 1
-            return self._probe_width if self.probes.due() else 0
-        step = self.timings.estimate(0, context)
+            return self._probe_width if self.probes.due(share) else 0
+        step, cycles, basis = self.prices(context)
         if step is None:
             return 0
         self._steps_since_check = 0
-        rates = {w: self.expected_tokens(w) / t for w in self.widths
-                 if (t := self.cycle_seconds(w, context)) is not None}
+        rates = {w: self.expected_tokens(w) / t for w, t in cycles.items()}
         best = max(rates, key=rates.get) if rates else self.widths[0]
+        if not self.speculating and not (self._counts.verified[-1] or self.prior.verified[-1]):
+            best = self.widths[0]  # the block's last positions never verified: probe the whole block
         if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
             if self._cycles_since_step >= self.refresh_every:
@@ -197,15 +224,15 @@ class AutoSpeculation:
             return best
         self.speculating = False
         if rates:
-            self._note = (f"cycle {1e3 * self.cycle_seconds(best, context):.1f} ms for "
-                          f"{self.expected_tokens(best):.2f} tokens (width {best}) against a step of "
-                          f"{1e3 * step:.1f} ms")
+            self._note = (f"cycle {1e3 * cycles[best]:.1f} ms for {self.expected_tokens(best):.2f} tokens "
+                          f"(width {best}) against a step of {1e3 * step:.1f} ms{basis}")
         # A probe of the most promising width (the block, before anything is measured).
         self._probe_width = best if rates else None
-        return best if self.probes.due() else 0
+        return best if self.probes.due(share) else 0
 
     def observe(self, width: int, context: int, seconds: float, accepted: int) -> None:
-        kept = self.timings.record(width, context, seconds)
+        # In a batch the wall is the round's, not this step's: the rounds price it (rounds.py).
+        kept = self.timings.record(width, context, seconds) if self._batch_rows() == 1 else True
         self._last, self._dropped = width, not kept
         self._cycles_since_step = self._cycles_since_step + 1 if width else 0
         if width:
@@ -242,12 +269,15 @@ class ModelSpeculation:
     block_size: int
     timings: Timings = field(default_factory=Timings)
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
+    rounds: RoundCosts = field(default_factory=RoundCosts)
     prior: AcceptanceCounts = field(init=False)
 
     def __post_init__(self):
         self.prior = AcceptanceCounts(self.block_size - 1, decay=0.98)
 
-    def policy(self, mode: str) -> SpeculationPolicy:
+    def policy(self, mode: str, batched: bool = False) -> SpeculationPolicy:
+        """`batched`: the generation's forwards run in `batching.step_together`'s rounds."""
         if mode == "on":
             return AlwaysSpeculate(self.block_size)
-        return AutoSpeculation(self.timings, self.prior, self.block_size, self.probes)
+        return AutoSpeculation(self.timings, self.prior, self.block_size, self.probes,
+                               self.rounds if batched else None)

@@ -128,6 +128,66 @@ def test_auto_finds_the_width_that_pays():
     assert max(set(tail), key=tail.count) == 4
 
 
+def _feed_rounds(policies, rounds, wall, accepted, n, context=100):
+    """Run n rounds in which every policy plans one step, on a machine where a round of T target
+    tokens with k drafting rows takes `wall(T, k)` s; return each round's plans and the tokens and
+    seconds of them all."""
+    log, tokens_out, seconds, previous = [], 0, 0.0, None
+    for _ in range(n):
+        plans = [p.plan(context) for p in policies]
+        tokens, drafting = sum(w or 1 for w in plans), sum(1 for w in plans if w)
+        if previous is not None:
+            seconds += previous  # the round before's forwards, read in this round
+        rounds.end_round(len(plans), tokens, drafting, max(w or 1 for w in plans), True, seconds)
+        previous = wall(tokens, drafting)
+        for p, w in zip(policies, plans):
+            a = accepted(w) if w else 0
+            tokens_out += a + 1
+            p.observe(w, context, previous, a)
+        log.append(plans)
+    return log, tokens_out / (seconds + previous)
+
+
+def test_auto_in_a_batch_prices_a_row_by_its_share_of_the_round():
+    """8 rows on a CPU-like machine: a round costs 1 ms + 1 ms per target token + 0.5 ms per drafting
+    row, and every cycle gets one draft accepted. One row's cycle among 7 plain steps lengthens
+    the round 9 -> 10.5 ms for 2 tokens, which judged by the round's wall (a "step" of 9 ms) looks
+    worth it; but it costs all 8 rows that time, and the batch is faster on plain steps (8 tokens
+    per 9 ms against 16 per 21 ms when all cycle). Priced by shares, the rows stay plain, probing
+    at most once in a while (probes count rounds, not rows' steps)."""
+    from dflash_core.speculation import ModelSpeculation
+
+    def wall(tokens, drafting):
+        return 0.001 + 0.001 * tokens + 0.0005 * drafting
+
+    model = ModelSpeculation(16)
+    policies = [model.policy("auto", batched=True) for _ in range(8)]
+    log, rate = _feed_rounds(policies, model.rounds, wall, lambda w: 1, 700)
+    tail = log[-500:]
+    assert sum(1 for plans in tail if any(plans)) <= 4, [i for i, plans in enumerate(tail) if any(plans)]
+    assert policies[0].note().endswith("against a step of 1.1 ms (shares of a round of 8)"), policies[0].note()
+    # The same rows judging by the walls between their reads, as alone: they cycle, and lose.
+    walls = ModelSpeculation(16)
+    walls_log, walls_rate = _feed_rounds([walls.policy("auto") for _ in range(8)], walls.rounds, wall,
+                                         lambda w: 1, 700)
+    assert sum(w > 0 for plans in walls_log[-500:] for w in plans) > 0.5 * 8 * 500
+    assert rate > 1.15 * walls_rate
+
+
+def test_auto_in_a_batch_speculates_when_the_batch_gains():
+    """A GPU-like machine: a round costs 10 ms + 0.02 ms per target token + 1 ms per drafting row,
+    and 6 drafts of each cycle are accepted: every row cycles, at width 8 (as many tokens as the
+    full block, for fewer verified)."""
+    from dflash_core.speculation import ModelSpeculation
+
+    model = ModelSpeculation(16)
+    log, _ = _feed_rounds([model.policy("auto", batched=True) for _ in range(8)], model.rounds,
+                          lambda tokens, drafting: 0.010 + 0.00002 * tokens + 0.001 * drafting,
+                          lambda w: min(6, w - 1), 300)
+    tail = [w for plans in log[-100:] for w in plans]
+    assert tail.count(8) > 0.9 * len(tail), sorted(set(tail))
+
+
 def _text(path, out):
     if path == "/v1/chat/completions":
         return out["choices"][0]["message"]["content"]

@@ -10,6 +10,7 @@ in when they join and leave (different budgets, one cancelled mid-flight).
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -107,6 +108,7 @@ def test_random_drafter_rows_are_each_exactly_alone(engines, family, monkeypatch
 class _Context:
     offset: int = 0
     cycles: int = 0
+    first: int = 0
     reference: list = field(default_factory=list)
 
 
@@ -125,13 +127,18 @@ class RowForcedDrafter:
         return [_Context()]
 
     def add_context(self, taps, cache):
+        if cache[0].offset == 0:
+            cache[0].first = taps.shape[1]
         cache[0].offset += taps.shape[1]
 
     def propose(self, bonus, target, cache, width=None):
         context = cache[0]
         if not context.reference:
-            context.reference = self.references[context.offset]
-            context.schedule = self.schedules[context.offset]
+            # The row's prompt length: where its first block starts when it cycles from the start,
+            # else its first context block's length (a prompt prefilled in one chunk).
+            key = context.offset if context.offset in self.references else context.first
+            context.reference = self.references[key]
+            context.schedule = self.schedules[key]
         accept = context.schedule[context.cycles % len(context.schedule)]
         context.cycles += 1
         drafts = []
@@ -330,3 +337,45 @@ def test_the_server_with_batching_on_answers_concurrent_requests_as_one_at_a_tim
         for t in threads:
             t.join()
     assert together == alone and all(alone)
+
+
+def _auto_batch(engine, prompts, n_tokens):
+    rows = [Row(p, n_tokens, speculation="auto") for p in prompts]
+    streams = [engine.generate(r.prompt, max_tokens=r.max_tokens, speculation="auto", stop_token_ids=set(),
+                               batched=True) for r in rows]
+    outputs, last = [[] for _ in rows], [None] * len(rows)
+    live = list(range(len(rows)))
+    while live:
+        for i, stepped in zip(list(live), step_together(engine, [streams[i] for i in live])):
+            assert stepped.error is None and not stepped.done, stepped.error
+            outputs[i] += stepped.chunk.token_ids
+            if stepped.chunk.finish_reason:
+                last[i] = stepped.chunk.stats
+                live.remove(i)
+    return outputs, last
+
+
+def test_auto_in_a_batch_speculates_only_where_the_batch_gains(engines):
+    """`auto` prices a batched row's steps as its share of the round (rounds.py), not as the
+    round's wall: rows whose drafts are all accepted cycle, rows of a drafter that is never
+    accepted run plain steps with a probe now and then (a batch probing no more often than one
+    generation), and every row's output is the target's."""
+    base = engines["qwen3"]
+    prompts = [_prompt(base, n, seed) for n, seed in ((6, 1), (11, 2), (15, 3), (19, 4), (23, 5), (27, 6))]
+    n_tokens = 120
+    references = {len(p): p + _alone(base, Row(p, n_tokens + 16, speculation="off")) for p in prompts}
+    fresh = Engine(base.target, base.tokenizer, base.drafter, prefill_chunk=16)  # its own measurements
+    outputs, stats = _auto_batch(fresh, prompts, n_tokens)
+    for p, out in zip(prompts, outputs):
+        assert out == references[len(p)][len(p):][:n_tokens]
+    cycles, steps = sum(s.cycles for s in stats), sum(s.cycles + s.plain_steps for s in stats)
+    # Probes, once in a while (and a short streak where a row's drafts were accepted by chance).
+    assert 0 < cycles <= 0.05 * steps, (cycles, steps, stats[0].speculation_note)
+    assert all(re.search(r"shares of a round of [2-6]\)$", s.speculation_note) for s in stats)
+    forced = RowForcedDrafter(references, {len(p): [15] for p in prompts}, base.target.vocab_size,
+                              base.drafter.config.target_layer_ids)
+    engine = Engine(base.target, base.tokenizer, forced, prefill_chunk=64)  # (a prompt is one context block)
+    outputs, stats = _auto_batch(engine, prompts, n_tokens)
+    for p, out in zip(prompts, outputs):
+        assert out == references[len(p)][len(p):][:n_tokens]
+    assert sum(s.tokens_from_cycles for s in stats) > 0.6 * len(prompts) * n_tokens, [s.speculation_note for s in stats]
