@@ -6,7 +6,8 @@ A random-weight target at a real shape and a random drafter (`random_models`); N
 --max-tokens tokens after prompts of --context tokens step together (`batching.step_together`: one
 drafter forward and one target forward per step for all of them), in two modes: DFlash with the
 target made to accept 5.4 drafts per cycle on average (6.4 tokens per cycle, `ForcedAcceptance`),
-and the target alone. The reference line is mlx-lm's own continuous batching (`BatchGenerator`,
+and the target alone (with --auto also `speculation: auto` at 6.4 tokens per cycle and at 1, no
+draft ever accepted). The reference line is mlx-lm's own continuous batching (`BatchGenerator`,
 target alone) at the same batch sizes. Reported per N: aggregate tok/s over the decode phase (from
 the moment every stream has its first token to the last token), per-stream tok/s (each stream's
 tokens after its first over its own decode time), and mean time to first token (prefill is not
@@ -47,6 +48,7 @@ def run_dflash(engine, prompts, max_tokens: int, mode: str) -> dict:
     start = time.perf_counter()
     streams = [engine.generate(p, max_tokens=max_tokens, stop_token_ids=set(), batched=True, **extra) for p in prompts]
     first, last, counts = [None] * len(streams), [None] * len(streams), [0] * len(streams)
+    stats = [None] * len(streams)
     live = list(range(len(streams)))
     while live:
         results = step_together(engine, [streams[i] for i in live])
@@ -60,8 +62,14 @@ def run_dflash(engine, prompts, max_tokens: int, mode: str) -> dict:
                 counts[i] += len(r.chunk.token_ids)
                 first[i] = first[i] or now
                 last[i] = now
+            if r.chunk is not None and r.chunk.stats is not None:
+                stats[i] = r.chunk.stats
     mx.synchronize()
-    return _summary(start, first, last, counts)
+    summary = _summary(start, first, last, counts)
+    if mode == "auto":  # what it chose
+        summary.update(cycles=sum(s.cycles for s in stats), plain_steps=sum(s.plain_steps for s in stats),
+                       note=stats[0].speculation_note)
+    return summary
 
 
 def _summary(start, first, last, counts) -> dict:
@@ -115,6 +123,8 @@ def main() -> None:
     parser.add_argument("--restacked", action="store_true",
                         help="also run each mode with every batched forward stacking the rows' caches anew "
                              "(rows.StackedRows off), alternating with the default")
+    parser.add_argument("--auto", action="store_true",
+                        help="also run speculation: auto, at 6.4 tokens per cycle and at 1 (no draft accepted)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # as a speculating server runs
@@ -135,6 +145,11 @@ def main() -> None:
         warm = _prompts(target.vocab_size, 2, args.context)
         run_dflash(forced, warm, 16, "on")  # compiles the blocks of these shapes
         run_dflash(alone, warm, 16, "off")
+        unaccepted = None
+        if args.auto:  # (auto learns the machine over its first generations, as a server does)
+            unaccepted = Engine(ForcedAcceptance(target, [0], drafter.block_size), tokenizer, drafter)
+            for engine in (forced, unaccepted):
+                run_dflash(engine, warm, 64, "auto")
         unqueued = None
         if args.unqueued:  # the same model, forwards built whole before the device starts (KernelOptions)
             plain = target.with_kernels(replace(target.kernels, queue_layers=False))
@@ -156,6 +171,9 @@ def main() -> None:
                 row["target_restacked"] = run_dflash(alone, prompts, args.max_tokens, "off")
                 for part in (target, drafter):
                     part.stacked_rows.enabled = True
+            if unaccepted is not None:
+                row["auto"] = run_dflash(forced, prompts, args.max_tokens, "auto")
+                row["auto_unaccepted"] = run_dflash(unaccepted, prompts, args.max_tokens, "auto")
             if unqueued is not None:
                 row["dflash_unqueued"] = run_dflash(unqueued[0], prompts, args.max_tokens, "on")
                 row["target_unqueued"] = run_dflash(unqueued[1], prompts, args.max_tokens, "off")
@@ -172,8 +190,12 @@ def main() -> None:
                   + (f" | unqueued: dflash {row['dflash_unqueued']['aggregate_tok_s']:.1f}"
                      f" target {row['target_unqueued']['aggregate_tok_s']:.1f}" if unqueued else "")
                   + (f" | restacked: dflash {row['dflash_restacked']['aggregate_tok_s']:.1f}"
-                     f" target {row['target_restacked']['aggregate_tok_s']:.1f}" if args.restacked else ""), flush=True)
-        del forced, alone, target, drafter, unqueued
+                     f" target {row['target_restacked']['aggregate_tok_s']:.1f}" if args.restacked else "")
+                  + (f" | auto: {row['auto']['aggregate_tok_s']:.1f} ({row['auto']['cycles']} cycles, "
+                     f"{row['auto']['plain_steps']} steps), at 1 tok/cycle {row['auto_unaccepted']['aggregate_tok_s']:.1f} "
+                     f"({row['auto_unaccepted']['cycles']} cycles, {row['auto_unaccepted']['plain_steps']} steps)"
+                     if unaccepted else ""), flush=True)
+        del forced, alone, target, drafter, unqueued, unaccepted
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -95,7 +95,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
     results = [Stepped() for _ in streams]
     calls: dict[int, Any] = {}
     called: set[int] = set()  # the streams that made forwards this round
-    target_tokens = draft_calls = widest = 0
+    widths: list[int] = []  # each target forward's tokens this round: the round's make (rounds.py)
 
     def advance(i: int, value: Any = None, first: bool = False) -> None:
         try:
@@ -117,7 +117,6 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
     while calls:
         drafting = [i for i, c in calls.items() if isinstance(c, DraftCall)]
         if drafting:
-            draft_calls += len(drafting)
             outputs = _draft_rows(engine, [calls.pop(i) for i in drafting])
             for i, out in zip(drafting, outputs):
                 advance(i, out)
@@ -130,8 +129,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
             engine.target.rollback_rows(undos)
         for taps, members in by_taps.items():
             rows = [calls.pop(i).row for i in members]
-            widths = [r.tokens.shape[-1] for r in rows]
-            target_tokens, widest = target_tokens + sum(widths), max(widest, *widths)
+            widths += [r.tokens.shape[-1] for r in rows]
             outputs = engine.target.forward_rows(rows, taps)
             for i, out in zip(members, outputs):
                 advance(i, out)
@@ -140,7 +138,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
         # Clean: every row decoded (a prefill chunk, or the first token's read of the prompt's last
         # chunk, would put host-timed work into this round's wall).
         clean = len(called) == len(streams) and all(r.chunk is None or _decoded(r.chunk) for r in results)
-        spec.rounds.end_round(len(called), target_tokens, draft_calls, widest, clean)
+        spec.rounds.end_round(widths, clean)
     return results
 
 

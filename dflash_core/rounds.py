@@ -7,84 +7,99 @@ adds. Judged by those walls, a drafter barely above one token per cycle looks wo
 machine where each row's cycle slows the whole batch (a CPU, where a verify of w tokens costs
 about w plain rows).
 
-So the rounds of a model are modelled: a round's wall W ≈ a + b·T + c·k, with T the target
-tokens it verified or stepped (a plain row 1, a cycle's verify its width) and k the rows that
-drafted, fitted by least squares over its recent rounds (older ones fading). In a round of N rows a
-plain step's share is a/N + b, and a cycle of width w costs its row b·(w−1) + c more. A row cycles
-when its expected tokens per second of those shares beat a plain step's, which is exactly when the
-batch's tokens per second rise (and alone, N = 1, the solo rule). Directions the rounds seen so far
-do not tell apart get the least-squares minimum-norm split: before any cycle has run in a batch a
-verify token is priced like a plain row (the CPU's case), until a probe's round shows otherwise.
+So the rounds of a model are modelled: a round's wall W ≈ a + p·(plain rows) + Σ_w q_w·(rows
+cycling at width w), its draft and verify included, fitted by least squares over its recent
+rounds (older ones fading). In a round of N rows a plain step's price is a/N + p and a cycle's
+a/N + q_w. A row cycles when its expected tokens per second at those prices beat a plain step's,
+which is exactly when the batch's tokens per second rise (and alone, N = 1, the solo rule).
+Rounds where every row does the same thing do not tell the fixed cost a from the rows' costs;
+the least-squares minimum-norm split then prices each row at its share of the round, which makes
+the decision the batch as a whole would make between those two kinds of round; a probe (one row
+cycling among plain steps) shows what one row's cycle adds. A width never timed in a batch is
+priced from those that were: between two, linearly; below the narrowest, its verify tokens
+beyond the first costing what the narrowest's do; above the widest, as the widest.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 
 class RoundCosts:
-    """One model's batched rounds: their composition and wall, and the shares they imply."""
+    """One model's batched rounds: what each kind of row cost in them, and the prices that gives."""
 
-    def __init__(self, forget: float = 0.98):
+    KNOWN = 0.05  # a kind of row is timed while its fading count of rounds is above this
+
+    def __init__(self, max_width: int = 16, forget: float = 0.98):
         self.forget = forget
         self.rows = 0  # decoding rows in the latest round (0: none, or not batched)
-        self._gram = np.zeros((3, 3))
-        self._moments = np.zeros(3)
-        self._samples = 0
+        # Columns: the round's fixed cost, plain rows, then rows cycling at width 2..max_width.
+        self._columns = max_width + 1
+        self._gram = np.zeros((self._columns, self._columns))
+        self._moments = np.zeros(self._columns)
         self._coefficients: Optional[np.ndarray] = None
-        self._shapes_seen: set[tuple[int, int, int]] = set()
-        self._last: Optional[tuple[tuple[int, int, int, int], float]] = None
+        self._shapes_seen: set[tuple[int, ...]] = set()
+        self._last: Optional[tuple[list[int], float]] = None
 
-    def end_round(self, rows: int, tokens: int, drafting: int, widest: int, clean: bool,
-                  now: Optional[float] = None) -> None:
-        """A round ended: `rows` rows made forwards of `tokens` target tokens in all (the widest
-        row `widest`), `drafting` of them drafted. Its forwards run while the next round reads
+    def end_round(self, widths: Sequence[int], clean: bool, now: Optional[float] = None) -> None:
+        """A round ended in which these rows made target forwards, each of `widths` tokens (1: a
+        plain step, w > 1: a cycle verifying w). Its forwards run while the next round reads
         them, so it is the next round's wall that is this one's cost; a round is `clean` when no
         row in it did other work on the host's time (a prefill chunk, the prompt's last chunk
-        read for the first token), and only then does it time the round before it."""
+        read for its first token), and only then does it time the round before it."""
         now = time.perf_counter() if now is None else now
         last = self._last
-        self._last = ((rows, tokens, drafting, widest), now) if rows else None
-        self.rows = rows
+        self._last = (list(widths), now) if widths else None
+        self.rows = len(widths)
         if last is None or not clean:
             return
-        (n, t, k, wmax), ended = last
-        shape = (n, wmax, k)
+        before, ended = last
+        shape = (len(before), max(before), sum(w > 1 for w in before))
         if shape not in self._shapes_seen:  # a new shape: MLX compiled during it
             self._shapes_seen.add(shape)
             return
-        self.record(t, k, now - ended)
+        self.record(before, now - ended)
 
-    def record(self, tokens: int, drafting: int, seconds: float) -> None:
-        x = np.array([1.0, tokens, drafting])
+    def record(self, widths: Sequence[int], seconds: float) -> None:
+        x = np.zeros(self._columns)
+        x[0] = 1.0
+        for w in widths:
+            x[min(w, self._columns - 1) if w > 1 else 1] += 1
         self._gram = self.forget * self._gram + np.outer(x, x)
         self._moments = self.forget * self._moments + x * seconds
-        self._samples += 1
         self._coefficients = None
 
     def coefficients(self) -> Optional[np.ndarray]:
-        """(a, b, c) of W ≈ a + b·T + c·k; None before any round was timed."""
-        if not self._samples:
+        """(a, p, q_2 .. q_max): the fixed cost, a plain row's, a cycling row's by width (0 where
+        never timed); None before any round was timed."""
+        if not self._gram[0, 0]:
             return None
         if self._coefficients is None:
             self._coefficients = np.linalg.lstsq(self._gram, self._moments, rcond=1e-10)[0]
         return self._coefficients
 
-    def step_share(self, rows: int) -> Optional[float]:
-        """A plain step's share of a round of `rows` rows."""
+    def prices(self, rows: int, widths: Sequence[int]) -> Optional[tuple[float, dict[int, float]]]:
+        """A plain step's price in a round of `rows` rows, and each of `widths`' cycle's (those
+        that can be priced: timed, or between or beside timed ones); None until plain rows were
+        timed."""
         theta = self.coefficients()
-        if theta is None:
+        if theta is None or self._gram[1, 1] < self.KNOWN:
             return None
-        a, b, _ = theta
-        return max(a / rows + b, 1e-7)
-
-    def cycle_extra(self, width: int) -> Optional[float]:
-        """What a cycle of `width` adds to its round over that row's plain step (never below 0)."""
-        theta = self.coefficients()
-        if theta is None:
-            return None
-        _, b, c = theta
-        return max(b * (width - 1) + c, 0.0)
+        a, p = theta[0], theta[1]
+        step = max(a / rows + p, 1e-7)
+        timed = {w: max(a / rows + theta[w], step) for w in range(2, self._columns) if self._gram[w, w] >= self.KNOWN}
+        cycles = {}
+        for w in widths:
+            below, above = [t for t in timed if t <= w], [t for t in timed if t >= w]
+            if below and above:
+                lo, hi = max(below), min(above)
+                cycles[w] = timed[lo] if lo == hi else timed[lo] + (timed[hi] - timed[lo]) * (w - lo) / (hi - lo)
+            elif above:  # narrower than any timed: the narrowest's cost per verify token past the first
+                hi = min(above)
+                cycles[w] = step + (timed[hi] - step) * (w - 1) / (hi - 1)
+            elif below:
+                cycles[w] = timed[max(below)]
+        return step, cycles

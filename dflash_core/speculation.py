@@ -193,10 +193,10 @@ class AutoSpeculation:
         this generation now: alone, their measured times; in a batch, the shares of a round."""
         rows = self._batch_rows()
         if rows > 1:
-            step = self.rounds.step_share(rows)  # (None until a round was timed: plain steps until then)
-            if step is None:
+            priced = self.rounds.prices(rows, self.widths)  # (None until rounds were timed: plain steps until then)
+            if priced is None:
                 return None, {}, ""
-            return step, {w: step + self.rounds.cycle_extra(w) for w in self.widths}, f" (shares of a round of {rows})"
+            return *priced, f" (shares of a round of {rows})"
         cycles = {w: t for w in self.widths if (t := self.cycle_seconds(w, context)) is not None}
         return self.timings.estimate(0, context), cycles, ""
 
@@ -269,10 +269,11 @@ class ModelSpeculation:
     block_size: int
     timings: Timings = field(default_factory=Timings)
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
-    rounds: RoundCosts = field(default_factory=RoundCosts)
+    rounds: RoundCosts = field(init=False)
     prior: AcceptanceCounts = field(init=False)
 
     def __post_init__(self):
+        self.rounds = RoundCosts(self.block_size)
         self.prior = AcceptanceCounts(self.block_size - 1, decay=0.98)
 
     def policy(self, mode: str, batched: bool = False) -> SpeculationPolicy:

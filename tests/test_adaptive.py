@@ -138,7 +138,7 @@ def _feed_rounds(policies, rounds, wall, accepted, n, context=100):
         tokens, drafting = sum(w or 1 for w in plans), sum(1 for w in plans if w)
         if previous is not None:
             seconds += previous  # the round before's forwards, read in this round
-        rounds.end_round(len(plans), tokens, drafting, max(w or 1 for w in plans), True, seconds)
+        rounds.end_round([w or 1 for w in plans], True, seconds)
         previous = wall(tokens, drafting)
         for p, w in zip(policies, plans):
             a = accepted(w) if w else 0
@@ -174,14 +174,15 @@ def test_auto_in_a_batch_prices_a_row_by_its_share_of_the_round():
     assert rate > 1.15 * walls_rate
 
 
-def test_auto_in_a_batch_speculates_when_the_batch_gains():
+@pytest.mark.parametrize("rows", [8, 16])
+def test_auto_in_a_batch_speculates_when_the_batch_gains(rows):
     """A GPU-like machine: a round costs 10 ms + 0.02 ms per target token + 1 ms per drafting row,
     and 6 drafts of each cycle are accepted: every row cycles, at width 8 (as many tokens as the
     full block, for fewer verified)."""
     from dflash_core.speculation import ModelSpeculation
 
     model = ModelSpeculation(16)
-    log, _ = _feed_rounds([model.policy("auto", batched=True) for _ in range(8)], model.rounds,
+    log, _ = _feed_rounds([model.policy("auto", batched=True) for _ in range(rows)], model.rounds,
                           lambda tokens, drafting: 0.010 + 0.00002 * tokens + 0.001 * drafting,
                           lambda w: min(6, w - 1), 300)
     tail = [w for plans in log[-100:] for w in plans]

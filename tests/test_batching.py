@@ -369,8 +369,9 @@ def test_auto_in_a_batch_speculates_only_where_the_batch_gains(engines):
     for p, out in zip(prompts, outputs):
         assert out == references[len(p)][len(p):][:n_tokens]
     cycles, steps = sum(s.cycles for s in stats), sum(s.cycles + s.plain_steps for s in stats)
-    # Probes, once in a while (and a short streak where a row's drafts were accepted by chance).
-    assert 0 < cycles <= 0.05 * steps, (cycles, steps, stats[0].speculation_note)
+    # Probes once in a while, each narrower width tried once it looks cheaper than the block, and
+    # short streaks where a row's drafts were accepted by chance.
+    assert 0 < cycles <= 0.1 * steps, (cycles, steps, stats[0].speculation_note)
     assert all(re.search(r"shares of a round of [2-6]\)$", s.speculation_note) for s in stats)
     forced = RowForcedDrafter(references, {len(p): [15] for p in prompts}, base.target.vocab_size,
                               base.drafter.config.target_layer_ids)

@@ -65,13 +65,15 @@ def test_cpu_matmul_runs():
 def test_gpu_batch_runs_on_tiny_shapes(tmp_path):
     out = tmp_path / "batch.json"
     done = _run("benchmarks/gpu_batch.py", "--shape", "tiny-qwen3_5", "--streams", "1,3", "--context", "40",
-                "--max-tokens", "12", "--restacked", "--out", str(out))
+                "--max-tokens", "12", "--restacked", "--auto", "--out", str(out))
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["streams"] for r in rows] == [1, 3]
     for row in rows:
         assert row["dflash"]["tokens"] == row["target"]["tokens"] == 12 * row["streams"]
         assert row["dflash_restacked"]["tokens"] == row["target_restacked"]["tokens"] == 12 * row["streams"]
+        for auto in (row["auto"], row["auto_unaccepted"]):
+            assert auto["tokens"] == 12 * row["streams"] and auto["cycles"] + auto["plain_steps"] > 0
         assert row["dflash"]["aggregate_tok_s"] > 0 and row["target"]["per_stream_tok_s"] > 0
         assert "aggregate_tok_s" in row["mlx_lm"] or "error" in row["mlx_lm"]
     # The plot of aggregate tok/s against streams reads such reports.
