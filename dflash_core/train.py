@@ -318,7 +318,7 @@ def train(opts: TrainOptions) -> TrainReport:
     estimate = float("nan")
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
     while step < opts.steps:
-        total, grads, count = 0.0, None, 0
+        total, grads, count = mx.array(0.0), None, 0
         for index in rng.sample(range(len(training)), min(opts.batch, len(training))):
             seq = training[index]
             anchors = sample_anchors(rng, seq, opts.anchors)
@@ -329,12 +329,13 @@ def train(opts: TrainOptions) -> TrainReport:
             loss, g = grad_fn(drafter, taps, tokens, anchors)
             block_tokens += anchors.size * (opts.block_size - 1)
             grads = g if grads is None else tree_map_add(grads, g)
-            total += loss.item()
+            total = total + loss  # (read once per step: a read per sequence would wait on each)
             count += 1
         if count == 0:
             raise ValueError("no training sequence has a response long enough for a block")
         optimizer.update(drafter, tree_scale(grads, 1.0 / count))
-        mx.eval(drafter.parameters(), optimizer.state)
+        mx.eval(drafter.parameters(), optimizer.state, total)
+        total = total.item()
         step += 1
         history.append({"step": step, "loss": total / count})
         if step % opts.eval_every == 0 or step == opts.steps:
