@@ -8,14 +8,16 @@ served by `dflash serve` (one process per speculation mode in --modes: `off`, th
 `auto`, the default; `on`, DFlash at about one token per cycle); each request asks for
 --max-tokens greedy tokens of a distinct prompt with EOS ignored. For each N: the wall time of N
 requests one after another and of N requests sent together (medians of --repeats runs of each, in
-turn), aggregate tok/s, per-stream tok/s and time to first token, and whether every answer was the
-same both ways (batching must not change a token).
+turn), aggregate tok/s, per-stream tok/s and time to first token, the server process's CPU time
+each way (all its threads: the engine, the event loop, MLX's and the BLAS's), and whether every
+answer was the same both ways (batching must not change a token).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -83,18 +85,31 @@ def _together(url: str, texts: list[str], max_tokens: int) -> tuple[float, list]
     return time.perf_counter() - start, results
 
 
-def measure(url: str, n: int, max_tokens: int, repeats: int = 3) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux's /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(url: str, n: int, max_tokens: int, repeats: int = 3, pid: int = 0) -> dict:
     """N requests one after another, then the same N at once, `repeats` times in turn: the median
-    wall time of each way (this 2-core machine is noisy; one run of a second or less is not a figure)."""
+    wall time of each way (this 2-core machine is noisy; one run of a second or less is not a figure),
+    and the server's (process `pid`) median CPU time each way."""
     texts = prompts(n)
     stream(url, texts[0], 8)  # warm-up: compiled blocks for these shapes
-    walls_alone, walls_together = [], []
+    walls_alone, walls_together, cpu_alone, cpu_together = [], [], [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds(pid)
         alone = [stream(url, t, max_tokens) for t in texts]
         walls_alone.append(time.perf_counter() - start)
+        cpu_alone.append(cpu_seconds(pid) - cpu)
+        cpu = cpu_seconds(pid)
         wall, together = _together(url, texts, max_tokens)
         walls_together.append(wall)
+        cpu_together.append(cpu_seconds(pid) - cpu)
         if [a["text"] for a in alone] != [b["text"] for b in together]:
             break
     one_by_one, at_once = statistics.median(walls_alone), statistics.median(walls_together)
@@ -102,6 +117,7 @@ def measure(url: str, n: int, max_tokens: int, repeats: int = 3) -> dict:
     return {
         "streams": n, "repeats": len(walls_alone), "one_by_one_s": one_by_one, "together_s": at_once,
         "one_by_one_s_all": walls_alone, "together_s_all": walls_together, "speedup": one_by_one / at_once,
+        "server_cpu_s_one_by_one": statistics.median(cpu_alone), "server_cpu_s_together": statistics.median(cpu_together),
         "aggregate_tok_s": tokens / at_once, "aggregate_tok_s_one_by_one": tokens / one_by_one,
         "per_stream_tok_s": sum(max_tokens / r["seconds"] for r in together) / n,
         "solo_stream_tok_s": sum(max_tokens / r["seconds"] for r in alone) / n,
@@ -131,11 +147,12 @@ def main() -> None:
             process, url = start(target, drafter, mode, Path(work))
             try:
                 for n in args.streams:
-                    row = {"speculation": mode, **measure(url, n, args.max_tokens, args.repeats)}
+                    row = {"speculation": mode, **measure(url, n, args.max_tokens, args.repeats, process.pid)}
                     report["rows"].append(row)
                     print(f"{mode:>4} {n:>3} streams | one by one {row['one_by_one_s']:6.2f} s, together "
                           f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | aggregate {row['aggregate_tok_s']:7.1f} "
                           f"tok/s, per stream {row['per_stream_tok_s']:6.1f} (alone {row['solo_stream_tok_s']:6.1f}) "
+                          f"| server CPU s {row['server_cpu_s_one_by_one']:.2f} / {row['server_cpu_s_together']:.2f} "
                           f"| same output: {row['same_output']}", flush=True)
             finally:
                 process.terminate()

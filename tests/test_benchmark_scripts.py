@@ -117,3 +117,4 @@ def test_cpu_batch_runs_through_a_real_server(tmp_path):
     for row in rows:
         assert row["same_output"] and len(row["together_s_all"]) == 2
         assert row["together_s"] > 0 and row["speedup"] == row["one_by_one_s"] / row["together_s"]
+        assert row["server_cpu_s_one_by_one"] > 0 and row["server_cpu_s_together"] > 0  # the server did the work
