@@ -11,13 +11,6 @@ this at start (`launch.py`), before anything imports MLX:
 3. else the reference BLAS stays.
 
 `DFLASH_BLAS=reference` keeps the reference BLAS (or `DFLASH_BLAS=/path/to/lib.so` names one).
-
-With MKL, its OpenMP threads go to sleep as soon as a product ends (`KMP_BLOCKTIME=0`, unless
-the environment sets it): intel-openmp's default keeps them spinning 200 ms after every parallel
-region, and between the many small products of a decode step that holds a second core busy
-doing nothing, the core the server's event loop and its clients need (docs/performance.md,
-"Continuous batching": on 2 cores, the server's CPU time for 8 streams together fell from 1.6 s
-to 0.9 s).
 Nothing here imports MLX. `dflash doctor` says which library answers, with a measured matmul.
 """
 
@@ -31,7 +24,6 @@ from pathlib import Path
 from typing import Optional
 
 CHOICE_VARIABLE = "DFLASH_BLAS"
-OPENMP_IDLE = ("KMP_BLOCKTIME", "0")  # intel-openmp: its threads sleep once a parallel region ends
 
 
 def candidates() -> list[str]:
@@ -54,8 +46,6 @@ def preload() -> Optional[str]:
         return None
     paths = [choice] if choice != "auto" else candidates()
     for path in paths:
-        if "mkl" in Path(path).name:  # (read by intel-openmp when it starts its threads, after this)
-            os.environ.setdefault(*OPENMP_IDLE)
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
@@ -102,7 +92,4 @@ def describe() -> str:
     mx.eval(a @ a)
     start = time.perf_counter()
     mx.eval(a @ a)
-    took = f"a 1024x1024 float32 matmul takes {1e3 * (time.perf_counter() - start):.1f} ms"
-    if loaded and "mkl" in Path(loaded).name:
-        took += f"; {OPENMP_IDLE[0]}={os.environ.get(OPENMP_IDLE[0], '(unset: 200 ms of spinning)')}"
-    return f"{name}: {took}"
+    return f"{name}: a 1024x1024 float32 matmul takes {1e3 * (time.perf_counter() - start):.1f} ms"
