@@ -16,7 +16,24 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import KVCache
 
 
+def ring_mask(starts: mx.array, n: int, window: int, capacity: int) -> mx.array:
+    """Boolean masks [rows, n, capacity] of rings (`SlidingWindowCache`s of one window and
+    capacity) whose rows write n tokens each in place at `starts` (an array, one start per row)
+    before attending: each query sees the slots that hold a position within its window."""
+    end = starts[:, None] + n  # [rows, 1]: where each row's writes end
+    slots = mx.arange(capacity)[None]
+    key_pos = (end - 1 - ((end - 1 - slots) % capacity))[:, None, :]  # (negative: never written)
+    q_pos = (starts[:, None] + mx.arange(n)[None])[:, :, None]
+    return (key_pos >= 0) & (key_pos <= q_pos) & (q_pos - key_pos < window)
+
+
 class SlidingWindowCache:
+    # Writes into the ring so far: a batched forward gives each row a slice of one stacked ring and
+    # starts the same rows' next forward from that stack only while no row wrote into its slice
+    # since (`rows.StackedRows`; slice assignment changes the array in place). A class attribute
+    # also for caches thawed through `from_state`, which skips __init__.
+    writes = 0
+
     def __init__(self, window: int, slack: int):
         self.window = window
         self.slack = slack
@@ -65,6 +82,7 @@ class SlidingWindowCache:
         return all_keys, all_values
 
     def _write(self, keys: mx.array, values: mx.array, first_position: int) -> None:
+        self.writes += 1
         n = keys.shape[2]
         slot = first_position % self.capacity
         head = min(n, self.capacity - slot)

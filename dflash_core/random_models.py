@@ -18,7 +18,7 @@ import mlx.nn as nn
 from .adapters import TargetAdapter, adapter_for
 from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from .loading import quantizable
-from .shapes import FAMILIES, REAL_SHAPES, random_model, target_config
+from .shapes import REAL_SHAPES, random_model, target_config
 
 # Released drafters' shapes (docs/formats.md): layers, heads, kv heads, intermediate, taps, mask,
 # layer types (sliding window) of the z-lab checkpoint for each target.
@@ -44,7 +44,7 @@ def parse_shape(spec: str) -> tuple[str, bool]:
         return spec, False
     if spec.startswith("tiny-") and spec[5:] in FAMILY_EXAMPLES:
         return FAMILY_EXAMPLES[spec[5:]], True
-    known = ", ".join(list(REAL_SHAPES) + [f"tiny-{f}" for f in FAMILIES])
+    known = ", ".join(list(REAL_SHAPES) + [f"tiny-{f}" for f in FAMILY_EXAMPLES])
     raise ValueError(f"unknown random-weights shape {spec!r}; known: {known}")
 
 

@@ -32,6 +32,11 @@ class RoundCosts:
     """One model's batched rounds: what each kind of row cost in them, and the prices that gives."""
 
     KNOWN = 0.05  # a kind of row is timed while its fading count of rounds is above this
+    # A cycle runs a drafter forward and verifies two tokens or more: never cheaper than a plain
+    # step of the same round, and priced at least this much above one. At a bare tie (a fit that
+    # cannot tell a narrow cycle from a step) a row whose drafts were ever accepted by chance
+    # would otherwise keep cycling, since its expected tokens per cycle are then above 1.
+    CYCLE_FLOOR = 1.05
 
     def __init__(self, max_width: int = 16, forget: float = 0.98):
         self.forget = forget
@@ -90,7 +95,8 @@ class RoundCosts:
             return None
         a, p = theta[0], theta[1]
         step = max(a / rows + p, 1e-7)
-        timed = {w: max(a / rows + theta[w], step) for w in range(2, self._columns) if self._gram[w, w] >= self.KNOWN}
+        floor = step * self.CYCLE_FLOOR
+        timed = {w: max(a / rows + theta[w], floor) for w in range(2, self._columns) if self._gram[w, w] >= self.KNOWN}
         cycles = {}
         for w in widths:
             below, above = [t for t in timed if t <= w], [t for t in timed if t >= w]
@@ -99,7 +105,7 @@ class RoundCosts:
                 cycles[w] = timed[lo] if lo == hi else timed[lo] + (timed[hi] - timed[lo]) * (w - lo) / (hi - lo)
             elif above:  # narrower than any timed: the narrowest's cost per verify token past the first
                 hi = min(above)
-                cycles[w] = step + (timed[hi] - step) * (w - 1) / (hi - 1)
+                cycles[w] = max(floor, step + (timed[hi] - step) * (w - 1) / (hi - 1))
             elif below:
                 cycles[w] = timed[max(below)]
         return step, cycles

@@ -170,3 +170,28 @@ def write_rows(caches: Sequence, starts: Sequence[int], lengths: Sequence[int], 
     if stacked is not None:
         stacked.keep(caches, (stacked_keys, stacked_values))
     return stacked_keys, stacked_values
+
+
+def write_ring_rows(caches: Sequence, starts: Sequence[int], lengths: Sequence[int], keys: mx.array, values: mx.array,
+                    stacked: Optional[StackedRows] = None) -> tuple[mx.array, mx.array]:
+    """`write_rows` for sliding-window rings (`cache.SlidingWindowCache`, all of one capacity, each
+    written before): each row's new keys and values (batches [rows, heads, length, D], row b's first
+    lengths[b] real) scattered into the rows' rings stacked as one [rows, heads, capacity, D], at
+    the slots of positions starts[b]..starts[b] + length - 1. A row's padding lands in slots whose
+    positions are a window or more behind its next query, or ahead of it: masked until overwritten
+    (`length` is at most the rings' slack, as a verify block is). Each cache then holds its row of
+    the stack and its new offset."""
+    rows, length = len(caches), keys.shape[2]
+    capacity = caches[0].capacity
+    slots = ((mx.array(list(starts))[:, None] + mx.arange(length)[None]) % capacity).reshape(rows, 1, length, 1)
+    last = stacked.take(caches, tag="ring") if stacked is not None else None
+    base_keys, base_values = last if last is not None else (mx.concatenate([c.keys for c in caches]),
+                                                           mx.concatenate([c.values for c in caches]))
+    stacked_keys = mx.put_along_axis(base_keys, slots, keys, axis=2)
+    stacked_values = mx.put_along_axis(base_values, slots, values, axis=2)
+    for b, (cache, start, n) in enumerate(zip(caches, starts, lengths)):
+        cache.keys, cache.values, cache.offset = stacked_keys[b : b + 1], stacked_values[b : b + 1], start + n
+        cache.writes += 1
+    if stacked is not None:
+        stacked.keep(caches, (stacked_keys, stacked_values), tag="ring")
+    return stacked_keys, stacked_values
