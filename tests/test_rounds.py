@@ -61,3 +61,15 @@ def test_a_round_times_the_one_before_only_when_clean_and_of_a_known_shape():
     costs.end_round([], True, 3.0)  # no forwards: nothing to time next
     costs.end_round([1] * 4, True, 9.0)
     assert costs.prices(4, [16])[0] == pytest.approx(0.5 / 4, rel=0.01) and costs.rows == 4
+
+
+def test_a_cycle_is_never_priced_at_or_below_a_plain_step():
+    """Rounds that cannot tell a cycling row from a plain one (the same wall either way) price a
+    cycle above a step: at a tie, a row whose drafts were ever accepted would keep cycling for
+    nothing (its expected tokens per cycle are above 1)."""
+    costs = RoundCosts()
+    rounds = [[1] * 6, [2] + [1] * 5, [16] + [1] * 5] * 20
+    _play(costs, rounds, lambda widths: 0.006)
+    step, cycles = costs.prices(6, [16, 8, 4, 2])
+    assert step == pytest.approx(0.001, rel=1e-3)
+    assert all(c >= RoundCosts.CYCLE_FLOOR * step for c in cycles.values()), cycles
