@@ -162,13 +162,20 @@ def write_rows(caches: Sequence, starts: Sequence[int], lengths: Sequence[int], 
     size = max([b.shape[2] for b in key_buffers if b is not None] + [0])
     if size < need:
         size = (need + KV_STEP - 1) // KV_STEP * KV_STEP
-    base_keys, base_values = stack_buffers(key_buffers, size, keys), stack_buffers(value_buffers, size, values)
-    stacked_keys = mx.put_along_axis(base_keys, positions, keys, axis=2)
-    stacked_values = mx.put_along_axis(base_values, positions, values, axis=2)
+    base = (stack_buffers(key_buffers, size, keys), stack_buffers(value_buffers, size, values))
+    return _scatter_rows(caches, base, positions, keys, values, starts, lengths, stacked)
+
+
+def _scatter_rows(caches, base: tuple, slots: mx.array, keys: mx.array, values: mx.array, starts, lengths,
+                  stacked: Optional[StackedRows], tag=None) -> tuple[mx.array, mx.array]:
+    """The rows' new keys and values scattered at `slots` into their stacked buffers `base`; each
+    cache then holds its row of the result and its new offset, kept for the same rows' next write."""
+    stacked_keys = mx.put_along_axis(base[0], slots, keys, axis=2)
+    stacked_values = mx.put_along_axis(base[1], slots, values, axis=2)
     for b, (cache, start, n) in enumerate(zip(caches, starts, lengths)):
         cache.keys, cache.values, cache.offset = stacked_keys[b : b + 1], stacked_values[b : b + 1], start + n
     if stacked is not None:
-        stacked.keep(caches, (stacked_keys, stacked_values))
+        stacked.keep(caches, (stacked_keys, stacked_values), tag=tag)
     return stacked_keys, stacked_values
 
 
@@ -185,13 +192,5 @@ def write_ring_rows(caches: Sequence, starts: Sequence[int], lengths: Sequence[i
     capacity = caches[0].capacity
     slots = ((mx.array(list(starts))[:, None] + mx.arange(length)[None]) % capacity).reshape(rows, 1, length, 1)
     last = stacked.take(caches, tag="ring") if stacked is not None else None
-    base_keys, base_values = last if last is not None else (mx.concatenate([c.keys for c in caches]),
-                                                           mx.concatenate([c.values for c in caches]))
-    stacked_keys = mx.put_along_axis(base_keys, slots, keys, axis=2)
-    stacked_values = mx.put_along_axis(base_values, slots, values, axis=2)
-    for b, (cache, start, n) in enumerate(zip(caches, starts, lengths)):
-        cache.keys, cache.values, cache.offset = stacked_keys[b : b + 1], stacked_values[b : b + 1], start + n
-        cache.writes += 1
-    if stacked is not None:
-        stacked.keep(caches, (stacked_keys, stacked_values), tag="ring")
-    return stacked_keys, stacked_values
+    base = last if last is not None else (mx.concatenate([c.keys for c in caches]), mx.concatenate([c.values for c in caches]))
+    return _scatter_rows(caches, base, slots, keys, values, starts, lengths, stacked, tag="ring")

@@ -92,15 +92,20 @@ def _round(adapter, solo_caches, batched_caches, lengths, seed, tap_ids=TAPS, **
     return solo, batched
 
 
+def _roll_back(adapter, solo_caches, batched_caches, solo, batched):
+    """Each row back to its KEEP of the FIRST round's tokens, in both worlds."""
+    for row, keep in enumerate(KEEP):
+        keep = FIRST[row] if keep is None else keep
+        adapter.rollback(solo_caches[row], solo[row].rollback, keep)
+        adapter.rollback(batched_caches[row], batched[row].rollback, keep)
+
+
 def _check_rows_match_solo(adapter):
     solo_caches, batched_caches = _prefilled(adapter, PROMPTS), _prefilled(adapter, PROMPTS)
     solo, batched = _round(adapter, solo_caches, batched_caches, FIRST, seed=100)
     # Each row rolls back to its own accepted prefix, in both worlds; the caches stay exact and so
     # does the next round.
-    for row, keep in enumerate(KEEP):
-        keep = FIRST[row] if keep is None else keep
-        adapter.rollback(solo_caches[row], solo[row].rollback, keep)
-        adapter.rollback(batched_caches[row], batched[row].rollback, keep)
+    _roll_back(adapter, solo_caches, batched_caches, solo, batched)
     for s, b in zip(solo_caches, batched_caches):
         _same_cache(s, b)
     _round(adapter, solo_caches, batched_caches, SECOND, seed=200)
@@ -212,10 +217,7 @@ def test_gemma3_sliding_layers_attend_as_one_batch(adapters):
     assert any(not adapter._is_global(i) for i in range(len(adapter.layers)))
     solo_caches, batched_caches = _prefilled(adapter, PROMPTS), _prefilled(adapter, PROMPTS)
     solo, batched = _round(adapter, solo_caches, batched_caches, FIRST, seed=800)
-    for row, keep in enumerate(KEEP):
-        keep = FIRST[row] if keep is None else keep
-        adapter.rollback(solo_caches[row], solo[row].rollback, keep)
-        adapter.rollback(batched_caches[row], batched[row].rollback, keep)
+    _roll_back(adapter, solo_caches, batched_caches, solo, batched)
     before = adapter.stacked_rows.reused
     _round(adapter, solo_caches, batched_caches, SECOND, seed=900)
     assert adapter.stacked_rows.reused - before == len(adapter.layers)
