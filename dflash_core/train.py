@@ -119,15 +119,19 @@ def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
 
 
 def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.array, anchors: mx.array,
-                 lm_head=None) -> mx.array:
+                 lm_head=None, sequence: Optional[mx.array] = None) -> mx.array:
     """Logits [K, B-1, V] of K blocks anchored at `anchors`, each seeing the context before it.
 
     The same layers as inference, batched over blocks: the context K/V of every position is
-    projected once, and a mask gives block k the positions before its anchor."""
+    projected once, and a mask gives block k the positions before its anchor. Several sequences
+    train together as a batch, `taps` [N, S, D] and `tokens` [N, S] padded at their ends, block k
+    in sequence `sequence[k]`: it attends to its own sequence's context only (its padding lies
+    past every anchor, so the mask hides it)."""
     cfg = drafter.config
     B, S, K = cfg.block_size, taps.shape[1], anchors.shape[0]
     context = drafter.hidden_norm(drafter.fc(taps))
-    block = mx.concatenate([tokens[anchors][:, None], mx.full((K, B - 1), cfg.mask_token_id, mx.int32)], axis=1)
+    first = tokens[anchors] if sequence is None else tokens[sequence, anchors]
+    block = mx.concatenate([first[:, None], mx.full((K, B - 1), cfg.mask_token_id, mx.int32)], axis=1)
     h = target.embed(block)
     if cfg.input_embedding_scale != 1.0:
         h = h * cfg.input_embedding_scale
@@ -136,7 +140,10 @@ def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.arra
     before_anchor = mx.concatenate([mx.arange(S)[None] < anchors[:, None], mx.ones((K, B), mx.bool_)], axis=1)
     for i, layer in enumerate(drafter.layers):
         k, v = layer.self_attn.keys_values(context, 0, drafter.kernels)
-        k, v = (mx.broadcast_to(x, (K,) + x.shape[1:]) for x in (k, v))
+        if sequence is None:
+            k, v = (mx.broadcast_to(x, (K,) + x.shape[1:]) for x in (k, v))
+        else:
+            k, v = k[sequence], v[sequence]
         mask = before_anchor[:, None, :]
         if cfg.is_causal(i):
             mask = mask & (key_pos[:, None, :] <= q_pos[:, :, None])
@@ -174,6 +181,19 @@ def sample_anchors(rng: random.Random, sequence: dict, count: int) -> Optional[m
     if last < first:
         return None
     return mx.array(sorted(rng.sample(range(first, last + 1), min(count, last - first + 1))), dtype=mx.int32)
+
+
+def batch_of(pieces: list[tuple[list[int], mx.array, mx.array]], block: int) -> tuple[mx.array, ...]:
+    """Sequences (token ids, taps [1, S_i, D], anchors [K_i]) as one training batch for
+    `block_logits`: taps [N, S, D] and tokens [N, S] padded to the longest, every anchor, each
+    block's sequence, and each block's labels (`block_labels`, per sequence)."""
+    longest = max(len(t) for t, _, _ in pieces)
+    tokens = mx.array([t + [0] * (longest - len(t)) for t, _, _ in pieces], dtype=mx.int32)
+    taps = mx.concatenate([mx.pad(x, [(0, 0), (0, longest - x.shape[1]), (0, 0)]) for _, x, _ in pieces])
+    anchors = mx.concatenate([a for _, _, a in pieces])
+    sequence = mx.concatenate([mx.full(a.shape, i, mx.int32) for i, (_, _, a) in enumerate(pieces)])
+    labels = mx.concatenate([block_labels(mx.array(t, dtype=mx.int32), a, block) for t, _, a in pieces])
+    return taps, tokens, anchors, sequence, labels
 
 
 def target_taps(target, tokens: mx.array, tap_ids) -> mx.array:
@@ -280,9 +300,8 @@ def train(opts: TrainOptions) -> TrainReport:
         step, history = load_checkpoint(drafter, optimizer, rng, opts.out)
         log.info("resuming from step %d", step)
 
-    def loss_fn(model, taps, tokens, anchors):
-        logits = block_logits(model, target, taps, tokens, anchors, lm_head)
-        labels = block_labels(tokens, anchors, opts.block_size)
+    def loss_fn(model, taps, tokens, anchors, sequence, labels):
+        logits = block_logits(model, target, taps, tokens, anchors, lm_head, sequence)
         valid = labels >= 0
         targets = mx.maximum(labels, 0) if remap is None else remap[mx.maximum(labels, 0)]
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
@@ -318,32 +337,30 @@ def train(opts: TrainOptions) -> TrainReport:
     estimate = float("nan")
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
     while step < opts.steps:
-        total, grads, count = mx.array(0.0), None, 0
+        # The step's sequences as one batch: one forward and backward (one per sequence was a few
+        # small launches each, what a step cost on a GPU).
+        pieces = []
         for index in rng.sample(range(len(training)), min(opts.batch, len(training))):
             seq = training[index]
             anchors = sample_anchors(rng, seq, opts.anchors)
             if anchors is None:
                 continue
-            tokens = mx.array(seq["tokens"], dtype=mx.int32)
-            taps = taps_of(index, tokens)
-            loss, g = grad_fn(drafter, taps, tokens, anchors)
+            pieces.append((seq["tokens"], taps_of(index, mx.array(seq["tokens"], dtype=mx.int32)), anchors))
             block_tokens += anchors.size * (opts.block_size - 1)
-            grads = g if grads is None else tree_map_add(grads, g)
-            total = total + loss  # (read once per step: a read per sequence would wait on each)
-            count += 1
-        if count == 0:
+        if not pieces:
             raise ValueError("no training sequence has a response long enough for a block")
-        optimizer.update(drafter, tree_scale(grads, 1.0 / count))
-        mx.eval(drafter.parameters(), optimizer.state, total)
-        total = total.item()
+        loss, grads = grad_fn(drafter, *batch_of(pieces, opts.block_size))
+        optimizer.update(drafter, grads)
+        mx.eval(drafter.parameters(), optimizer.state, loss)
+        total = loss.item()
         step += 1
-        history.append({"step": step, "loss": total / count})
+        history.append({"step": step, "loss": total})
         if step % opts.eval_every == 0 or step == opts.steps:
             estimate = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
             history[-1]["tokens_per_cycle"] = estimate
         if step % opts.save_every == 0 or step == opts.steps:
             save_checkpoint(drafter, optimizer, step, history, rng, opts.out)
-        progress.set_postfix(loss=f"{total / count:.3f}", tok_per_cycle=f"{estimate:.2f}")
+        progress.set_postfix(loss=f"{total:.3f}", tok_per_cycle=f"{estimate:.2f}")
         progress.update(1)
     progress.close()
     save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else target.dtype)
@@ -355,18 +372,6 @@ def train(opts: TrainOptions) -> TrainReport:
                          block_tokens, block_tokens / seconds if seconds else 0.0)
     (opts.out / "train_report.json").write_text(json.dumps({**asdict(report), "options": _jsonable(opts)}, indent=2))
     return report
-
-
-def tree_map_add(a, b):
-    from mlx.utils import tree_map
-
-    return tree_map(lambda x, y: x + y, a, b)
-
-
-def tree_scale(a, s: float):
-    from mlx.utils import tree_map
-
-    return tree_map(lambda x: x * s, a)
 
 
 def _jsonable(opts: TrainOptions) -> dict:

@@ -13,7 +13,7 @@ from dflash_core import cli
 from dflash_core.drafter import load_drafter
 from dflash_core.engine import Engine
 from dflash_core.loading import load_target
-from dflash_core.train import TrainOptions, block_logits, new_drafter
+from dflash_core.train import TrainOptions, batch_of, block_labels, block_logits, new_drafter
 
 PROMPTS = [
     "Write a short story about a fox.", "Explain how rivers form.", "List three colors.",
@@ -39,6 +39,31 @@ def test_training_forward_matches_inference(qwen3_pair):
         hidden = drafter.hidden(target.embed(block), context)
         single = drafter.logits(hidden[:, 1:], target.lm_head)[0]
         np.testing.assert_allclose(np.array(batched[k]), np.array(single), rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_of_sequences_trains_as_each_alone(qwen3_pair):
+    """A step's sequences as one padded batch (`batch_of`) give every block the logits and labels
+    it gets in its own sequence alone: it sees only its own sequence's context, its labels stop at
+    its own sequence's end, and padding changes nothing."""
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    opts = TrainOptions(target="x", data=None, out=None, layers=2, head_dim=16, heads=4, kv_heads=2,
+                        intermediate_size=96)
+    drafter = new_drafter(target, tokenizer, opts)
+    texts = ["A first sequence, long enough to anchor a few blocks.", "def second(x):\n    return x + 1",
+             "Third: short but not too short."]
+    pieces = []
+    for text, anchors in zip(texts, ([2, 9], [1, 4, 10], [5])):
+        ids = tokenizer.encode(text)
+        taps = target.forward(mx.array([ids], dtype=mx.int32), target.make_cache(16),
+                              drafter.config.target_layer_ids).tapped_hidden
+        pieces.append((ids, taps, mx.array(anchors, dtype=mx.int32)))
+    assert len({len(ids) for ids, _, _ in pieces}) > 1  # the batch pads some of them
+    taps, tokens, anchors, sequence, labels = batch_of(pieces, 16)
+    together = block_logits(drafter, target, taps, tokens, anchors, sequence=sequence)
+    alone = mx.concatenate([block_logits(drafter, target, x, mx.array(t, dtype=mx.int32), a) for t, x, a in pieces])
+    np.testing.assert_allclose(np.array(together), np.array(alone), rtol=1e-4, atol=1e-4)
+    assert mx.array_equal(labels, mx.concatenate([block_labels(mx.array(t, dtype=mx.int32), a, 16) for t, _, a in pieces]))
+    assert (np.array(labels) == -1).any()  # a block runs past its own sequence's end
 
 
 def test_train_lowers_loss_and_writes_a_servable_drafter(qwen3_pair, tmp_path, capsys):
