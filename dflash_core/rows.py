@@ -179,18 +179,21 @@ def _scatter_rows(caches, base: tuple, slots: mx.array, keys: mx.array, values: 
     return stacked_keys, stacked_values
 
 
+def ring_slots(starts: mx.array, length: int, capacity: int) -> mx.array:
+    """The ring slots [rows, 1, length, 1] of positions starts[b]..starts[b] + length - 1."""
+    return ((starts[:, None] + mx.arange(length)[None]) % capacity).reshape(starts.shape[0], 1, length, 1)
+
+
 def write_ring_rows(caches: Sequence, starts: Sequence[int], lengths: Sequence[int], keys: mx.array, values: mx.array,
-                    stacked: Optional[StackedRows] = None) -> tuple[mx.array, mx.array]:
+                    slots: mx.array, stacked: Optional[StackedRows] = None) -> tuple[mx.array, mx.array]:
     """`write_rows` for sliding-window rings (`cache.SlidingWindowCache`, all of one capacity, each
     written before): each row's new keys and values (batches [rows, heads, length, D], row b's first
     lengths[b] real) scattered into the rows' rings stacked as one [rows, heads, capacity, D], at
-    the slots of positions starts[b]..starts[b] + length - 1. A row's padding lands in slots whose
-    positions are a window or more behind its next query, or ahead of it: masked until overwritten
-    (`length` is at most the rings' slack, as a verify block is). Each cache then holds its row of
-    the stack and its new offset."""
-    rows, length = len(caches), keys.shape[2]
-    capacity = caches[0].capacity
-    slots = ((mx.array(list(starts))[:, None] + mx.arange(length)[None]) % capacity).reshape(rows, 1, length, 1)
+    `slots` (`ring_slots`: those of positions starts[b]..starts[b] + length - 1; the same for every
+    layer of a forward, so made once). A row's padding lands in slots whose positions are a window
+    or more behind its next query, or ahead of it: masked until overwritten (`length` is at most
+    the rings' slack, as a verify block is). Each cache then holds its row of the stack and its new
+    offset."""
     last = stacked.take(caches, tag="ring") if stacked is not None else None
     base = last if last is not None else (mx.concatenate([c.keys for c in caches]), mx.concatenate([c.values for c in caches]))
     return _scatter_rows(caches, base, slots, keys, values, starts, lengths, stacked, tag="ring")

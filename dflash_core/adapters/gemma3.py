@@ -20,7 +20,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
 from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear
-from ..rows import from_batch, to_batch, write_ring_rows
+from ..rows import from_batch, ring_slots, to_batch, write_ring_rows
 from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, heads_first, join, part, rotary
 from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
@@ -53,9 +53,10 @@ def window_attention(q, k, v, cache: SlidingWindowCache, scale: float, mask: mx.
     return attention(q, [k], [v], scale, mask, kernels)
 
 
-def window_rows_mask(rows: Rows, caches) -> mx.array | None:
-    """The mask [rows, 1, longest, capacity] of the rows' rings for `attend_window_rows` (every
-    sliding layer's rings hold the same positions), or None where the rows cannot attend as one
+def window_rows_layout(rows: Rows, caches) -> tuple[mx.array, mx.array] | None:
+    """The rows' rings as `attend_window_rows` writes and reads them (every sliding layer's rings
+    hold the same positions, so made once per forward): the slots each row writes [rows, 1,
+    longest, 1] and the mask [rows, 1, longest, capacity]; None where the rows cannot attend as one
     batch: a ring not written yet, rings of other capacities, or a row writing more than its slack."""
     ring = caches[0]
     if any(c.keys is None or c.capacity != ring.capacity or c.window != ring.window for c in caches):
@@ -63,18 +64,19 @@ def window_rows_mask(rows: Rows, caches) -> mx.array | None:
     if rows.longest > ring.capacity - ring.window + 1:
         return None
     mask = ring_mask(rows.batch_offsets, rows.longest, ring.window, ring.capacity)
-    return mask[:, None]
+    return ring_slots(rows.batch_offsets, rows.longest, ring.capacity), mask[:, None]
 
 
-def attend_window_rows(q, k, v, rows: Rows, caches, scale: float, rope, mask: mx.array, kernels) -> mx.array:
+def attend_window_rows(q, k, v, rows: Rows, caches, scale: float, rope, layout: tuple, kernels) -> mx.array:
     """A sliding layer's attention for several rows as one batch, q, k, v [1, sum L, heads, D] on
     the token axis (before RoPE): RoPE at every row's offset in one op, the new keys scattered into
-    the rows' rings stacked as one (`rows.write_ring_rows`) and one attention over them with
-    `window_rows_mask`'s mask. A row sees exactly the slots it sees alone, in the same order."""
+    the rows' rings stacked as one (`rows.write_ring_rows`) and one attention over them, both as
+    `window_rows_layout` says. A row sees exactly the slots it sees alone, in the same order."""
     length = rows.longest
+    slots, mask = layout
     q_b, k_b = rope(rows.batch_offsets, to_batch(q, rows.bounds, length), to_batch(k, rows.bounds, length))
     v_b = heads_first(to_batch(v, rows.bounds, length))
-    keys, values = write_ring_rows(caches, rows.starts, [e - s for s, e in rows.bounds], k_b, v_b, rows.stacked)
+    keys, values = write_ring_rows(caches, rows.starts, [e - s for s, e in rows.bounds], k_b, v_b, slots, rows.stacked)
     out = attention(q_b, [keys], [values], scale, mask, kernels)
     return heads_first(from_batch(heads_first(out), rows.bounds))
 
@@ -122,11 +124,11 @@ class Gemma3Adapter(TargetAdapter):
         allow, else per row over its ring; the rings' masks are taken before any layer writes."""
         h = self._embed(tokens)
         sliding = next((i for i in range(len(self.layers)) if not self._is_global(i)), None)
-        batch_mask = None
+        layout = None
         if sliding is not None and len(rows.rows) > 1:
-            batch_mask = window_rows_mask(rows, rows.caches(sliding))
+            layout = window_rows_layout(rows, rows.caches(sliding))
         sliding_masks = []
-        if sliding is not None and batch_mask is None:
+        if sliding is not None and layout is None:
             sliding_masks = [r.cache[sliding].mask(e - s) for r, (s, e) in zip(rows.rows, rows.bounds)]
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
@@ -135,8 +137,8 @@ class Gemma3Adapter(TargetAdapter):
             rope = self.compiled(("rope", i), lambda: rotary(attn))
             if self._is_global(i):
                 attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
-            elif batch_mask is not None:
-                attended = attend_window_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, batch_mask, self.kernels)
+            elif layout is not None:
+                attended = attend_window_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, layout, self.kernels)
             else:
                 parts = []
                 for (s, e), layer_cache, offset, sliding_mask in zip(rows.bounds, rows.caches(i), rows.offsets,
