@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,7 @@ class TrainOptions:
     block_size: int = 16
     taps: Optional[list[int]] = None
     steps: int = 1000
+    minutes: Optional[float] = None  # training time budget: the run ends at `steps` or here, whichever first
     batch: int = 4  # sequences per optimizer step
     anchors: int = 8  # blocks per sequence
     lr: float = 6e-4
@@ -231,26 +233,46 @@ def save_drafter(drafter: DFlashDrafter, out: Path, dtype: Optional[mx.Dtype] = 
     (out / "config.json").write_text(json.dumps(drafter.config.raw, indent=2, sort_keys=True))
 
 
-def save_checkpoint(drafter, optimizer, step: int, history: list, rng: random.Random, out: Path) -> None:
+def save_checkpoint(drafter, optimizer, step: int, history: list, rng: random.Random, out: Path,
+                    seconds: float = 0.0) -> None:
     path = out / "checkpoint"
     save_drafter(drafter, path)
     mx.save_safetensors(str(path / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
     version, internal, gauss = rng.getstate()
     (path / "state.json").write_text(json.dumps(
-        {"step": step, "history": history, "rng": [version, list(internal), gauss]}))
+        {"step": step, "history": history, "rng": [version, list(internal), gauss], "seconds": seconds}))
 
 
-def load_checkpoint(drafter, optimizer, rng: random.Random, out: Path) -> tuple[int, list]:
+def load_checkpoint(drafter, optimizer, rng: random.Random, out: Path) -> tuple[int, list, float]:
+    """The step, history and seconds trained of the checkpoint in out/checkpoint, its weights and
+    optimizer state loaded into `drafter` and `optimizer` and its random state into `rng`."""
     path = out / "checkpoint"
     drafter.load_weights(str(path / "model.safetensors"))
     optimizer.state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
     state = json.loads((path / "state.json").read_text())
     version, internal, gauss = state["rng"]
     rng.setstate((version, tuple(internal), gauss))  # the same anchors and batches as an unbroken run
-    return state["step"], state["history"]
+    return state["step"], state["history"], state.get("seconds", 0.0)
 
 
 # --------------------------------------------------------------------------- train
+
+
+def run_share(opts: TrainOptions, step: int, seconds: float) -> float:
+    """How much of the run after its warm-up is behind, 0..1: by steps, or by time where a time
+    budget (`minutes`) runs out first, so that a run ended by its budget ends at the lowest rate."""
+    by_steps = (step - opts.warmup) / max(1, opts.steps - opts.warmup)
+    by_time = seconds / (opts.minutes * 60) if opts.minutes else 0.0
+    return min(1.0, max(0.0, by_steps, by_time))
+
+
+def learning_rate(opts: TrainOptions, step: int, share: float) -> float:
+    """A linear warm-up from 1 % of `lr` over `warmup` steps, then a cosine down to 5 % of it over
+    the rest of the run (`share` of it behind, `run_share`)."""
+    if step < opts.warmup:
+        return opts.lr * (0.01 + 0.99 * step / opts.warmup)
+    low = opts.lr * 0.05
+    return low + (opts.lr - low) * 0.5 * (1 + math.cos(math.pi * share))
 
 
 @dataclass
@@ -266,6 +288,7 @@ class TrainReport:
     data: dict = field(default_factory=dict)  # train_data.data_report: sizes by category, generation speed
     trained_block_tokens: int = 0  # drafter block rows trained on this run (after a resume: since it)
     trained_tokens_per_second: float = 0.0
+    ended_by: str = "steps"  # or "time": the --minutes budget ran out first
 
 
 def train(opts: TrainOptions) -> TrainReport:
@@ -289,15 +312,10 @@ def train(opts: TrainOptions) -> TrainReport:
 
     drafter = new_drafter(target, tokenizer, opts)
     weights = position_weights(opts.block_size, opts.gamma)
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(opts.lr * 0.01, opts.lr, max(1, opts.warmup)),
-         optim.cosine_decay(opts.lr, max(1, opts.steps - opts.warmup), opts.lr * 0.05)],
-        [max(1, opts.warmup)],
-    )
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=opts.weight_decay)
-    step, history = 0, []
+    optimizer = optim.AdamW(learning_rate=opts.lr, weight_decay=opts.weight_decay)
+    step, history, before = 0, [], 0.0  # before: seconds trained by the runs this one resumes
     if opts.resume and (opts.out / "checkpoint" / "state.json").exists():
-        step, history = load_checkpoint(drafter, optimizer, rng, opts.out)
+        step, history, before = load_checkpoint(drafter, optimizer, rng, opts.out)
         log.info("resuming from step %d", step)
 
     def loss_fn(model, taps, tokens, anchors, sequence, labels):
@@ -336,7 +354,8 @@ def train(opts: TrainOptions) -> TrainReport:
     block_tokens = 0  # drafter rows trained on (each block's rows after its anchor)
     estimate = float("nan")
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
-    while step < opts.steps:
+    budget = opts.minutes * 60 if opts.minutes else None
+    while step < opts.steps and (budget is None or before + time.perf_counter() - start < budget):
         # The step's sequences as one batch: one forward and backward (one per sequence was a few
         # small launches each, what a step cost on a GPU).
         pieces = []
@@ -350,26 +369,34 @@ def train(opts: TrainOptions) -> TrainReport:
         if not pieces:
             raise ValueError("no training sequence has a response long enough for a block")
         loss, grads = grad_fn(drafter, *batch_of(pieces, opts.block_size))
+        rate = learning_rate(opts, step, run_share(opts, step, before + time.perf_counter() - start))
+        optimizer.learning_rate = rate
         optimizer.update(drafter, grads)
         mx.eval(drafter.parameters(), optimizer.state, loss)
         total = loss.item()
         step += 1
-        history.append({"step": step, "loss": total})
+        history.append({"step": step, "loss": total, "lr": rate})
         if step % opts.eval_every == 0 or step == opts.steps:
             estimate = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
             history[-1]["tokens_per_cycle"] = estimate
         if step % opts.save_every == 0 or step == opts.steps:
-            save_checkpoint(drafter, optimizer, step, history, rng, opts.out)
+            save_checkpoint(drafter, optimizer, step, history, rng, opts.out, before + time.perf_counter() - start)
         progress.set_postfix(loss=f"{total:.3f}", tok_per_cycle=f"{estimate:.2f}")
         progress.update(1)
     progress.close()
+    if history and "tokens_per_cycle" not in history[-1]:  # the time budget ended the run between evaluations
+        history[-1]["tokens_per_cycle"] = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
+        save_checkpoint(drafter, optimizer, step, history, rng, opts.out, before + time.perf_counter() - start)
+    if history:
+        estimate = history[-1]["tokens_per_cycle"]
     save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else target.dtype)
     load_drafter(opts.out)  # the normal loader accepts what was written
     seconds = time.perf_counter() - start
     report = TrainReport(step, seconds, len(training), len(held_out),
                          history[0]["loss"] if history else float("nan"),
                          history[-1]["loss"] if history else float("nan"), estimate, history, data,
-                         block_tokens, block_tokens / seconds if seconds else 0.0)
+                         block_tokens, block_tokens / seconds if seconds else 0.0,
+                         "steps" if step >= opts.steps else "time")
     (opts.out / "train_report.json").write_text(json.dumps({**asdict(report), "options": _jsonable(opts)}, indent=2))
     return report
 

@@ -110,6 +110,35 @@ def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path):
     assert len((out / "data" / "sequences.jsonl").read_text().splitlines()) <= 6
 
 
+def test_a_time_budget_ends_the_run_decayed_saved_and_reported(qwen3_pair, tmp_path):
+    """--minutes: the run stops when its budget runs out, long before --steps, with the learning
+    rate decayed by time to its floor, a final estimate, checkpoint and drafter; a resumed run
+    counts the seconds already trained."""
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS))
+    out = tmp_path / "drafter"
+    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
+              "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "1",
+              "--anchors", "2", "--max-new-tokens", "16", "--steps", "1000000", "--warmup", "2",
+              "--lr", "1e-3", "--eval-every", "1000000", "--save-every", "1000000"]
+    assert cli.main(common + ["--minutes", "0.05"]) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["ended_by"] == "time" and 3 < report["steps"] < 1000000
+    rates = [h["lr"] for h in report["history"]]
+    assert rates[0] < rates[2] and max(rates) <= 1e-3
+    after = rates[2:]
+    assert all(a >= b for a, b in zip(after, after[1:]))  # decays by time, never back up
+    assert after[-1] < 0.2e-3  # near the floor (5 % of --lr) when the budget ran out
+    assert report["history"][-1]["tokens_per_cycle"] >= 1.0  # estimated at the end
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == report["steps"] and state["seconds"] >= 3.0
+    load_drafter(out)
+    # Resumed with the budget spent, it trains no further step and still reports.
+    assert cli.main(common + ["--minutes", "0.05", "--resume"]) == 0
+    again = json.loads((out / "train_report.json").read_text())
+    assert again["steps"] == report["steps"] and again["tokens_per_cycle_estimate"] == report["tokens_per_cycle_estimate"]
+
+
 def test_bad_options_are_one_clear_error(qwen3_pair, tmp_path, capsys):
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS))

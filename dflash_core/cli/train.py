@@ -20,6 +20,9 @@ def add_train(sub) -> None:
     p.add_argument("--block-size", type=_block_size, default=16)
     p.add_argument("--taps", help="comma-separated target layer ids (default: spread over the target)")
     p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--minutes", type=_minutes,
+                   help="training time budget (data generation not counted): the run ends at --steps or when this "
+                        "runs out, the learning rate decaying by whichever comes first")
     p.add_argument("--batch", type=positive_int, default=4, help="sequences per optimizer step")
     p.add_argument("--anchors", type=positive_int, default=8, help="blocks per sequence")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -56,6 +59,13 @@ def _temperature(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"a sampling temperature must be above 0, got {text}")
+    return value
+
+
+def _minutes(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a time budget in minutes above 0 expected, got {text}")
     return value
 
 
@@ -96,7 +106,7 @@ def _block_size(text: str) -> int:
 def run_train(args) -> int:
     opts = TrainOptions(
         target=args.target, data=args.data, out=args.out, layers=args.layers, block_size=args.block_size,
-        taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, batch=args.batch,
+        taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, minutes=args.minutes, batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
         generation_batch=args.generation_batch, samples_per_prompt=args.samples_per_prompt,
         sample_temperature=args.sample_temperature, shard_prompts=args.shard_prompts, held_out=args.held_out,
@@ -111,7 +121,8 @@ def run_train(args) -> int:
     speed = data.get("generation_tokens_per_second")
     print(f"data: {data.get('sequences')} sequences, {data.get('response_tokens')} response tokens"
           + (f" (target responses at {speed:.1f} tok/s)" if speed else ""))
-    print(f"trained {report.steps} steps in {report.seconds:.0f}s ({report.trained_tokens_per_second:.0f} block "
+    ended = " (the time budget ran out)" if report.ended_by == "time" else ""
+    print(f"trained {report.steps} steps{ended} in {report.seconds:.0f}s ({report.trained_tokens_per_second:.0f} block "
           f"tokens/s): loss {report.first_loss:.3f} -> {report.last_loss:.3f}, held-out estimate "
           f"{report.tokens_per_cycle_estimate:.2f} tokens/cycle; drafter in {opts.out}")
     return 0
