@@ -182,7 +182,7 @@ def test_verify_started_in_parts_gives_the_same_rows(adapters, family, monkeypat
 
 
 # Gemma 4 attends row by row (its KV-shared layers read each row's own): nothing is stacked there.
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_rows_carry_their_stacked_buffers_to_the_next_forward(adapters, family):
     """A batched forward starts from the buffers the same rows' last one stacked (no copy of every
     row's cache per layer), also where they must grow past a 256-position buffer; a row whose cache
@@ -208,16 +208,22 @@ def test_rows_carry_their_stacked_buffers_to_the_next_forward(adapters, family):
     assert stacked.reused - before == carried
 
 
-def test_gemma3_sliding_layers_attend_as_one_batch(adapters):
-    """Gemma 3's sliding-window layers write the rows' rings as one stack and attend once for all
-    rows (row by row, 15 of the 270M's 18 layers made a batched step cost about as much host work as
-    each row's step alone): the next forward of the same rows, after their rollbacks, starts from
-    the stack of every layer, the sliding ones included. Exact against solo throughout."""
-    adapter = adapters["gemma3"]
-    assert any(not adapter._is_global(i) for i in range(len(adapter.layers)))
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_sliding_layers_attend_as_one_batch(adapters, family):
+    """The Gemmas' sliding-window layers write the rows' rings as one stack and attend once for all
+    rows (row by row, 15 of Gemma 3 270M's 18 layers made a batched step cost about as much host
+    work as each row's step alone), and Gemma 4's KV-shared layers attend over the batch their
+    source layer wrote: the next forward of the same rows, after their rollbacks, starts from the
+    stack of every layer that has a cache, the sliding ones included. Exact against solo throughout."""
+    adapter = adapters[family]
+    cached = len(adapter.make_cache(max_rollback=16))
+    sliding = [c for c in adapter.make_cache(max_rollback=16) if not isinstance(c, KVCache)]
+    assert sliding and cached == len(adapter.layers) - getattr(adapter.args, "num_kv_shared_layers", 0)
+    if family == "gemma4":
+        assert adapter.args.num_kv_shared_layers > 0  # the fixture has layers that reuse others' K/V
     solo_caches, batched_caches = _prefilled(adapter, PROMPTS), _prefilled(adapter, PROMPTS)
     solo, batched = _round(adapter, solo_caches, batched_caches, FIRST, seed=800)
     _roll_back(adapter, solo_caches, batched_caches, solo, batched)
     before = adapter.stacked_rows.reused
     _round(adapter, solo_caches, batched_caches, SECOND, seed=900)
-    assert adapter.stacked_rows.reused - before == len(adapter.layers)
+    assert adapter.stacked_rows.reused - before == cached

@@ -148,15 +148,22 @@ def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict, kern
 def attend_rows(q, k, v, rows: Rows, caches: Sequence, scale: float, rope, kernels: KernelOptions) -> mx.array:
     """Attention of one layer for every row, q, k, v [1, sum L, heads, D] on the token axis (before
     RoPE), each row's keys written into its KVCache: [1, Hq, sum L, D]. One row: `cached_attention`.
-    Several: one batch [rows, longest, ...] with every row's offset in one RoPE, the new keys
-    written into the rows' buffers stacked as one [rows, heads, T, D] (`rows.write_rows`) and one
-    attention over all rows with a mask [rows, 1, longest, T]; each row's cache then holds its part
-    of that batch. A row sees exactly its own keys, as alone; the buffer's extra
-    masked positions only add zeros to its softmax and its product with the values.
+    Several: `batch_keys`, then one attention over all rows (`attend_batch`).
     `rope(offset, q, k)`: `rotary`'s function."""
     if len(rows.rows) == 1:
         q_row, k_row = rope(rows.offsets[0], q, k)
         return cached_attention(q_row, k_row, heads_first(v), caches[0], scale, rows.starts[0], rows.masks[0], kernels)
+    return attend_batch(*batch_keys(q, k, v, rows, caches, rope), rows, scale, kernels)
+
+
+def batch_keys(q, k, v, rows: Rows, caches: Sequence, rope) -> tuple[mx.array, ...]:
+    """Several rows' q, k, v (as `attend_rows` takes them) as one batch [rows, longest, ...] with
+    every row's offset in one RoPE, the new keys written into the rows' buffers stacked as one
+    [rows, heads, T, D] (`rows.write_rows`; each row's cache then holds its part of that batch):
+    the queries [rows, Hq, longest, D], the keys and values up to the last position some row has,
+    and the mask [rows, 1, longest, T] that shows each row exactly its own keys, as alone (the
+    buffer's extra masked positions only add zeros to its softmax and its product with the values).
+    What a layer that reuses another's keys and values (Gemma 4) attends over too."""
     length = rows.longest
     q_b, k_b = rope(rows.batch_offsets, to_batch(q, rows.bounds, length), to_batch(k, rows.bounds, length))
     v_b = heads_first(to_batch(v, rows.bounds, length))
@@ -168,10 +175,15 @@ def attend_rows(q, k, v, rows: Rows, caches: Sequence, scale: float, rope, kerne
     # Attend over the positions some row has, not the buffers' unused tail (a row's own padding
     # is masked either way).
     size = max(s + n for s, n in zip(rows.starts, lengths))
-    keys, values = keys[:, :, :size], values[:, :, :size]
     if size not in rows.batch_masks:
         rows.batch_masks[size] = mx.arange(size).reshape(1, 1, 1, size) <= rows.write_positions
-    out = attention(q_b, [keys], [values], scale, rows.batch_masks[size], kernels)
+    return q_b, keys[:, :, :size], values[:, :, :size], rows.batch_masks[size]
+
+
+def attend_batch(q_b, keys, values, mask, rows: Rows, scale: float, kernels: KernelOptions) -> mx.array:
+    """One attention for all rows from `batch_keys` (or a sliding layer's like it), back on the
+    token axis: [1, Hq, sum L, D]."""
+    out = attention(q_b, [keys], [values], scale, mask, kernels)
     return heads_first(from_batch(heads_first(out), rows.bounds))
 
 

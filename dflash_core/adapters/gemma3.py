@@ -20,8 +20,9 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
 from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear
-from ..rows import from_batch, ring_slots, to_batch, write_ring_rows
-from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, heads_first, join, part, rotary
+from ..rows import ring_slots, to_batch, write_ring_rows
+from .base import (Rows, TargetAdapter, attend_batch, attend_rows, gated_mlp_group, heads_first, join, part,
+                   rotary)
 from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
 
@@ -69,16 +70,21 @@ def window_rows_layout(rows: Rows, caches) -> tuple[mx.array, mx.array] | None:
 
 def attend_window_rows(q, k, v, rows: Rows, caches, scale: float, rope, layout: tuple, kernels) -> mx.array:
     """A sliding layer's attention for several rows as one batch, q, k, v [1, sum L, heads, D] on
-    the token axis (before RoPE): RoPE at every row's offset in one op, the new keys scattered into
-    the rows' rings stacked as one (`rows.write_ring_rows`) and one attention over them, both as
-    `window_rows_layout` says. A row sees exactly the slots it sees alone, in the same order."""
+    the token axis (before RoPE): `window_batch_keys`, then one attention over them."""
+    return attend_batch(*window_batch_keys(q, k, v, rows, caches, rope, layout), rows, scale, kernels)
+
+
+def window_batch_keys(q, k, v, rows: Rows, caches, rope, layout: tuple) -> tuple[mx.array, ...]:
+    """`batch_keys` for a sliding layer: RoPE at every row's offset in one op, the new keys
+    scattered into the rows' rings stacked as one (`rows.write_ring_rows`), as `window_rows_layout`
+    says; the queries, the stacked rings and their mask. A row sees exactly the slots it sees
+    alone, in the same order."""
     length = rows.longest
     slots, mask = layout
     q_b, k_b = rope(rows.batch_offsets, to_batch(q, rows.bounds, length), to_batch(k, rows.bounds, length))
     v_b = heads_first(to_batch(v, rows.bounds, length))
     keys, values = write_ring_rows(caches, rows.starts, [e - s for s, e in rows.bounds], k_b, v_b, slots, rows.stacked)
-    out = attention(q_b, [keys], [values], scale, mask, kernels)
-    return heads_first(from_batch(heads_first(out), rows.bounds))
+    return q_b, keys, values, mask
 
 
 class Gemma3Adapter(TargetAdapter):

@@ -4,8 +4,10 @@ Quirks owned here: the embedding is scaled by sqrt(H) inside the model (the draf
 one), per-layer input embeddings, the last `num_kv_shared_layers` layers reuse the K/V of the last
 earlier layer of the same type, sliding-window layers, and logit soft-capping. Sliding layers use
 `SlidingWindowCache` instead of mlx-lm's RotatingKVCache, which cannot be trimmed once wrapped.
-Decode and verify run as rows (`TargetAdapter.run_rows`): per-token work once for all rows, RoPE,
-the cache update, K/V sharing and attention per row.
+Decode and verify run as rows (`TargetAdapter.run_rows`): per-token work once for all rows, and
+attention for all rows as one batch (global layers over their KV buffers stacked, sliding ones over
+their rings stacked, as in Gemma 3; a KV-shared layer over the batch its source layer attended over),
+or row by row where the rows' rings do not allow it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from mlx_lm.models.gemma4_text import geglu
 from ..cache import RowsKVCache, SlidingWindowCache
 from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, gated_mlp_group, heads_first, join, part, rotary
+from ..rows import to_batch
+from .base import TargetAdapter, attend_batch, batch_keys, gated_mlp_group, heads_first, join, part, rotary
+from .gemma3 import window_batch_keys, window_rows_layout
 
 
 def attention_inputs(layer, groups: dict, kernels):
@@ -144,27 +148,62 @@ class Gemma4Adapter(TargetAdapter):
         return h, tapped
 
     def run_rows(self, tokens, rows, tap_ids):
-        """Decode and verify: each layer as compiled functions for all rows around what is per row
+        """Decode and verify: each layer as compiled functions for all rows around attention, which
+        runs for all rows as one batch where they allow (`_attend_batch`), else row by row
         (`_attend_row`)."""
         h, per_layer = self._embed(tokens)
-        caches = [r.cache + [None] * (len(self.layers) - len(r.cache)) for r in rows.rows]
-        # Per row: its masks by layer type (taken before any layer writes) and the K/V each layer
-        # attended over, which the KV-shared layers reuse.
-        masks = [self._masks(e - s, c) for (s, e), c in zip(rows.bounds, caches)]
-        shared = [[None] * len(self.layers) for _ in caches]
+        layout = self._batch_layout(rows)
+        if layout is None:
+            caches = [r.cache + [None] * (len(self.layers) - len(r.cache)) for r in rows.rows]
+            # Per row: its masks by layer type (taken before any layer writes) and the K/V each
+            # layer attended over, which the KV-shared layers reuse.
+            masks = [self._masks(e - s, c) for (s, e), c in zip(rows.bounds, caches)]
+            shared = [[None] * len(self.layers) for _ in caches]
+        else:
+            shared = [None] * len(self.layers)  # per layer: the batch's queries' keys, values and mask
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             inputs = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
-            attended = [
-                self._attend_row(i, [part(x, s, e) for x in inputs], caches[r], shared[r], masks[r], rows, r)
-                for r, (s, e) in enumerate(rows.bounds)
-            ]
+            if layout is not None:
+                attended = self._attend_batch(i, inputs, rows, layout, shared)
+            else:
+                attended = join([
+                    self._attend_row(i, [part(x, s, e) for x in inputs], caches[r], shared[r], masks[r], rows, r)
+                    for r, (s, e) in enumerate(rows.bounds)
+                ], axis=2)
             post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer, groups, self.kernels))
-            h = post(h, join(attended, axis=2), *(() if per_layer[i] is None else (per_layer[i],)))
+            h = post(h, attended, *(() if per_layer[i] is None else (per_layer[i],)))
             self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped
+
+    def _batch_layout(self, rows):
+        """The sliding layers' ring layout for attending all rows as one batch (`window_rows_layout`,
+        None for a single row); False where the model has no sliding layer. None: row by row."""
+        if len(rows.rows) < 2:
+            return None
+        sliding = [i for i, c in enumerate(rows.rows[0].cache) if isinstance(c, SlidingWindowCache)]
+        if not sliding:
+            return False
+        return window_rows_layout(rows, rows.caches(sliding[0]))
+
+    def _attend_batch(self, i, inputs, rows, layout, shared):
+        """Layer i's attention for all rows as one batch: a layer with its own K/V writes them into
+        the rows' stacked buffers or rings (`batch_keys`, `window_batch_keys`) and attends; a layer
+        that reuses another's attends over what that one attended over, with its mask."""
+        attn = self.layers[i].self_attn
+        rope = self.compiled(("rope", i), lambda: rotary(attn))
+        if attn.has_kv:
+            caches = rows.caches(i)
+            if isinstance(caches[0], SlidingWindowCache):
+                shared[i] = window_batch_keys(*inputs, rows, caches, rope, layout)
+            else:
+                shared[i] = batch_keys(*inputs, rows, caches, rope)
+            return attend_batch(*shared[i], rows, attn.scale, self.kernels)
+        (q_b,) = rope(rows.batch_offsets, to_batch(inputs[0], rows.bounds, rows.longest))
+        _, keys, values, mask = shared[i] = shared[self.inner.previous_kvs[i]]
+        return attend_batch(q_b, keys, values, mask, rows, attn.scale, self.kernels)
 
     def _attend_row(self, i, inputs, cache, shared, masks, rows, r):
         """Layer i's attention for row r from its slice of the layer's inputs: RoPE at its offset,
