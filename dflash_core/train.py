@@ -198,25 +198,31 @@ def batch_of(pieces: list[tuple[list[int], mx.array, mx.array]], block: int) -> 
     return taps, tokens, anchors, sequence, labels
 
 
-def target_taps(target, tokens: mx.array, tap_ids) -> mx.array:
-    out = target.forward(tokens[None], target.make_cache(max_rollback=0), tap_ids, last_logits_only=True)
-    return mx.stop_gradient(out.tapped_hidden)
+def target_taps(target, sequences: list[list[int]], tap_ids) -> list[mx.array]:
+    """Each sequence's taps [1, S_i, D] from one target forward of them all, padded at their ends
+    (a causal target never lets a position see what comes after it). One forward per sequence was
+    what a training step cost on a GPU: a few hundred small launches each."""
+    longest = max(len(s) for s in sequences)
+    tokens = mx.array([s + [0] * (longest - len(s)) for s in sequences], dtype=mx.int32)
+    out = target.forward(tokens, target.make_cache(max_rollback=0), tap_ids, last_logits_only=True)
+    taps = mx.stop_gradient(out.tapped_hidden)
+    return [taps[i : i + 1, : len(s)] for i, s in enumerate(sequences)]
 
 
-def acceptance_estimate(drafter, target, sequences, rng: random.Random, anchors: int = 8) -> float:
+def acceptance_estimate(drafter, target, sequences, rng: random.Random, anchors: int = 8, batch: int = 16) -> float:
     """Tokens per cycle the drafter would reach on these sequences (greedy): 1 + the mean number
     of leading drafts equal to what the target produced."""
     lengths = []
-    for seq in sequences:
-        picks = sample_anchors(rng, seq, anchors)
-        if picks is None:
-            continue
-        tokens = mx.array(seq["tokens"], dtype=mx.int32)
-        taps = target_taps(target, tokens, drafter.config.target_layer_ids)
-        proposals = mx.argmax(block_logits(drafter, target, taps, tokens, picks), axis=-1)
-        labels = block_labels(tokens, picks, drafter.config.block_size)
-        matches = mx.cumprod((proposals == labels).astype(mx.int32), axis=1).sum(axis=1)
-        lengths.extend(matches.tolist())
+    picked = [(seq["tokens"], picks) for seq in sequences if (picks := sample_anchors(rng, seq, anchors)) is not None]
+    for first in range(0, len(picked), batch):
+        group = picked[first : first + batch]
+        taps = target_taps(target, [t for t, _ in group], drafter.config.target_layer_ids)
+        for (ids, picks), x in zip(group, taps):
+            tokens = mx.array(ids, dtype=mx.int32)
+            proposals = mx.argmax(block_logits(drafter, target, x, tokens, picks), axis=-1)
+            labels = block_labels(tokens, picks, drafter.config.block_size)
+            matches = mx.cumprod((proposals == labels).astype(mx.int32), axis=1).sum(axis=1)
+            lengths.extend(matches.tolist())
     return 1.0 + sum(lengths) / len(lengths) if lengths else float("nan")
 
 
@@ -341,15 +347,20 @@ def train(opts: TrainOptions) -> TrainReport:
     # instead of running the target again every time the sequence is drawn.
     tap_cache: dict[int, mx.array] = {}
     tap_budget = int(opts.tap_cache_gb * 1e9)
+    kept = 0
 
-    def taps_of(index: int, tokens: mx.array) -> mx.array:
-        if index in tap_cache:
-            return tap_cache[index]
-        taps = target_taps(target, tokens, drafter.config.target_layer_ids)
-        if sum(t.nbytes for t in tap_cache.values()) + taps.nbytes <= tap_budget:
-            mx.eval(taps)
-            tap_cache[index] = taps
-        return taps
+    def taps_of(indices: list[int]) -> list[mx.array]:
+        """The taps of these training sequences: kept ones, and the others from one target forward."""
+        nonlocal kept
+        missing = [i for i in indices if i not in tap_cache]
+        new = dict(zip(missing, target_taps(target, [training[i]["tokens"] for i in missing],
+                                            drafter.config.target_layer_ids))) if missing else {}
+        for i, taps in new.items():
+            if kept + taps.nbytes <= tap_budget:
+                mx.eval(taps)
+                tap_cache[i] = taps
+                kept += taps.nbytes
+        return [tap_cache.get(i, new.get(i)) for i in indices]
     start = time.perf_counter()
     block_tokens = 0  # drafter rows trained on (each block's rows after its anchor)
     estimate = float("nan")
@@ -358,14 +369,14 @@ def train(opts: TrainOptions) -> TrainReport:
     while step < opts.steps and (budget is None or before + time.perf_counter() - start < budget):
         # The step's sequences as one batch: one forward and backward (one per sequence was a few
         # small launches each, what a step cost on a GPU).
-        pieces = []
+        drawn = []
         for index in rng.sample(range(len(training)), min(opts.batch, len(training))):
-            seq = training[index]
-            anchors = sample_anchors(rng, seq, opts.anchors)
-            if anchors is None:
-                continue
-            pieces.append((seq["tokens"], taps_of(index, mx.array(seq["tokens"], dtype=mx.int32)), anchors))
-            block_tokens += anchors.size * (opts.block_size - 1)
+            anchors = sample_anchors(rng, training[index], opts.anchors)
+            if anchors is not None:
+                drawn.append((index, anchors))
+                block_tokens += anchors.size * (opts.block_size - 1)
+        pieces = [(training[i]["tokens"], taps, anchors)
+                  for (i, anchors), taps in zip(drawn, taps_of([i for i, _ in drawn]) if drawn else [])]
         if not pieces:
             raise ValueError("no training sequence has a response long enough for a block")
         loss, grads = grad_fn(drafter, *batch_of(pieces, opts.block_size))

@@ -66,6 +66,23 @@ def test_a_step_of_sequences_trains_as_each_alone(qwen3_pair):
     assert (np.array(labels) == -1).any()  # a block runs past its own sequence's end
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3", "gemma4"])
+def test_taps_of_sequences_together_are_each_alone(request, family):
+    """target_taps runs a step's sequences through the target as one padded batch: each one's
+    hidden states are what it gets alone (sequences past the Gemma fixtures' sliding window of 8,
+    Qwen3.5's recurrent layers running over the padding after a sequence)."""
+    from dflash_core.train import target_taps
+
+    target, _, _ = load_target(request.getfixturevalue(f"{family}_pair")[0])
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(0, target.vocab_size, size=n).tolist() for n in (9, 31, 20)]
+    together = target_taps(target, sequences, [0, 1])
+    for seq, taps in zip(sequences, together):
+        (alone,) = target_taps(target, [seq], [0, 1])
+        assert taps.shape == alone.shape == (1, len(seq), alone.shape[-1])
+        np.testing.assert_allclose(np.array(taps), np.array(alone), rtol=1e-5, atol=1e-5)
+
+
 def test_train_lowers_loss_and_writes_a_servable_drafter(qwen3_pair, tmp_path, capsys):
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS))

@@ -20,7 +20,7 @@ def add_train(sub) -> None:
     p.add_argument("--block-size", type=_block_size, default=16)
     p.add_argument("--taps", help="comma-separated target layer ids (default: spread over the target)")
     p.add_argument("--steps", type=positive_int, default=1000)
-    p.add_argument("--minutes", type=_minutes,
+    p.add_argument("--minutes", type=_positive_float,
                    help="training time budget (data generation not counted): the run ends at --steps or when this "
                         "runs out, the learning rate decaying by whichever comes first")
     p.add_argument("--batch", type=positive_int, default=4, help="sequences per optimizer step")
@@ -49,6 +49,9 @@ def add_train(sub) -> None:
     p.add_argument("--mask-token-id", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    p.add_argument("--tap-cache-gb", type=_positive_float, default=4.0,
+                   help="memory for the target's hidden states of the training sequences, kept across steps "
+                        "(a sequence beyond it runs through the target each time it is drawn)")
     p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), help="dtype of the saved weights")
     p.add_argument("--loss-vocab", choices=("full", "data"), default="full",
                    help="softmax over the whole vocabulary (default) or only the tokens in the training responses")
@@ -62,10 +65,10 @@ def _temperature(text: str) -> float:
     return value
 
 
-def _minutes(text: str) -> float:
+def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"a time budget in minutes above 0 expected, got {text}")
+        raise argparse.ArgumentTypeError(f"a number above 0 expected, got {text}")
     return value
 
 
@@ -114,7 +117,7 @@ def run_train(args) -> int:
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
-        save_dtype=args.save_dtype,
+        save_dtype=args.save_dtype, tap_cache_gb=args.tap_cache_gb,
     )
     report = train(opts)
     data = report.data
