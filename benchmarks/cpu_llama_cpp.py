@@ -99,7 +99,19 @@ def main() -> None:
         print(f"{name:<26} {r['prompt_tokens']:>6} {r['prefill_tokens_per_second']:>14.1f} {r['prefill_vs_llama_cpp']:>10.2f}x"
               f" {r['decode_tokens_per_second']:>13.1f} {r['decode_vs_llama_cpp']:>10.2f}x")
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+        args.out.write_text(json.dumps({**results, "machine": machine()}, indent=2))
+
+
+def machine() -> dict:
+    """What the figures depend on: the CPU (its vector extensions) and the date."""
+    import platform
+    import time
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return {"platform": platform.platform(), "cpu": model, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+            "avx512": any(f.startswith("avx512") for f in flags), "avx2": "avx2" in flags}
 
 
 if __name__ == "__main__":
