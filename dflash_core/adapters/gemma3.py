@@ -3,7 +3,7 @@
 Every `sliding_window_pattern`-th layer is global, the others attend within a sliding window; the
 embedding is scaled by sqrt(H) rounded to bfloat16 (as the model was trained), the drafter gets it
 unscaled. Sliding layers use `SlidingWindowCache`: mlx-lm's RotatingKVCache cannot be trimmed once
-it has wrapped. Prefill calls mlx-lm's layers as `layer(h, mask, cache)`; decode and verify run
+it has wrapped. Prefill runs mlx-lm's layers' modules in their order (`block`); decode and verify run
 as rows (`TargetAdapter.run_rows`), each layer as compiled functions for all rows around RoPE, the
 cache update and attention (on a CPU, eager small ops cost a 270M model's decode step a fifth of
 its time). Several rows attend as one batch in every layer: the global layers over their KV
@@ -13,8 +13,10 @@ row, 15 of the 270M's 18 layers made a step of 128 rows cost about 128 one-row s
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
@@ -26,9 +28,46 @@ from .base import (Rows, TargetAdapter, attend_batch, attend_rows, gated_mlp_gro
 from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
 
+# tanh(x) ~ x P(x^2) / Q(x^2) for |x| <= 9 (beyond, float32's tanh is +-1): a rational least-squares
+# fit made for this file. Largest error against float64 tanh: 3.5e-7 in float32 arithmetic, under
+# one float32 ulp in float64. MLX's CPU backend computes `tanh` with a scalar library call per value,
+# most of the time of Gemma 3's GELU in a prefill (docs/performance.md, "The CPU path"); adds,
+# multiplies and one division fused by mx.compile are what it runs fastest, and one kernel on a GPU.
+TANH_P = (0.9999999832, 0.1339243432, 0.003509136221, 2.083198071e-05, 1.366345839e-08)
+TANH_Q = (1.0, 0.4672575296, 0.02592852808, 0.0003307789092, 7.902955802e-07)
+TANH_LIMIT = 9.0
+
+
+def _poly(coefficients, s: mx.array) -> mx.array:
+    out = coefficients[-1]
+    for c in reversed(coefficients[:-1]):
+        out = out * s + c
+    return out
+
+
+def rational_tanh(x: mx.array) -> mx.array:
+    x = mx.clip(x, -TANH_LIMIT, TANH_LIMIT)
+    s = x * x
+    return x * _poly(TANH_P, s) / _poly(TANH_Q, s)
+
+
+@partial(mx.compile, shapeless=True)
 def gelu_approx_gate(gate: mx.array, up: mx.array) -> mx.array:
-    """Gemma 3's MLP activation, `gelu_approx(gate) * up` as mlx-lm's MLP computes it."""
-    return nn.gelu_approx(gate) * up
+    """Gemma 3's MLP activation, mlx-lm's `gelu_approx(gate) * up` (the tanh approximation of GELU)
+    with `rational_tanh` for the tanh."""
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate * gate * gate)
+    return 0.5 * gate * (1 + rational_tanh(inner)) * up
+
+
+def block(layer, h: mx.array, mask, cache, kernels) -> mx.array:
+    """mlx-lm's Gemma 3 TransformerBlock (its float16 residual clip included) with
+    `gelu_approx_gate` in the MLP: a prefill computes what decode and verify do."""
+    from mlx_lm.models.gemma3_text import clip_residual
+
+    r = layer.self_attn(layer.input_layernorm(h), mask, cache)
+    h = clip_residual(h, layer.post_attention_layernorm(r))
+    r = gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), gelu_approx_gate, kernels)
+    return clip_residual(h, layer.post_feedforward_layernorm(r))
 
 
 def attention_output_and_mlp(layer, groups: dict, kernels):
@@ -113,13 +152,13 @@ class Gemma3Adapter(TargetAdapter):
         return h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
 
     def run_layers(self, tokens, cache, tap_ids, states):
-        """Prefill: mlx-lm's layers."""
+        """Prefill: mlx-lm's layers' modules (`block`)."""
         h = self._embed(tokens)
         sliding = next((c for c in cache if isinstance(c, SlidingWindowCache)), None)
         sliding_mask = sliding.mask(tokens.shape[1]) if sliding is not None else None
         tapped = {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = layer(h, "causal" if self._is_global(i) else sliding_mask, layer_cache)
+            h = block(layer, h, "causal" if self._is_global(i) else sliding_mask, layer_cache, self.kernels)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped
