@@ -23,10 +23,8 @@ from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
 from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear
 from ..rows import ring_slots, to_batch, write_ring_rows
-from .base import (Rows, TargetAdapter, attend_batch, attend_rows, gated_mlp_group, heads_first, join, part,
-                   rotary)
+from .base import Rows, TargetAdapter, attend_batch, attend_rows, gated_mlp_group, heads_first, join, part, rotary
 from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
-
 
 # tanh(x) ~ x P(x^2) / Q(x^2) for |x| <= 9 (beyond, float32's tanh is +-1): a rational least-squares
 # fit made for this file. Largest error against float64 tanh: 3.5e-7 in float32 arithmetic, under

@@ -109,7 +109,8 @@ def _block_size(text: str) -> int:
 def run_train(args) -> int:
     opts = TrainOptions(
         target=args.target, data=args.data, out=args.out, layers=args.layers, block_size=args.block_size,
-        taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, minutes=args.minutes, batch=args.batch,
+        taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, minutes=args.minutes,
+        batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
         generation_batch=args.generation_batch, samples_per_prompt=args.samples_per_prompt,
         sample_temperature=args.sample_temperature, shard_prompts=args.shard_prompts, held_out=args.held_out,
