@@ -177,6 +177,12 @@ class Scheduler:
                     fail(SchedulerStopped(self.failure or "the server is shutting down"))
                 except Exception:  # noqa: BLE001 - the event loop may be gone
                     pass
+            # MLX gives each thread its own streams, each with a thread of its own, and leaves
+            # destroying them to the thread that made them: left to the process's exit, a worker
+            # thread's stream was seen aborting it ("terminate called without an active exception").
+            import mlx.core as mx
+
+            mx.clear_streams()
 
     def _loop(self) -> None:
         while True:
