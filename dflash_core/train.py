@@ -185,12 +185,18 @@ def sample_anchors(rng: random.Random, sequence: dict, count: int) -> Optional[m
     return mx.array(sorted(rng.sample(range(first, last + 1), min(count, last - first + 1))), dtype=mx.int32)
 
 
+def padded_tokens(sequences: list[list[int]]) -> mx.array:
+    """Token ids [N, longest], each sequence padded at its end with 0."""
+    longest = max(len(t) for t in sequences)
+    return mx.array([t + [0] * (longest - len(t)) for t in sequences], dtype=mx.int32)
+
+
 def batch_of(pieces: list[tuple[list[int], mx.array, mx.array]], block: int) -> tuple[mx.array, ...]:
     """Sequences (token ids, taps [1, S_i, D], anchors [K_i]) as one training batch for
     `block_logits`: taps [N, S, D] and tokens [N, S] padded to the longest, every anchor, each
     block's sequence, and each block's labels (`block_labels`, per sequence)."""
-    longest = max(len(t) for t, _, _ in pieces)
-    tokens = mx.array([t + [0] * (longest - len(t)) for t, _, _ in pieces], dtype=mx.int32)
+    tokens = padded_tokens([t for t, _, _ in pieces])
+    longest = tokens.shape[1]
     taps = mx.concatenate([mx.pad(x, [(0, 0), (0, longest - x.shape[1]), (0, 0)]) for _, x, _ in pieces])
     anchors = mx.concatenate([a for _, _, a in pieces])
     sequence = mx.concatenate([mx.full(a.shape, i, mx.int32) for i, (_, _, a) in enumerate(pieces)])
@@ -202,8 +208,7 @@ def target_taps(target, sequences: list[list[int]], tap_ids) -> list[mx.array]:
     """Each sequence's taps [1, S_i, D] from one target forward of them all, padded at their ends
     (a causal target never lets a position see what comes after it). One forward per sequence was
     what a training step cost on a GPU: a few hundred small launches each."""
-    longest = max(len(s) for s in sequences)
-    tokens = mx.array([s + [0] * (longest - len(s)) for s in sequences], dtype=mx.int32)
+    tokens = padded_tokens(sequences)
     out = target.forward(tokens, target.make_cache(max_rollback=0), tap_ids, last_logits_only=True)
     taps = mx.stop_gradient(out.tapped_hidden)
     return [taps[i : i + 1, : len(s)] for i, s in enumerate(sequences)]
@@ -366,7 +371,11 @@ def train(opts: TrainOptions) -> TrainReport:
     estimate = float("nan")
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
     budget = opts.minutes * 60 if opts.minutes else None
-    while step < opts.steps and (budget is None or before + time.perf_counter() - start < budget):
+
+    def trained() -> float:  # seconds of training, the runs this one resumes included
+        return before + time.perf_counter() - start
+
+    while step < opts.steps and (budget is None or trained() < budget):
         # The step's sequences as one batch: one forward and backward (one per sequence was a few
         # small launches each, what a step cost on a GPU).
         drawn = []
@@ -380,7 +389,7 @@ def train(opts: TrainOptions) -> TrainReport:
         if not pieces:
             raise ValueError("no training sequence has a response long enough for a block")
         loss, grads = grad_fn(drafter, *batch_of(pieces, opts.block_size))
-        rate = learning_rate(opts, step, run_share(opts, step, before + time.perf_counter() - start))
+        rate = learning_rate(opts, step, run_share(opts, step, trained()))
         optimizer.learning_rate = rate
         optimizer.update(drafter, grads)
         mx.eval(drafter.parameters(), optimizer.state, loss)
@@ -391,13 +400,13 @@ def train(opts: TrainOptions) -> TrainReport:
             estimate = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
             history[-1]["tokens_per_cycle"] = estimate
         if step % opts.save_every == 0 or step == opts.steps:
-            save_checkpoint(drafter, optimizer, step, history, rng, opts.out, before + time.perf_counter() - start)
+            save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained())
         progress.set_postfix(loss=f"{total:.3f}", tok_per_cycle=f"{estimate:.2f}")
         progress.update(1)
     progress.close()
     if history and "tokens_per_cycle" not in history[-1]:  # the time budget ended the run between evaluations
         history[-1]["tokens_per_cycle"] = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
-        save_checkpoint(drafter, optimizer, step, history, rng, opts.out, before + time.perf_counter() - start)
+        save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained())
     if history:
         estimate = history[-1]["tokens_per_cycle"]
     save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else target.dtype)
