@@ -60,6 +60,9 @@ class TrainOptions:
     samples_per_prompt: int = 1  # the greedy response, then sampled ones
     sample_temperature: float = 0.8
     shard_prompts: int = 256  # prompts per resumable shard of the data generation
+    # Time budget of this run's data generation: no shard starts after it (one always runs), the
+    # run trains on the prompts done, and a later run with `resume` continues where it stopped.
+    generation_minutes: Optional[float] = None
     eval_every: int = 100
     save_every: int = 200
     seed: int = 0

@@ -120,7 +120,12 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
     seen = {tuple(s["tokens"]) for s in sequences}
     generated = counters.get("generated_tokens", 0)
     seconds = counters.get("seconds", 0.0)
+    budget = None if opts.generation_minutes is None else time.perf_counter() + 60 * opts.generation_minutes
     while done < len(records):
+        if budget is not None and time.perf_counter() >= budget and sequences:
+            log.info("target responses: the generation budget ran out after %d of %d prompts; training on "
+                     "those (a later run into the same directory continues it)", done, len(records))
+            break
         chunk = range(done, min(done + shard, len(records)))
         encoded = {i: encode_prompt(engine.tokenizer, prompts[i], opts.chat, opts.max_prompt_tokens) for i in chunk}
         jobs = [(i, k) for i in chunk for k in range(samples)]

@@ -221,3 +221,22 @@ def test_the_estimate_walks_a_sequence_as_the_engine_does(qwen3_pair, tmp_path):
     walked = acceptance_estimate(drafter, target, sequences, random.Random(0))
     assert walked == pytest.approx(tokens / cycles, rel=1e-9)
     assert walked > 1.5  # the drafter drafts: the walk measured something
+
+
+def test_a_generation_budget_trains_on_the_shards_done_and_the_next_run_continues(qwen3_pair, tmp_path):
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS[:8]))
+    out = tmp_path / "drafter"
+    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
+              "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "2",
+              "--anchors", "2", "--max-new-tokens", "12", "--steps", "2", "--shard-prompts", "3", "--held-out", "0.25"]
+    # A budget that is spent at once: the first shard still runs, the others wait for the next run.
+    assert cli.main(common + ["--generation-minutes", "1e-9"]) == 0
+    first = (out / "data" / "sequences.jsonl").read_text().splitlines()
+    assert sorted({json.loads(line)["prompt_index"] for line in first}) == [0, 1, 2]
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["sequences"] + report["held_out_sequences"] == len(first)
+    assert cli.main(common) == 0
+    every = (out / "data" / "sequences.jsonl").read_text().splitlines()
+    assert every[: len(first)] == first  # continued, not started again
+    assert sorted({json.loads(line)["prompt_index"] for line in every}) == list(range(8))

@@ -38,6 +38,9 @@ def add_train(sub) -> None:
     p.add_argument("--sample-temperature", type=_temperature, default=0.8, help="temperature of the sampled responses")
     p.add_argument("--shard-prompts", type=positive_int, default=256,
                    help="prompts per shard of the data generation (a cut run resumes at its first unfinished shard)")
+    p.add_argument("--generation-minutes", type=_positive_float,
+                   help="time budget of the data generation: no shard starts after it, the run trains on the prompts "
+                        "done so far, and a later run into the same --out continues the generation")
     p.add_argument("--held-out", type=_share, default=0.1,
                    help="share of prompts held out where the data has no split (dflash corpus writes one)")
     p.add_argument("--eval-every", type=positive_int, default=100)
@@ -85,6 +88,9 @@ def add_corpus(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="the .jsonl to write (dflash train --data reads it)")
     p.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma list of: {', '.join(CATEGORIES)}")
     p.add_argument("--per-category", type=positive_int, help="at most this many prompts of each (default: all)")
+    p.add_argument("--generation-minutes", type=_positive_float,
+                   help="time budget of the data generation: no shard starts after it, the run trains on the prompts "
+                        "done so far, and a later run into the same --out continues the generation")
     p.add_argument("--held-out", type=_share, default=HELD_OUT, help="share of prompts held out (by a hash of each)")
     p.set_defaults(func=run_corpus)
 
@@ -113,7 +119,8 @@ def run_train(args) -> int:
         batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
         generation_batch=args.generation_batch, samples_per_prompt=args.samples_per_prompt,
-        sample_temperature=args.sample_temperature, shard_prompts=args.shard_prompts, held_out=args.held_out,
+        sample_temperature=args.sample_temperature, shard_prompts=args.shard_prompts,
+        generation_minutes=args.generation_minutes, held_out=args.held_out,
         max_prompt_tokens=args.max_prompt_tokens,
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
