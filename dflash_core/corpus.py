@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import json
 import re
 import sysconfig
@@ -167,26 +168,28 @@ SOURCES = {"code": code_prompts, "prose": prose_prompts, "chat": chat_prompts, "
 
 def build_corpus(categories: Iterable[str] = CATEGORIES, per_category: Optional[int] = None,
                  held_out: float = HELD_OUT, root: Optional[Path] = None) -> list[CorpusPrompt]:
-    """Up to `per_category` distinct prompts of each category (all by default), in a fixed order."""
+    """Up to `per_category` distinct prompts of each category (all by default), in a fixed order:
+    the categories taken in turn, one prompt each, so that every head of the corpus is balanced
+    (a data generation cut short by `dflash train --generation-minutes` covers all of them)."""
     categories = list(categories)
     unknown = [c for c in categories if c not in SOURCES]
     if unknown:
         raise ValueError(f"unknown categories {unknown}; known: {', '.join(CATEGORIES)}")
     root = root or stdlib_root()
     seen: set[str] = set()
-    corpus = []
+    by_category = []
     for category in categories:
-        count = 0
+        prompts = []
         for prompt, source in SOURCES[category](root):
             key = normalised(prompt)
             if key in seen:
                 continue
             seen.add(key)
-            corpus.append(CorpusPrompt(prompt, category, source, split_of(prompt, held_out)))
-            count += 1
-            if per_category is not None and count >= per_category:
+            prompts.append(CorpusPrompt(prompt, category, source, split_of(prompt, held_out)))
+            if per_category is not None and len(prompts) >= per_category:
                 break
-    return corpus
+        by_category.append(prompts)
+    return [p for turn in itertools.zip_longest(*by_category) for p in turn if p is not None]
 
 
 def write_corpus(corpus: list[CorpusPrompt], path: Path) -> None:

@@ -18,6 +18,7 @@ from dflash_core.train_data import read_prompt_records, regenerate
 def test_the_corpus_has_every_category_distinct_prompts_and_a_stable_split():
     corpus = build_corpus(per_category=40)
     assert [sum(c.category == cat for c in corpus) for cat in CATEGORIES] == [40] * 4
+    assert [c.category for c in corpus[:8]] == list(CATEGORIES) * 2  # in turn: every head is balanced
     keys = [normalised(c.prompt) for c in corpus]
     assert len(set(keys)) == len(keys)
     assert build_corpus(per_category=40) == corpus  # the same on every build
