@@ -511,7 +511,7 @@ class DFlashDrafter(nn.Module):
         h = self.hidden_rows(target.embed(block[None]), [row.cache for row in rows], widths)
         # The bonus position predicts nothing: only the others go through the LM head.
         h = _concat([h_i[:, 1:] for h_i in _split(h, widths, axis=1)], axis=1)
-        drafts = mx.argmax(self.logits(h, target.lm_head), axis=-1)[0].astype(mx.int32)
+        drafts = mx.argmax(self.logits(h, getattr(target, "decode_lm_head", target.lm_head)), axis=-1)[0].astype(mx.int32)
         return _split(drafts, [w - 1 for w in widths], axis=0)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +31,7 @@ from mlx_lm.models.base import gather_last_axis, scaled_dot_product_attention
 
 from ..kernels import DEFAULT_KERNELS, KernelOptions
 from ..kernels.attention import attention, buffer_mask
+from ..kernels.cpu_head import MIN_PARAMETERS, half_head_for
 from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
 from ..rows import StackedRows, from_batch, part, to_batch, write_rows
 
@@ -202,6 +203,9 @@ def gated_mlp_group(mlp: nn.Module) -> dict[str, list[nn.Module]]:
 _ENTRY_POINTS: list = []
 
 
+_UNSET = object()  # a lazily made attribute not made yet
+
+
 def entry_point(block):
     """A function calling `block`, never freed, that does not keep `block` alive."""
     ref = weakref.ref(block)
@@ -222,6 +226,8 @@ class TargetAdapter:
         self._compiled_fns: dict = {}
         self.stacked_rows = StackedRows()  # batched forwards' KV buffers, for the same rows' next one
         self.compile_max_tokens = COMPILED_MAX_TOKENS  # 0: every forward eager
+        self.cpu_head_min_parameters = MIN_PARAMETERS  # a smaller head stays MLX's (kernels/cpu_head.py)
+        self._cpu_head: Any = _UNSET  # its HalfHead, made at first use (None: MLX's head)
         # Vision-language checkpoints wrap the text model; only the language model is served.
         self.text_model = getattr(model, "language_model", model)
         self.inner = self.text_model.model
@@ -277,9 +283,33 @@ class TargetAdapter:
         group = getattr(self.text_model, "sharding_group", None)  # a head split by vocabulary (distributed.py)
         return logits if group is None else gather_last_axis(logits, group)
 
+    def decode_lm_head(self, hidden: mx.array) -> mx.array:
+        """The LM head of decoding, verifying and drafting: `lm_head`, or on the CPU its float16 copy
+        in our kernel where that applies (kernels/cpu_head.py). Not differentiable: training uses
+        `lm_head`."""
+        head = self._half_head() if self.kernels.cpu_half_head else None
+        return head(hidden) if head is not None else self.lm_head(hidden)
+
+    def _half_head(self):
+        if self._cpu_head is _UNSET:
+            weight = self._dense_head_weight()
+            self._cpu_head = None if weight is None else half_head_for(weight, self.cpu_head_min_parameters)
+        return self._cpu_head
+
+    def _dense_head_weight(self) -> Optional[mx.array]:
+        """The head's [vocab, hidden] weight where it is one plain matrix on this process, else None."""
+        tied = getattr(self.text_model, "tie_word_embeddings", None)
+        if tied is None:
+            tied = getattr(self.text_model.args, "tie_word_embeddings", False)
+        head = self.inner.embed_tokens if tied else getattr(self.text_model, "lm_head", None)
+        if head is None or hasattr(head, "scales") or "weight" not in head or "bias" in head \
+                or getattr(self.text_model, "sharding_group", None) is not None:
+            return None
+        return head.weight
+
     def logits(self, hidden: mx.array) -> mx.array:
-        """Final norm and LM head exactly as the mlx-lm model computes them."""
-        return self.lm_head(self.inner.norm(hidden))
+        """Final norm and LM head as the mlx-lm model computes them (the head on the CPU: `decode_lm_head`)."""
+        return self.decode_lm_head(self.inner.norm(hidden))
 
     def compiled(self, key, make):
         """mx.compile(make()) once per key and kernel options (traced again only for new input
