@@ -75,7 +75,8 @@ def run(python: str, script: str, env: dict, first: str = str(ROOT)) -> dict:
     out = subprocess.run([python, "-c", script, first, prompt_text(), str(DECODE_TOKENS)], env={**os.environ, **env},
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
-        raise SystemExit(f"{python} failed:\n{out.stderr[-3000:]}")
+        # (A negative code is a signal: -4, an illegal instruction, is a llama.cpp built for another CPU.)
+        raise SystemExit(f"{python} failed (exit code {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

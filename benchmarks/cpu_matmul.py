@@ -3,6 +3,7 @@
     python benchmarks/cpu_matmul.py                       # the demo's LM head: 262144 x 640, float32
     python benchmarks/cpu_matmul.py --rows 4096 --cols 4096 --dtype bfloat16
     python benchmarks/cpu_matmul.py --bits 4 --batch-rows 1      # MLX's quantized_matmul, group 32
+    python benchmarks/cpu_matmul.py --half-head                  # dflash's float16 CPU LM head kernel
 
 Times `x @ W.T` for M = 1, 2, 4, 8, 16 rows (median of --repeats after a warm-up) on MLX's default
 device and prints each time with its ratio to M = 1. A backend that reads the weights once per
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bits", type=int, choices=(4, 8), help="quantize the weight (affine, --group-size)")
     parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--half-head", action="store_true",
+                        help="the float32 weight through dflash's float16 CPU head kernel (dflash_core/kernels/cpu_head.py)")
     args = parser.parse_args()
 
     dtype = getattr(mx, args.dtype)
@@ -48,6 +51,12 @@ def main() -> None:
         mx.eval(quantized)
         product = lambda x: mx.quantized_matmul(x, *quantized, transpose=True, group_size=args.group_size,  # noqa: E731
                                                 bits=args.bits)
+    if args.half_head:
+        from dflash_core.kernels.cpu_head import HalfHead, library
+
+        if args.dtype != "float32" or args.bits or library() is None:
+            raise SystemExit("--half-head: a float32 weight, and a machine the kernel runs on (dflash doctor)")
+        product = HalfHead(weight, library())
     results = {}
     for m in (int(v) for v in args.batch_rows.split(",")):
         x = mx.random.normal((m, args.cols)).astype(dtype)
@@ -60,7 +69,7 @@ def main() -> None:
         results[m] = statistics.median(times)
     one = results[min(results)]
     print(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__, "shape": [args.rows, args.cols],
-                      "dtype": args.dtype, "bits": args.bits, "blas": provider()}))
+                      "dtype": args.dtype, "bits": args.bits, "half_head": args.half_head, "blas": provider()}))
     for m, seconds in results.items():
         print(f"M={m:>3}: {seconds * 1e3:8.1f} ms  ({seconds / one:5.1f}x M=1)")
 
