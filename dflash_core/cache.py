@@ -27,7 +27,68 @@ def ring_mask(starts: mx.array, n: int, window: int, capacity: int) -> mx.array:
     return (key_pos >= 0) & (key_pos <= q_pos) & (q_pos - key_pos < window)
 
 
-class SlidingWindowCache:
+class RowOfBatch:
+    """A cache whose keys and values may be one row of a batched forward's stacked buffers, sliced
+    out only when something reads them. A batched step used to give every row of every layer its
+    slice of the stack (two ops a row and layer: at 256 rows of an 18-layer model, 9216 ops a step,
+    the host's work outgrowing the device's); the same rows' next step starts from the stack itself
+    (`rows.StackedRows`), so a row's own slice is needed only when it runs alone, is snapshotted,
+    compared or measured, and then made once."""
+
+    _batch = None  # (stacked keys, stacked values, row) until sliced out
+    _origin = None  # the same, kept once sliced: what `batch_row` tells while the slices stay
+    _keys = None
+    _values = None
+
+    def hold_row(self, keys: mx.array, values: mx.array, row: int) -> None:
+        self._batch = self._origin = (keys, values, row)
+        self._keys = self._values = None  # (the old slices: their memory goes now)
+
+    def batch_row(self) -> Optional[tuple]:
+        """(stacked keys, stacked values, row) of the batch whose row this cache holds, sliced out
+        or not; None once a buffer of its own replaced it (a write in place is told by a count of
+        writes, where the class keeps one)."""
+        if self._batch is not None:
+            return self._batch
+        if self._origin is not None and self._keys is self._sliced[0] and self._values is self._sliced[1]:
+            return self._origin
+        return None
+
+    def _unbatch(self) -> None:
+        keys, values, row = self._batch
+        self._batch = None
+        self._keys, self._values = self._sliced = keys[row : row + 1], values[row : row + 1]
+
+    @property
+    def keys(self):
+        if self._batch is not None:
+            self._unbatch()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if self._batch is not None:
+            self._unbatch()
+        self._keys = value
+
+    @property
+    def values(self):
+        if self._batch is not None:
+            self._unbatch()
+        return self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        if self._batch is not None:
+            self._unbatch()
+        self._values = value
+
+    def holds_nothing(self) -> bool:
+        """No keys yet (told without slicing a batch's row out)."""
+        return self._batch is None and self._keys is None
+
+
+class SlidingWindowCache(RowOfBatch):
     # Writes into the ring so far: a batched forward gives each row a slice of one stacked ring and
     # starts the same rows' next forward from that stack only while no row wrote into its slice
     # since (`rows.StackedRows`; slice assignment changes the array in place). A class attribute
@@ -103,7 +164,7 @@ class SlidingWindowCache:
         return n
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.holds_nothing()
 
     @property
     def nbytes(self) -> int:
@@ -126,7 +187,7 @@ class SlidingWindowCache:
         return cache
 
 
-class RowsKVCache(KVCache):
+class RowsKVCache(RowOfBatch, KVCache):
     """mlx-lm's KVCache, counting the writes into its buffers. A batched forward gives each row a
     slice of one stacked buffer and starts the same rows' next forward from that stack
     (`rows.StackedRows`) only while no row wrote into its slice since: `update_and_fetch` writes by

@@ -68,7 +68,10 @@ def kv_buffers(cache) -> Optional[tuple]:
     a cache that does not count its writes (anything but `cache.RowsKVCache`), whose stack is
     then never reused."""
     writes = getattr(cache, "writes", None)
-    return None if writes is None else (cache.keys, cache.values, writes)
+    if writes is None:
+        return None
+    row = cache.batch_row() if hasattr(cache, "batch_row") else None  # (cache.RowOfBatch: not sliced out)
+    return (*row, writes) if row is not None else (cache.keys, cache.values, None, writes)
 
 
 def _same(a, b) -> bool:
@@ -173,7 +176,11 @@ def _scatter_rows(caches, base: tuple, slots: mx.array, keys: mx.array, values: 
     stacked_keys = mx.put_along_axis(base[0], slots, keys, axis=2)
     stacked_values = mx.put_along_axis(base[1], slots, values, axis=2)
     for b, (cache, start, n) in enumerate(zip(caches, starts, lengths)):
-        cache.keys, cache.values, cache.offset = stacked_keys[b : b + 1], stacked_values[b : b + 1], start + n
+        if hasattr(cache, "hold_row"):  # its slice made only if read (cache.RowOfBatch)
+            cache.hold_row(stacked_keys, stacked_values, b)
+        else:
+            cache.keys, cache.values = stacked_keys[b : b + 1], stacked_values[b : b + 1]
+        cache.offset = start + n
     if stacked is not None:
         stacked.keep(caches, (stacked_keys, stacked_values), tag=tag)
     return stacked_keys, stacked_values

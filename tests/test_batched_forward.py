@@ -227,3 +227,27 @@ def test_sliding_layers_attend_as_one_batch(adapters, family):
     before = adapter.stacked_rows.reused
     _round(adapter, solo_caches, batched_caches, SECOND, seed=900)
     assert adapter.stacked_rows.reused - before == cached
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batched_forward_slices_no_row_out_until_it_is_read(adapters, family):
+    """After a batched forward each row's caches hold their row of the stacked buffers without a
+    slice made (two ops a row and layer every step: most of a step's host work at hundreds of
+    rows); reading one makes its slice, which is that row of the stack, and the same rows' next
+    forward still starts from the stack (reading is not writing)."""
+    from dflash_core.cache import RowOfBatch
+
+    adapter = adapters[family]
+    caches = _prefilled(adapter, [20, 7, 13])
+    step = lambda seed: mx.eval([o.logits for o in adapter.forward_rows(  # noqa: E731
+        [ForwardRow(_tokens(adapter, 1, seed + r), c) for r, c in enumerate(caches)])])
+    step(10)
+    held = [(row, c) for row, cache in enumerate(caches) for c in cache if isinstance(c, RowOfBatch)]
+    assert held and all(c._batch is not None for _, c in held)
+    for row, c in held:
+        stacked_keys, _, index = c.batch_row()
+        assert index == row and mx.array_equal(c.keys, stacked_keys[row : row + 1])
+        assert c._batch is None and c.batch_row() is not None  # sliced once, still the batch's row
+    before = adapter.stacked_rows.reused
+    step(20)
+    assert adapter.stacked_rows.reused - before == len({id(c) for _, c in held}) // 3

@@ -97,7 +97,7 @@ def window_rows_layout(rows: Rows, caches) -> tuple[mx.array, mx.array] | None:
     longest, 1] and the mask [rows, 1, longest, capacity]; None where the rows cannot attend as one
     batch: a ring not written yet, rings of other capacities, or a row writing more than its slack."""
     ring = caches[0]
-    if any(c.keys is None or c.capacity != ring.capacity or c.window != ring.window for c in caches):
+    if any(c.holds_nothing() or c.capacity != ring.capacity or c.window != ring.window for c in caches):
         return None
     if rows.longest > ring.capacity - ring.window + 1:
         return None
