@@ -27,6 +27,25 @@ def ring_mask(starts: mx.array, n: int, window: int, capacity: int) -> mx.array:
     return (key_pos >= 0) & (key_pos <= q_pos) & (q_pos - key_pos < window)
 
 
+class _RowArray:
+    """A `RowOfBatch`'s keys or values: its row sliced out of the batch when first read or replaced."""
+
+    def __init__(self, slot: str):
+        self.slot = slot
+
+    def __get__(self, cache, owner=None):
+        if cache is None:
+            return self
+        if cache._batch is not None:
+            cache._unbatch()
+        return getattr(cache, self.slot)
+
+    def __set__(self, cache, value) -> None:
+        if cache._batch is not None:
+            cache._unbatch()
+        setattr(cache, self.slot, value)
+
+
 class RowOfBatch:
     """A cache whose keys and values may be one row of a batched forward's stacked buffers, sliced
     out only when something reads them. A batched step used to give every row of every layer its
@@ -59,29 +78,8 @@ class RowOfBatch:
         self._batch = None
         self._keys, self._values = self._sliced = keys[row : row + 1], values[row : row + 1]
 
-    @property
-    def keys(self):
-        if self._batch is not None:
-            self._unbatch()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        if self._batch is not None:
-            self._unbatch()
-        self._keys = value
-
-    @property
-    def values(self):
-        if self._batch is not None:
-            self._unbatch()
-        return self._values
-
-    @values.setter
-    def values(self, value) -> None:
-        if self._batch is not None:
-            self._unbatch()
-        self._values = value
+    keys = _RowArray("_keys")
+    values = _RowArray("_values")
 
     def holds_nothing(self) -> bool:
         """No keys yet (told without slicing a batch's row out)."""
