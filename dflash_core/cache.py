@@ -43,6 +43,7 @@ class _RowArray:
     def __set__(self, cache, value) -> None:
         if cache._batch is not None:
             cache._unbatch()
+        cache._origin = None  # a buffer of its own now: the batch's stack is not kept alive for it
         setattr(cache, self.slot, value)
 
 
