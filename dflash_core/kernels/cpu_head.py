@@ -10,7 +10,8 @@ run on every core through threads (ctypes releases the GIL): half the bytes, at 
 MLX's float32 product for one row.
 
 The logits are the model's with its head's weights rounded to float16 (the products and sums in
-float32). Each logit is one sum over its row in a fixed order, whatever the other rows of the call,
+float32). The copy takes half the head's float32 bytes of host memory besides (the demo's: 335 MB),
+outside MLX's count. Each logit is one sum over its row in a fixed order, whatever the other rows of the call,
 so a 16-token verify and a 1-token step give a token the same logits to the bit: speculative output
 stays exactly the target-alone output (tests/test_cpu_head.py). Where it cannot run (not the CPU
 backend, not x86-64 Linux with AVX2, FMA and F16C, no C compiler, a head that is not float32, or one
