@@ -61,7 +61,7 @@ class TrainOptions:
     sample_temperature: float = 0.8
     shard_prompts: int = 256  # prompts per resumable shard of the data generation
     # Time budget of this run's data generation: no shard starts after it (one always runs), the
-    # run trains on the prompts done, and a later run with `resume` continues where it stopped.
+    # run trains on the prompts done, and a later run into the same `out` continues where it stopped.
     generation_minutes: Optional[float] = None
     eval_every: int = 100
     save_every: int = 200

@@ -88,9 +88,6 @@ def add_corpus(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="the .jsonl to write (dflash train --data reads it)")
     p.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma list of: {', '.join(CATEGORIES)}")
     p.add_argument("--per-category", type=positive_int, help="at most this many prompts of each (default: all)")
-    p.add_argument("--generation-minutes", type=_positive_float,
-                   help="time budget of the data generation: no shard starts after it, the run trains on the prompts "
-                        "done so far, and a later run into the same --out continues the generation")
     p.add_argument("--held-out", type=_share, default=HELD_OUT, help="share of prompts held out (by a hash of each)")
     p.set_defaults(func=run_corpus)
 

@@ -35,6 +35,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from . import backend
+
 log = logging.getLogger(__name__)
 
 # Below this the head is not what a step costs (and the tests' tiny models keep MLX's exact head).
@@ -97,14 +99,14 @@ def cpu_supports() -> bool:
 
 
 @functools.cache
-def library(cache_dir: Optional[Path] = None) -> Optional[ctypes.CDLL]:
+def library() -> Optional[ctypes.CDLL]:
     """The compiled kernel (compiled once per source into the cache), or None where it cannot be."""
     if not cpu_supports():
         return None
     from ..demo import cache_root
 
     digest = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
-    path = (cache_dir or cache_root() / "kernels") / f"cpu_head-{digest}.so"
+    path = cache_root() / "kernels" / f"cpu_head-{digest}.so"
     if not path.exists():
         compiler = os.environ.get("CC", "cc")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,8 +151,6 @@ class HalfHead:
 
 def half_head_for(weight: mx.array, min_parameters: int = MIN_PARAMETERS) -> Optional[HalfHead]:
     """A HalfHead for this head's weight where it applies here, else None (MLX's head)."""
-    from . import backend
-
     if backend() != "cpu" or weight.dtype != mx.float32 or weight.ndim != 2 or weight.size < min_parameters:
         return None
     lib = library()
@@ -159,8 +159,6 @@ def half_head_for(weight: mx.array, min_parameters: int = MIN_PARAMETERS) -> Opt
 
 def active_path() -> str:
     """Which LM head large float32 heads use here (for `dflash doctor`)."""
-    from . import backend
-
     if backend() != "cpu":
         return "not used (MLX runs on a GPU)"
     if not cpu_supports():
