@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis, scaled_dot_product_attention
 
-from ..kernels import DEFAULT_KERNELS, KernelOptions
+from ..kernels import DEFAULT_KERNELS, KernelOptions, cpu_linear
 from ..kernels.attention import attention, buffer_mask
 from ..kernels.cpu_head import MIN_PARAMETERS, half_head_for
 from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
@@ -232,11 +232,31 @@ class TargetAdapter:
         self.text_model = getattr(model, "language_model", model)
         self.inner = self.text_model.model
         self.layers = self.inner.layers
+        self.narrow_linears = 0  # projections with an int8/float16 copy for our CPU primitive (kernels/cpu_linear.py)
+        if kernels.cpu_narrow_linears:
+            self.use_narrow_linears()
         # Per decoder layer, its groups by name (`layer_groups`), stacked here where that pays.
         self.shared_inputs: list[dict[str, SharedInput]] = [
             {name: SharedInput(group, kernels) for name, group in self.layer_groups(layer).items()}
             for layer in self.layers
         ]
+
+    @property
+    def prefill_kernels(self) -> KernelOptions:
+        """The options of a prefill (`run_layers`): MLX's float32 product instead of our CPU
+        primitive's narrow copies, since a prefill's hundreds of rows are compute-bound, where
+        MKL's GEMM is faster (kernels/cpu_linear.py). A prompt is prefilled the same way whether
+        the generation then speculates or not, so output stays exactly the target-alone output."""
+        return replace(self.kernels, cpu_narrow_linears=False)
+
+    def use_narrow_linears(self, min_parameters: int = cpu_linear.MIN_PARAMETERS) -> int:
+        """Give the decoder layers' float32 projections of `min_parameters`+ parameters the int8 or
+        float16 copy our CPU primitive multiplies in decode and verify forwards (kernels/cpu_linear.py;
+        done at load with the default size, and by tests for tiny models); blocks compiled before
+        are traced again."""
+        self.narrow_linears += cpu_linear.add_narrow_copies(list(self.layers), min_parameters)
+        self._compiled_fns.clear()
+        return self.narrow_linears
 
     def with_kernels(self, kernels: KernelOptions) -> "TargetAdapter":
         """This adapter over the same model with other kernel options (benchmarks measure one path

@@ -156,7 +156,7 @@ class Gemma3Adapter(TargetAdapter):
         sliding_mask = sliding.mask(tokens.shape[1]) if sliding is not None else None
         tapped = {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = block(layer, h, "causal" if self._is_global(i) else sliding_mask, layer_cache, self.kernels)
+            h = block(layer, h, "causal" if self._is_global(i) else sliding_mask, layer_cache, self.prefill_kernels)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

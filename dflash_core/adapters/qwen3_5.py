@@ -203,18 +203,19 @@ class Qwen35Adapter(TargetAdapter):
                 tapped[i] = h
         return h, tapped
 
-    def _gated_delta(self, i, layer, groups, h, bounds, caches, states, compiled: bool):
+    def _gated_delta(self, i, layer, groups, h, bounds, caches, states, compiled: bool, kernels=None):
         """A GatedDeltaNet layer over rows: projections and MLP on all of h; the conv and the
         recurrence once per group of rows of one length (and one way of recording), the rows'
         states stacked along the batch axis (every op there is independent per batch row, so a
         row gets exactly what it gets alone) and split back into each row's cache. `states[r]`
         (recorded rows) gets the row's GatedDeltaRecord."""
         m = layer.linear_attn
+        kernels = kernels or self.kernels
 
         def block(key, make):
             return self.compiled((key, i), make) if compiled else make()
 
-        qkv, z, g, beta = block("gdn_in", lambda: gated_delta_inputs(layer, groups, self.kernels))(h)
+        qkv, z, g, beta = block("gdn_in", lambda: gated_delta_inputs(layer, groups, kernels))(h)
         # A verify (recorded, more than one token) keeps per-step states where that is cheap.
         records_steps = self.kernels.step_states and records_step_states()
         kinds = [row_states is not None and e - s > 1 and records_steps for (s, e), row_states in zip(bounds, states)]
@@ -260,7 +261,7 @@ class Qwen35Adapter(TargetAdapter):
             for r, piece in _unstack(y, rows):
                 ys[r] = piece
         ys = [y for y in ys if y is not None]
-        return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, self.kernels))(h, join(ys), z)
+        return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, kernels))(h, join(ys), z)
 
     def _attention_rows(self, i, layer, groups, h, rows: Rows):
         """An attention layer over rows: projections and MLP on all of h; RoPE, the cache update and
@@ -280,7 +281,7 @@ class Qwen35Adapter(TargetAdapter):
         for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
             if layer.is_linear:
                 h = self._gated_delta(i, layer, groups, h, [(0, tokens.shape[1])], [layer_cache], [states],
-                                      compiled=False)
+                                      compiled=False, kernels=self.prefill_kernels)
             else:
                 h = layer(h, mask, layer_cache)
             if i in tap_ids:

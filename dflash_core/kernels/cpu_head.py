@@ -1,17 +1,19 @@
-"""The LM head on the CPU with float16 weights, at the memory's bandwidth.
+"""The LM head on the CPU with int8 or float16 weights, at the memory's bandwidth.
 
-A decode step of a small model on a CPU is mostly its LM head: the demo's Gemma 3 270M spends 38 of
+A decode step of a small model on a CPU is mostly its LM head: the demo's Gemma 3 270M spent 38 of
 its 68 ms there (262144 x 640, float32, 671 MB a token). MLX's CPU backend multiplies float32 through
 the BLAS it loads (MKL reaches about 18 GB/s on this project's 2 cores) and has no fast path for
 narrower weights: float16, bfloat16 and its quantized matmul are 4-40x slower than float32 there
-(`benchmarks/cpu_matmul.py`). So this keeps a float16 copy of a float32 head and multiplies it in a
+(`benchmarks/cpu_matmul.py`). So this keeps a narrow copy of a float32 head and multiplies it in a
 small C kernel (AVX2, FMA, F16C), compiled on first use by the machine's C compiler into the cache and
-run on every core through threads (ctypes releases the GIL): half the bytes, at about 29 GB/s, 3.4x
-MLX's float32 product for one row.
+run on every core through threads (ctypes releases the GIL). The copy is int8 blocks of 32 with a
+float32 scale each where the float32 weights are exactly that (`int8_blocks`: a GGUF's Q8_0
+embedding converted to float32, as the demo's is; the same weights in a quarter of the bytes, 5x
+MLX's float32 product for one row), else float16 (the weights rounded, products and sums in float32:
+half the bytes, 3.4x).
 
-The logits are the model's with its head's weights rounded to float16 (the products and sums in
-float32). The copy takes half the head's float32 bytes of host memory besides (the demo's: 335 MB),
-outside MLX's count. Each logit is one sum over its row in a fixed order, whatever the other rows of the call,
+The copy takes host memory besides the float32 head, outside MLX's count (the demo's int8 head:
+189 MB). Each logit is one sum over its row in a fixed order, whatever the other rows of the call,
 so a 16-token verify and a 1-token step give a token the same logits to the bit: speculative output
 stays exactly the target-alone output (tests/test_cpu_head.py). Where it cannot run (not the CPU
 backend, not x86-64 Linux with AVX2, FMA and F16C, no C compiler, a head that is not float32, or one
@@ -83,6 +85,41 @@ void half_head(const uint16_t *w, const float *x, float *y, int64_t M, int64_t K
     }
   }
 }
+
+/* The same for int8 weights in blocks of 32 along K with a float32 scale each (q [N, K], scales
+   [N, K / 32], K a multiple of 32): y[m, r] = sum over blocks b of scale[r, b] * sum_{k in b} q x.
+   A block's four chunks of eight are converted once for up to four rows of x; every (m, r) sums in
+   the same order (a block's products into one vector, scaled into the row's vector, then the lanes
+   pairwise), whatever M and the tile. */
+void q8_head(const int8_t *q, const float *scales, const float *x, float *y, int64_t M, int64_t K, int64_t N,
+             int64_t r0, int64_t r1) {
+  const int64_t blocks = K / 32;
+  for (int64_t r = r0; r < r1; r++) {
+    const int8_t *qr = q + r * K;
+    const float *sr = scales + r * blocks;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      int64_t mt = M - m0 < 4 ? M - m0 : 4;
+      __m256 acc[4];
+      for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *qb = qr + b * 32;
+        __m256 w[4];
+        for (int c = 0; c < 4; c++)
+          w[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * c))));
+        const __m256 scale = _mm256_set1_ps(sr[b]);
+        for (int t = 0; t < mt; t++) {
+          const float *xm = x + (m0 + t) * K + b * 32;
+          __m256 block = _mm256_mul_ps(w[0], _mm256_loadu_ps(xm));
+          block = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xm + 8), block);
+          block = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), block);
+          block = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), block);
+          acc[t] = _mm256_fmadd_ps(block, scale, acc[t]);
+        }
+      }
+      for (int t = 0; t < mt; t++) y[(m0 + t) * N + r] = lanes_sum(acc[t]);
+    }
+  }
+}
 """
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 
@@ -123,6 +160,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib = ctypes.CDLL(str(path))
     lib.half_head.restype = None
     lib.half_head.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    lib.q8_head.restype = None
+    lib.q8_head.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
     return lib
 
 
@@ -135,26 +174,85 @@ class HalfHead:
         self.threads = max(1, min(threads or os.cpu_count() or 1, 16))
         self.pool = concurrent.futures.ThreadPoolExecutor(self.threads) if self.threads > 1 else None
 
+    def _rows(self, r0: int, r1: int, rows: np.ndarray, out: np.ndarray) -> None:
+        N, K = self.weight.shape
+        self.lib.half_head(self.weight.ctypes.data, rows.ctypes.data, out.ctypes.data, rows.shape[0], K, N, r0, r1)
+
     def __call__(self, x: mx.array) -> mx.array:
         N, K = self.weight.shape
         rows = np.ascontiguousarray(np.array(x.reshape(-1, K).astype(mx.float32)))
-        M = rows.shape[0]
-        out = np.empty((M, N), dtype=np.float32)
-        args = (self.weight.ctypes.data, rows.ctypes.data, out.ctypes.data, M, K, N)
+        out = np.empty((rows.shape[0], N), dtype=np.float32)
         if self.pool is None:
-            self.lib.half_head(*args, 0, N)
+            self._rows(0, N, rows, out)
         else:
             bounds = np.linspace(0, N, self.threads + 1).astype(int)
-            list(self.pool.map(lambda b: self.lib.half_head(*args, int(b[0]), int(b[1])), zip(bounds[:-1], bounds[1:])))
+            list(self.pool.map(lambda b: self._rows(int(b[0]), int(b[1]), rows, out), zip(bounds[:-1], bounds[1:])))
         return mx.array(out).reshape(*x.shape[:-1], N)
 
 
+class Int8Head(HalfHead):
+    """A head whose float32 weights are exactly int8 numbers times a float32 scale per 32 along K
+    (a GGUF's Q8_0 embedding, as the demo's is, converted to float32): the int8 numbers and the
+    scales, a quarter of the float32 bytes, the same weights (`int8_blocks` finds them)."""
+
+    def __init__(self, q: np.ndarray, scales: np.ndarray, lib: ctypes.CDLL, threads: Optional[int] = None):
+        self.weight, self.scales = np.ascontiguousarray(q), np.ascontiguousarray(scales)
+        self.lib = lib
+        self.threads = max(1, min(threads or os.cpu_count() or 1, 16))
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+
+    def _rows(self, r0: int, r1: int, rows: np.ndarray, out: np.ndarray) -> None:
+        N, K = self.weight.shape
+        self.lib.q8_head(self.weight.ctypes.data, self.scales.ctypes.data, rows.ctypes.data, out.ctypes.data,
+                         rows.shape[0], K, N, r0, r1)
+
+
+# A block's scale is its largest magnitude over one of these: how GGUF's Q8_0 (127), Q5_0 (16) and
+# Q4_0 (8) quantize a block of 32, so float32 weights converted from those are found exact.
+BLOCK_DIVISORS = (127, 16, 8)
+ROWS_PER_CHECK = 4096  # rows checked at once (temporaries of a few of their size)
+
+
+def int8_blocks(weight: mx.array) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(q int8 [N, K], scales float32 [N, K / 32]) with q times its block's scale exactly `weight`
+    (float32 [N, K]), blocks of 32 along K, or None where some block is not such a multiple."""
+    N, K = weight.shape
+    if K % 32 or weight.dtype != mx.float32:
+        return None
+    q = np.empty((N, K), dtype=np.int8)
+    scales = np.empty((N, K // 32), dtype=np.float32)
+    for r0 in range(0, N, ROWS_PER_CHECK):
+        blocks = np.array(weight[r0 : r0 + ROWS_PER_CHECK]).reshape(-1, K // 32, 32)
+        amax = np.abs(blocks).max(axis=2)
+        found = amax == 0
+        chosen = np.zeros_like(amax)
+        for divisor in BLOCK_DIVISORS:
+            if found.all():
+                break
+            scale = amax / np.float32(divisor)
+            safe = np.where(scale == 0, np.float32(1), scale)[..., None]
+            numbers = np.rint(blocks / safe)
+            exact = (np.abs(numbers).max(axis=2) <= 127) & (numbers * safe == blocks).all(axis=2)
+            chosen = np.where(exact & ~found, scale, chosen)
+            found |= exact
+        if not found.all():
+            return None
+        safe = np.where(chosen == 0, np.float32(1), chosen)[..., None]
+        q[r0 : r0 + len(blocks)] = np.rint(blocks / safe).astype(np.int8).reshape(-1, K)
+        scales[r0 : r0 + len(blocks)] = chosen
+    return q, scales
+
+
 def half_head_for(weight: mx.array, min_parameters: int = MIN_PARAMETERS) -> Optional[HalfHead]:
-    """A HalfHead for this head's weight where it applies here, else None (MLX's head)."""
+    """The head in our kernel for this head's weight where it applies here (int8 where the weights
+    are exactly int8 blocks, else float16), else None (MLX's head)."""
     if backend() != "cpu" or weight.dtype != mx.float32 or weight.ndim != 2 or weight.size < min_parameters:
         return None
     lib = library()
-    return HalfHead(weight, lib) if lib is not None else None
+    if lib is None:
+        return None
+    blocks = int8_blocks(weight)
+    return Int8Head(*blocks, lib) if blocks is not None else HalfHead(weight, lib)
 
 
 def active_path() -> str:
@@ -162,8 +260,9 @@ def active_path() -> str:
     if backend() != "cpu":
         return "not used (MLX runs on a GPU)"
     if not cpu_supports():
-        return "MLX's float32 product (the float16 kernel needs x86-64 Linux with AVX2, FMA and F16C)"
+        return "MLX's float32 product (the kernel needs x86-64 Linux with AVX2, FMA and F16C)"
     lib = library()
     if lib is None:
-        return "MLX's float32 product (the float16 kernel did not compile: is there a C compiler, `cc`?)"
-    return f"float16 weights in our kernel ({lib._name}) for heads of {MIN_PARAMETERS // 2**20}M+ parameters"
+        return "MLX's float32 product (the kernel did not compile: is there a C compiler, `cc`?)"
+    return (f"int8 (where the float32 weights are exactly int8 blocks) or float16 weights in our kernel ({lib._name}) "
+            f"for heads of {MIN_PARAMETERS // 2**20}M+ parameters")

@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import DEFAULT_KERNELS, KernelOptions, backend, quantized_matmul_cuda
+from . import DEFAULT_KERNELS, KernelOptions, backend, cpu_linear, quantized_matmul_cuda
 
 
 def _on_cuda(kernels: KernelOptions) -> bool:
@@ -90,7 +90,10 @@ def _stacked_products(group: Group, x: mx.array) -> Optional[list[mx.array]]:
 
 
 def path_for(layer: nn.Module, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS) -> str:
-    """'cuda' where `layer`'s product with `x` runs through our kernel, else 'mlx'."""
+    """'cuda' where `layer`'s product with `x` runs through our kernel, 'cpu' where through our CPU
+    primitive for narrow copies of float32 weights (cpu_linear.py), else 'mlx'."""
+    if kernels.cpu_narrow_linears and cpu_linear.cpu_weight(layer, x) is not None:
+        return "cpu"
     if not (_on_cuda(kernels) and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))):
         return "mlx"
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
@@ -138,8 +141,12 @@ def linears(group: Group, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS)
     ys = [None] * len(layers)
     launches = {}
     for i, layer in enumerate(layers):
-        if path_for(layer, x, kernels) == "cuda":
+        path = path_for(layer, x, kernels)
+        if path == "cuda":
             launches.setdefault(layer.group_size if fused else -1 - i, []).append(i)
+        elif path == "cpu":
+            y = cpu_linear.narrow_linear(x, cpu_linear.cpu_weight(layer, x))
+            ys[i] = y + layer.bias if "bias" in layer else y
         else:
             ys[i] = layer(x)
     for members in launches.values():
@@ -149,7 +156,7 @@ def linears(group: Group, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS)
 
 
 def linear(layer: nn.Module, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
-    """`layer(x)`, through the 4-bit small-M kernel where it runs."""
+    """`layer(x)`, through the 4-bit small-M kernel or the CPU primitive where it runs."""
     return linears([layer], x, kernels)[0]
 
 
@@ -178,6 +185,8 @@ def gated_mlp(mlp: nn.Module, x: mx.array, activation, kernels: KernelOptions = 
 
 def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """Which implementation small-M weight products use here (for `dflash doctor`)."""
+    if backend() == "cpu" and kernels.cpu_narrow_linears:
+        return cpu_linear.active_path()
     if _on_cuda(kernels):
         return ("dflash CUDA kernel for 4-bit affine weights and <= 16 rows; MLX otherwise, with bf16 "
                 "projections that share an input stacked into one GEMM")

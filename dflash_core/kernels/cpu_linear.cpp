@@ -1,0 +1,241 @@
+// `x @ w.T` on MLX's CPU backend for float32 rows x [M, K] and narrow weights w [N, K], as MLX
+// primitives: they sit inside MLX's graphs (compiled blocks included) like any op, so a decode step
+// multiplies its weights at a half or a quarter of float32's bytes without leaving the graph
+// (cpu_linear.py). Weights: float16 (`half_linear`), or int8 in blocks of 32 along K with a float32
+// scale each (`int8_linear`, for weights that are exactly that).
+//
+// Row-invariant: every output (m, n) is one sum over k in a fixed order, whatever M and however the
+// weight rows are split among threads, so a token's result is the same alone (decode) or beside 15
+// others (verify).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <future>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "mlx/threadpool.h"
+
+namespace nb = nanobind;
+using namespace mlx::core;
+
+namespace {
+
+inline float lanes_sum(__m256 a) {
+  alignas(32) float l[8];
+  _mm256_store_ps(l, a);
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// y[m, r] for r in [r0, r1): a weight chunk is converted once and used for up to four rows of x.
+void half_rows(const uint16_t* w, const float* x, float* y, int64_t M, int64_t K, int64_t N, int64_t r0,
+               int64_t r1) {
+  for (int64_t r = r0; r < r1; r++) {
+    const uint16_t* wr = w + r * K;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t mt = std::min<int64_t>(M - m0, 4);
+      __m256 a0[4], a1[4];
+      for (int t = 0; t < 4; t++) {
+        a0[t] = _mm256_setzero_ps();
+        a1[t] = _mm256_setzero_ps();
+      }
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k)));
+        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 8)));
+        for (int t = 0; t < mt; t++) {
+          const float* xm = x + (m0 + t) * K + k;
+          a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a0[t]);
+          a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a1[t]);
+        }
+      }
+      for (int t = 0; t < mt; t++) {
+        const float* xm = x + (m0 + t) * K;
+        float s = lanes_sum(_mm256_add_ps(a0[t], a1[t]));
+        for (int64_t j = k; j < K; j++) s += _cvtsh_ss(wr[j]) * xm[j];
+        y[(m0 + t) * N + r] = s;
+      }
+    }
+  }
+}
+
+// y[m, r] for r in [r0, r1), int8 weights q [N, K] and scales [N, K / 32]: a block's 32 products
+// into one vector, scaled into the row's vector, then the lanes pairwise. A block's four chunks of
+// eight are converted once for up to four rows of x.
+void int8_rows(const int8_t* q, const float* scales, const float* x, float* y, int64_t M, int64_t K, int64_t N,
+               int64_t r0, int64_t r1) {
+  const int64_t blocks = K / 32;
+  for (int64_t r = r0; r < r1; r++) {
+    const int8_t* qr = q + r * K;
+    const float* sr = scales + r * blocks;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t mt = std::min<int64_t>(M - m0, 4);
+      __m256 acc[4];
+      for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; b++) {
+        const int8_t* qb = qr + b * 32;
+        __m256 w[4];
+        for (int c = 0; c < 4; c++) {
+          w[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * c))));
+        }
+        const __m256 scale = _mm256_set1_ps(sr[b]);
+        for (int t = 0; t < mt; t++) {
+          const float* xm = x + (m0 + t) * K + b * 32;
+          __m256 block = _mm256_mul_ps(w[0], _mm256_loadu_ps(xm));
+          block = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xm + 8), block);
+          block = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), block);
+          block = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), block);
+          acc[t] = _mm256_fmadd_ps(block, scale, acc[t]);
+        }
+      }
+      for (int t = 0; t < mt; t++) y[(m0 + t) * N + r] = lanes_sum(acc[t]);
+    }
+  }
+}
+
+// Weight rows per thread below which another thread costs more than it saves.
+constexpr int64_t MIN_ROWS_PER_THREAD = 128;
+
+struct Pool {
+  int threads;
+  ThreadPool pool;
+  explicit Pool(int n) : threads(n), pool(std::max(1, n - 1)) {}
+};
+
+Pool& pool(int threads) {
+  static Pool p(threads);
+  return p;
+}
+
+// rows(r0, r1) over [0, N), split among up to `threads` threads (this one and the pool's).
+template <class Rows>
+void split_rows(int64_t N, int threads, Rows rows) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, N / MIN_ROWS_PER_THREAD));
+  if (parts == 1) {
+    rows(0, N);
+    return;
+  }
+  Pool& p = pool(threads);
+  std::vector<std::future<void>> done;
+  for (int64_t i = 1; i < parts; i++) {
+    const int64_t r0 = N * i / parts, r1 = N * (i + 1) / parts;
+    done.push_back(p.pool.enqueue([=] { rows(r0, r1); }));
+  }
+  rows(0, N / parts);
+  for (auto& f : done) f.get();
+}
+
+// inputs: x float32 [..., K], then the weight: w float16 [N, K], or q int8 [N, K] and scales [N, K / 32].
+class NarrowLinear : public Primitive {
+ public:
+  NarrowLinear(Stream stream, int threads) : Primitive(stream), threads_(threads) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    array& out = outputs[0];
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (const array& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t K = w.shape(1), N = w.shape(0), M = x.size() / K;
+    const float* xp = x.data<float>();
+    float* yp = out.data<float>();
+    if (inputs.size() == 2) {
+      encoder.dispatch([=, wp = w.data<uint16_t>(), threads = threads_]() {
+        split_rows(N, threads, [=](int64_t r0, int64_t r1) { half_rows(wp, xp, yp, M, K, N, r0, r1); });
+      });
+    } else {
+      encoder.dispatch([=, qp = w.data<int8_t>(), sp = inputs[2].data<float>(), threads = threads_]() {
+        split_rows(N, threads, [=](int64_t r0, int64_t r1) { int8_rows(qp, sp, xp, yp, M, K, N, r0, r1); });
+      });
+    }
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[dflash_cpu_linear] runs on the CPU only");
+  }
+
+  // The weight as float32 (for the input's gradient).
+  array wide_weight(const std::vector<array>& primals) {
+    array w = astype(primals[1], float32, stream());
+    if (primals.size() == 2) return w;
+    const int64_t N = w.shape(0), K = w.shape(1);
+    array blocks = reshape(w, {static_cast<int>(N), static_cast<int>(K / 32), 32}, stream());
+    return reshape(multiply(blocks, expand_dims(primals[2], -1, stream()), stream()),
+                   {static_cast<int>(N), static_cast<int>(K)}, stream());
+  }
+
+  std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
+                         const std::vector<int>& argnums, const std::vector<array>&) override {
+    // The weights are frozen (a target's): the input's gradient only, from MLX's own matmul.
+    std::vector<array> grads;
+    for (int arg : argnums) {
+      if (arg == 0) {
+        grads.push_back(matmul(cotangents[0], wide_weight(primals), stream()));
+      } else {
+        grads.push_back(zeros_like(primals[arg], stream()));
+      }
+    }
+    return grads;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+  const char* name() const override { return "DflashNarrowLinear"; }
+
+  bool is_equivalent(const Primitive& other) const override {
+    return threads_ == static_cast<const NarrowLinear&>(other).threads_;
+  }
+
+ private:
+  int threads_;
+};
+
+array narrow_linear(const array& x, std::vector<array> weight, int threads) {
+  Shape shape = x.shape();
+  shape.back() = weight[0].shape(0);
+  auto s = default_stream(Device::cpu);
+  std::vector<array> inputs = {contiguous(x, false, s)};
+  for (const array& a : weight) inputs.push_back(contiguous(a, false, s));
+  return array(shape, float32, std::make_shared<NarrowLinear>(s, threads), std::move(inputs));
+}
+
+array half_linear(const array& x, const array& w, int threads) {
+  if (x.dtype() != float32 || w.dtype() != float16 || w.ndim() != 2 || x.ndim() < 1 ||
+      x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("[dflash_cpu_linear] x float32 [..., K] and w float16 [N, K] expected");
+  }
+  return narrow_linear(x, {w}, threads);
+}
+
+array int8_linear(const array& x, const array& q, const array& scales, int threads) {
+  if (x.dtype() != float32 || q.dtype() != int8 || scales.dtype() != float32 || q.ndim() != 2 ||
+      x.ndim() < 1 || x.shape(-1) != q.shape(1) || q.shape(1) % 32 || scales.ndim() != 2 ||
+      scales.shape(0) != q.shape(0) || scales.shape(1) != q.shape(1) / 32) {
+    throw std::invalid_argument(
+        "[dflash_cpu_linear] x float32 [..., K], q int8 [N, K] and scales float32 [N, K / 32] expected");
+  }
+  return narrow_linear(x, {q, scales}, threads);
+}
+
+}  // namespace
+
+NB_MODULE(MODULE_NAME, m) {
+  nb::module_::import_("mlx.core");
+  m.def("half_linear", &half_linear, nb::arg("x"), nb::arg("w"), nb::arg("threads"),
+        "x @ w.T for float32 x [..., K] and float16 w [N, K], row-invariant, on the CPU.");
+  m.def("int8_linear", &int8_linear, nb::arg("x"), nb::arg("q"), nb::arg("scales"), nb::arg("threads"),
+        "x @ (q * scales per 32 along K).T for float32 x, int8 q [N, K], float32 scales [N, K / 32].");
+}

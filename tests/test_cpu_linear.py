@@ -1,0 +1,186 @@
+"""The CPU primitive for a target's projections (dflash_core/kernels/cpu_linear.py, cpu_linear.cpp):
+its products against MLX's on the same weights, row-invariant to the bit, inside compiled functions
+and under `mx.grad`; int8 blocks found exactly where float32 weights are GGUF-style blocks; and
+speculative output with it, float16 and int8 copies, exactly the target-alone output for every
+family (every acceptance length, greedy and seeded sampling, batched rows)."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from families import ENGINE_FAMILIES, sample_prompt
+from forced import ForcedDrafter
+
+from dflash_core.batching import generate_together
+from dflash_core.engine import Engine
+from dflash_core.kernels import KernelOptions, cpu_linear, matmul
+from dflash_core.kernels.cpu_head import int8_blocks
+from dflash_core.loading import load_engine
+from dflash_core.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module", autouse=True)
+def primitive():
+    """The compiled extension; CI must build it (a skip there would hide a broken build)."""
+    if cpu_linear.extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the CPU primitive did not build in CI (a C++ compiler, CMake and nanobind are needed)")
+        pytest.skip("no x86-64 Linux with AVX2/FMA/F16C, C++ compiler, CMake or nanobind here")
+    return cpu_linear.extension()
+
+
+def _random(shape, seed, scale=1.0):
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale)
+
+
+def _int8_exact(weight: mx.array, divisor: int = 127) -> mx.array:
+    """`weight` as a GGUF quantizer leaves it in blocks of 32: Q8_0 (divisor 127: scale = largest
+    magnitude / 127), or Q5_0 / Q4_0 (16 / 8: scale = the signed largest value / -divisor, numbers
+    clipped to [-divisor, divisor - 1])."""
+    N, K = weight.shape
+    blocks = np.array(weight).reshape(N, K // 32, 32)
+    at = np.abs(blocks).argmax(axis=2)[..., None]
+    signed_max = np.take_along_axis(blocks, at, axis=2)
+    if divisor == 127:
+        scale, low, high = np.abs(signed_max) / np.float32(127), -127, 127
+    else:
+        scale, low, high = signed_max / np.float32(-divisor), -divisor, divisor - 1
+    scale = scale.astype(np.float32)
+    return mx.array((np.clip(np.rint(blocks / scale), low, high) * scale).reshape(N, K).astype(np.float32))
+
+
+@pytest.mark.parametrize("K", [64, 72, 640])  # a multiple of the kernel's 16, one with a tail, the demo's
+def test_the_float16_product_is_the_rounded_weights_product(K):
+    weight = _random((700, K), 0, 0.05)
+    x = _random((2, 8, K), 1)
+    copy = cpu_linear.narrow_copy(weight)
+    assert len(copy) == 1 and copy[0].dtype == mx.float16  # random weights are not int8 blocks
+    got = cpu_linear.narrow_linear(x, copy)
+    assert got.shape == (2, 8, 700) and got.dtype == mx.float32
+    want = x @ weight.astype(mx.float16).astype(mx.float32).T
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.array(got), np.array(x @ weight.T), rtol=1e-6, atol=1e-7)  # really float16
+
+
+@pytest.mark.parametrize("divisor", [127, 16, 8])  # as GGUF's Q8_0, Q5_0 and Q4_0 quantize
+def test_int8_blocks_are_found_exactly_and_multiplied(divisor):
+    weight = _int8_exact(_random((300, 128), 2, 0.05), divisor)
+    q, scales = int8_blocks(weight)
+    assert q.dtype == np.int8 and scales.shape == (300, 4)
+    np.testing.assert_array_equal((q.reshape(300, 4, 32) * scales[..., None]).reshape(300, 128), np.array(weight))
+    copy = cpu_linear.narrow_copy(weight)
+    assert [a.dtype for a in copy] == [mx.int8, mx.float32]
+    x = _random((5, 128), 3)
+    np.testing.assert_allclose(np.array(cpu_linear.narrow_linear(x, copy)), np.array(x @ weight.T), rtol=1e-5, atol=1e-5)
+    # One weight off its block's grid, and the matrix is not int8 blocks.
+    off = np.array(weight)
+    off[7, 9] += np.float32(1e-4)
+    assert int8_blocks(mx.array(off)) is None
+
+
+@pytest.mark.parametrize("make_copy", ["float16", "int8"])
+def test_a_row_gets_the_same_result_to_the_bit_whatever_rows_share_the_call(make_copy, monkeypatch):
+    weight = _random((999, 640), 4, 0.05)
+    if make_copy == "int8":
+        weight = _int8_exact(weight)
+    copy = cpu_linear.narrow_copy(weight)
+    rows = _random((16, 640), 5)
+    together = np.array(cpu_linear.narrow_linear(rows, copy))
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(cpu_linear, "threads", lambda: threads)
+        for i in range(16):
+            alone = np.array(cpu_linear.narrow_linear(rows[i : i + 1], copy))[0]
+            assert np.array_equal(alone, together[i])
+
+
+def test_the_primitive_runs_in_compiled_functions_and_has_the_inputs_gradient():
+    weight = _int8_exact(_random((256, 64), 6, 0.1))
+    for copy in (cpu_linear.narrow_copy(weight), (weight.astype(mx.float16),)):
+        wide = copy[0].astype(mx.float32) if len(copy) == 1 else weight
+        x = _random((3, 64), 7)
+        compiled = mx.compile(lambda a: mx.tanh(cpu_linear.narrow_linear(a * 2, copy)))
+        assert np.array_equal(np.array(compiled(x)), np.array(mx.tanh(cpu_linear.narrow_linear(x * 2, copy))))
+        grad = mx.grad(lambda a: (cpu_linear.narrow_linear(a, copy) ** 2).sum())(x)
+        want = mx.grad(lambda a: ((a @ wide.T) ** 2).sum())(x)
+        np.testing.assert_allclose(np.array(grad), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs_are_refused_with_the_reason(primitive):
+    with pytest.raises(ValueError, match="float16"):
+        primitive.half_linear(mx.zeros((1, 64)), mx.zeros((8, 64)), 1)  # a float32 weight
+    with pytest.raises(ValueError, match="scales"):
+        primitive.int8_linear(mx.zeros((1, 64)), mx.zeros((8, 64), dtype=mx.int8), mx.zeros((8, 1)), 1)
+
+
+def _tokens(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def _narrow_engine(pair, int8: bool) -> Engine:
+    engine = load_engine(str(pair[0]), str(pair[1]), prefill_chunk=16)
+    if int8:  # the target's projections as a GGUF's Q8_0 would leave them
+        for layer in engine.target.layers:
+            for _, module in layer.named_modules():
+                if type(module) is nn.Linear and module.weight.shape[1] % 32 == 0:
+                    module.weight = _int8_exact(module.weight)
+    assert engine.target.narrow_linears == 0  # the tiny model's layers are below MIN_PARAMETERS
+    assert engine.target.use_narrow_linears(0) > 0
+    copies = [(m.weight.shape[1], len(m[cpu_linear.NARROW_WEIGHT])) for layer in engine.target.layers
+              for _, m in layer.named_modules() if cpu_linear.NARROW_WEIGHT in m]
+    # int8 copies for the weights made int8 blocks (K a multiple of 32), float16 for the others
+    assert all((K % 32 == 0 and int8) + 1 == kind for K, kind in copies)
+    return engine
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float16", "int8"])
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_speculation_with_the_primitive_is_lossless(request, family, int8):
+    engine = _narrow_engine(request.getfixturevalue(f"{family}_pair"), int8)
+    prompt = sample_prompt(engine)
+    proj = next(m for _, m in engine.target.layers[-1].named_modules() if cpu_linear.NARROW_WEIGHT in m)
+    assert matmul.path_for(proj, mx.zeros((1, 1, proj.weight.shape[1])), engine.target.kernels) == "cpu"
+    # A 16-token verify gives each token the logits 16 one-token steps give it, to the bit (what
+    # the token checks below rest on; a last-bit difference would rarely change a token).
+    target, block = engine.target, mx.array([sample_prompt(engine)[:16]])
+    caches = [target.make_cache(16), target.make_cache(16)]
+    for cache in caches:
+        mx.eval(target.forward(mx.array([prompt]), cache).logits)
+    verify = target.forward(block, caches[0]).logits
+    steps = mx.concatenate([target.forward(block[:, i : i + 1], caches[1]).logits for i in range(16)], axis=1)
+    assert np.array_equal(np.array(verify), np.array(steps))
+    for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=7)):
+        alone = _tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculative=False, stop_token_ids=set()))
+        spec = _tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculation="on", stop_token_ids=set()))
+        assert spec == alone
+    # Every acceptance length 0..15, forced from the reference (16-row verifies against 1-row steps),
+    # past the sliding windows of the families that have them.
+    reference = _tokens(engine.generate(prompt, max_tokens=176, speculative=False, stop_token_ids=set()))
+    schedule = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8]
+    forced = ForcedDrafter(reference=list(prompt) + reference, prompt_length=len(prompt), schedule=schedule,
+                           vocab_size=engine.target.vocab_size,
+                           target_layer_ids=engine.drafter.config.target_layer_ids)
+    chunks = list(Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16).generate(
+        prompt, max_tokens=160, stop_token_ids=set()))
+    assert _tokens(chunks) == reference[:160] and chunks[-1].stats.cycles >= len(schedule)
+    # Rows batched together, speculating and plain mixed: each as alone.
+    requests = [dict(prompt_tokens=prompt[: len(prompt) - i], max_tokens=40, speculation=mode, stop_token_ids=set())
+                for i, mode in enumerate(["on", "off", "on"])]
+    for request_, chunks in zip(requests, generate_together(engine, requests)):
+        alone = _tokens(engine.generate(request_["prompt_tokens"], max_tokens=40, speculative=False, stop_token_ids=set()))
+        assert _tokens(chunks) == alone
+
+
+def test_prefill_and_the_option_off_keep_mlx_product(qwen3_pair):
+    engine = load_engine(str(qwen3_pair[0]), str(qwen3_pair[1]))
+    engine.target.use_narrow_linears(0)
+    proj = engine.target.layers[0].mlp.down_proj
+    x = mx.zeros((1, 1, proj.weight.shape[1]))
+    assert matmul.path_for(proj, x, engine.target.prefill_kernels) == "mlx"
+    assert matmul.path_for(proj, x, KernelOptions(cpu_narrow_linears=False)) == "mlx"
+    assert matmul.path_for(proj, x.astype(mx.float16), engine.target.kernels) == "mlx"  # not a float32 input
+    assert proj.weight.dtype == mx.float32 and "weight" in dict(proj.parameters())
+    assert cpu_linear.NARROW_WEIGHT not in dict(proj.parameters())  # the copy is never saved nor trained
