@@ -382,6 +382,7 @@ def test_wheel_installs_the_server_under_our_name(tmp_path):
         rel = init.relative_to(ROOT).as_posix().replace("server/", "dflash_server/", 1)
         assert rel in names, rel
     assert "dflash_core/demo/prompts.txt" in names
+    assert "dflash_core/kernels/cpu_linear.cpp" in names  # built on first use (kernels/cpu_linear.py)
     # The built-in page's files ship in the package (served at /).
     for page_file in (ROOT / "server" / "static").iterdir():
         assert f"dflash_server/static/{page_file.name}" in names, page_file.name
