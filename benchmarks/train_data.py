@@ -5,7 +5,9 @@ one at a time and with rows stepping together (`batching.generate_together`, wha
     python benchmarks/train_data.py --prompts 32 --max-tokens 64 --batches 1,4,16 --out train_data.json
 
 The target is the offline demo's Gemma 3 270M unless --target names another; prompts are the demo's
-bundled prompt set (dflash_core/demo/prompts.txt).
+bundled prompt set (dflash_core/demo/prompts.txt), or --prompts-file's (what `dflash train --data`
+reads, e.g. `dflash corpus`'s .jsonl; plain text, at most --max-prompt-tokens each, as `dflash train
+--no-chat` encodes them). --profile writes a cProfile of the largest batch's run.
 """
 
 from __future__ import annotations
@@ -30,24 +32,42 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16])
+    parser.add_argument("--prompts-file", type=Path, help="prompts as dflash train --data reads them")
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--profile", type=Path, help="a cProfile of the largest batch's run (pstats format)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from dflash_core.batching import generate_together
     from dflash_core.demo import DEMO_PROMPTS, demo_target_dir
     from dflash_core.loading import load_engine
+    from dflash_core.train_data import encode_prompt, read_prompt_records
 
     engine = load_engine(args.target or str(demo_target_dir()), None)
-    texts = [t for t in DEMO_PROMPTS.read_text().splitlines() if t.strip()][: args.prompts]
-    requests = [{"prompt_tokens": engine.tokenizer.encode(t), "max_tokens": args.max_tokens, "speculative": False}
-                for t in texts]
+    if args.prompts_file:
+        texts = [r["prompt"] for r in read_prompt_records(args.prompts_file)][: args.prompts]
+        encoded = [encode_prompt(engine.tokenizer, t, False, args.max_prompt_tokens) for t in texts]
+    else:
+        texts = [t for t in DEMO_PROMPTS.read_text().splitlines() if t.strip()][: args.prompts]
+        encoded = [engine.tokenizer.encode(t) for t in texts]
+    requests = [{"prompt_tokens": tokens, "max_tokens": args.max_tokens, "speculative": False} for tokens in encoded]
     generate_together(engine, requests[:2], 2)  # warm-up: compiled blocks
     report = {"machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "prompts": len(requests),
-              "max_tokens": args.max_tokens, "rows": []}
+              "prompt_tokens": sum(len(r["prompt_tokens"]) for r in requests), "max_tokens": args.max_tokens,
+              "prompts_file": str(args.prompts_file) if args.prompts_file else None, "rows": []}
     outputs = {}
     for batch in args.batches:
+        profile = None
+        if args.profile and batch == max(args.batches):
+            import cProfile
+
+            profile = cProfile.Profile()
+            profile.enable()
         start = time.perf_counter()
         results = generate_together(engine, requests, batch)
         seconds = time.perf_counter() - start
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(str(args.profile))
         outputs[batch] = [[t for c in chunks for t in c.token_ids] for chunks in results]
         tokens = sum(len(o) for o in outputs[batch])
         row = {"batch": batch, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,

@@ -11,6 +11,7 @@ import yaml
 
 from dflash_core import cli
 from dflash_core.hub import ModelNotFoundError, resolve
+from dflash_core.kernels import cpu_linear
 from dflash_core.loading import choose_drafter, load_model
 from dflash_core.registry import base_model_key, find_pair
 from dflash_core.settings import DEFAULT_MODEL, ConfigError, Settings, load_settings
@@ -252,6 +253,8 @@ def test_models_and_doctor_commands(qwen3_pair, tmp_path, capsys):
     assert report["backend"] == "cpu" and report["mlx"].startswith("0.") and report["kernels"]["gated_delta"]
     assert report["kernels"]["block_attention"] == "MLX fused attention"
     assert report["kernels"]["small_m_matmul"] == "MLX matmul"
+    assert report["kernels"]["cpu_projections"].startswith("int8 or float16 copies in our MLX primitive" if
+                                                           cpu_linear.extension() else "MLX's float32 product")
     assert "auto" in report["speculation"] and "lose" in report["speculation"]
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out

@@ -185,8 +185,6 @@ def gated_mlp(mlp: nn.Module, x: mx.array, activation, kernels: KernelOptions = 
 
 def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """Which implementation small-M weight products use here (for `dflash doctor`)."""
-    if backend() == "cpu" and kernels.cpu_narrow_linears:
-        return cpu_linear.active_path()
     if _on_cuda(kernels):
         return ("dflash CUDA kernel for 4-bit affine weights and <= 16 rows; MLX otherwise, with bf16 "
                 "projections that share an input stacked into one GEMM")
