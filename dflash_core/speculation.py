@@ -17,8 +17,10 @@ It runs cycles at the width with the best expected tokens per second while that 
 steps by `margin` (with a plain step now and then to keep that time current); otherwise plain
 steps, whose taps (from the same target forward) go into the drafter's context in one block before
 the next cycle, so switching back costs nothing, and a probe cycle every so often, the interval
-doubling while probes keep losing. Widths are explored from the block size down. Output never depends on any of
-this: a plain step and a cycle both commit exactly the target's tokens.
+doubling while probes keep losing, and long enough that probes cost at most 5 % of the plain
+steps (a probe that lost 8 steps' worth, as on a CPU, waits 160). Widths are explored from the
+block size down. Output never depends on any of this: a plain step and a cycle both commit
+exactly the target's tokens.
 
 Timings are wall times between this generation's reads: with other generations interleaved on
 the worker, both kinds of step include their share of the others' time. In a batch, where every
@@ -111,6 +113,8 @@ class ProbeSchedule:
     longest: int = 256
     interval: int = 4
     countdown: float = 0
+    overhead: float = 0.05  # the share of the plain steps that losing probes may cost
+    longest_wait: int = 4096
 
     def due(self, share: float = 1.0) -> bool:
         """Asked before each plain step; `share` is the step's part of its round (1/N in a round of
@@ -124,6 +128,11 @@ class ProbeSchedule:
 
     def winning(self) -> None:
         self.interval = self.shortest
+
+    def lost(self, steps: float) -> None:
+        """The last probe cost `steps` plain steps' worth more than it gave: the next one waits
+        long enough that probing costs at most `overhead` of the steps between."""
+        self.countdown = max(self.countdown, min(self.longest_wait, steps / self.overhead))
 
 
 @dataclass
@@ -148,6 +157,7 @@ class AutoSpeculation:
     _probe_width: Optional[int] = None
     _last: Optional[int] = None  # the last plan, and whether its sample was dropped
     _dropped: bool = False
+    _probed: bool = False  # a cycle was run while off, not yet judged
 
     def __post_init__(self):
         self.widths = sorted({w for w in (self.block_size, 8, 4, 2) if 2 <= w <= self.block_size}, reverse=True)
@@ -223,6 +233,9 @@ class AutoSpeculation:
                 return 0  # a step measured long ago (or under other load) would keep cycles on
             return best
         self.speculating = False
+        if rates and self._probed:  # what the probe just measured says cycles lose: wait accordingly
+            self.probes.lost(cycles[best] / step - self.expected_tokens(best))
+        self._probed = False
         if rates:
             self._note = (f"cycle {1e3 * cycles[best]:.1f} ms for {self.expected_tokens(best):.2f} tokens "
                           f"(width {best}) against a step of {1e3 * step:.1f} ms{basis}")
@@ -237,6 +250,7 @@ class AutoSpeculation:
         self._cycles_since_step = self._cycles_since_step + 1 if width else 0
         if width:
             self._probe_width = None  # a cycle measured: look again at the next plan
+            self._probed = kept and not self.speculating
             self._counts.add(width, accepted)
             self.prior.add(width, accepted)
             if self.speculating:
