@@ -66,16 +66,18 @@ KV_STEP = 256
 def kv_buffers(cache) -> Optional[tuple]:
     """What a KV cache holds of its row in a stacked batch, and its count of writes since; None for
     a cache that does not count its writes (anything but `cache.RowsKVCache`), whose stack is
-    then never reused."""
+    then never reused. For a `cache.RowOfBatch` the batch is its (stacked keys, stacked values,
+    row) tuple itself, so that telling whether it still holds it is one identity check."""
     writes = getattr(cache, "writes", None)
     if writes is None:
         return None
     row = cache.batch_row() if hasattr(cache, "batch_row") else None  # (cache.RowOfBatch: not sliced out)
-    return (*row, writes) if row is not None else (cache.keys, cache.values, None, writes)
+    return (row, writes) if row is not None else (cache.keys, cache.values, writes)
 
 
 def _same(a, b) -> bool:
-    return a is b if isinstance(a, mx.array) or isinstance(b, mx.array) else a == b
+    # Arrays and a RowOfBatch's batch tuple: the very objects; counts: equal.
+    return a == b if type(a) is int and type(b) is int else a is b
 
 
 @dataclass
@@ -88,11 +90,19 @@ class _Stacked:
 
     def current(self) -> bool:
         """Every cache is alive and still holds the slices it was given (a cache that grew, ran a
-        forward alone, rolled back or was restored since holds other arrays)."""
+        forward alone, rolled back or was restored since holds other arrays). Runs for every row of
+        every layer of a batched step, so it is kept to a loop of identity checks."""
+        read = self.read
         for ref, given in zip(self.caches, self.given):
             cache = ref()
-            if cache is None or not all(_same(a, b) for a, b in zip(self.read(cache), given)):
+            if cache is None:
                 return False
+            held = read(cache)
+            if held is None or len(held) != len(given):
+                return False
+            for a, b in zip(held, given):
+                if not _same(a, b):
+                    return False
         return True
 
 
