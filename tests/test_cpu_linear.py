@@ -1,8 +1,9 @@
 """The CPU primitive for a target's projections (dflash_core/kernels/cpu_linear.py, cpu_linear.cpp):
 its products against MLX's on the same weights, row-invariant to the bit, inside compiled functions
-and under `mx.grad`; int8 blocks found exactly where float32 weights are GGUF-style blocks; and
-speculative output with it, float16 and int8 copies, exactly the target-alone output for every
-family (every acceptance length, greedy and seeded sampling, batched rows)."""
+and under `mx.grad`; int8 blocks (with or without a bias per block) found exactly where float32
+weights are GGUF-style blocks; and speculative output with it, float16, int8 and affine int8
+copies, exactly the target-alone output for every family (every acceptance length, greedy and
+seeded sampling, batched rows)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from forced import ForcedDrafter
 from dflash_core.batching import generate_together
 from dflash_core.engine import Engine
 from dflash_core.kernels import KernelOptions, cpu_linear, matmul
-from dflash_core.kernels.cpu_head import int8_blocks
+from dflash_core.kernels.cpu_head import affine_blocks, int8_blocks
 from dflash_core.loading import load_engine
 from dflash_core.sampling import SamplingParams
 
@@ -53,6 +54,18 @@ def _int8_exact(weight: mx.array, divisor: int = 127) -> mx.array:
     return mx.array((np.clip(np.rint(blocks / scale), low, high) * scale).reshape(N, K).astype(np.float32))
 
 
+def _affine_exact(weight: mx.array) -> mx.array:
+    """`weight` as GGUF's Q4_K leaves it in blocks of 32: a float32 scale and minimum per block,
+    numbers 0..15, each weight scale * q - minimum rounded to float32 (as its dequantizer does)."""
+    N, K = weight.shape
+    blocks = np.array(weight).reshape(N, K // 32, 32).astype(np.float32)
+    low, high = blocks.min(axis=2, keepdims=True), blocks.max(axis=2, keepdims=True)
+    scale = np.float16((high - low) / 15).astype(np.float32)  # (an fp16 super-scale times a 6-bit one, in Q4_K)
+    minimum = np.float16(-low).astype(np.float32)
+    numbers = np.clip(np.rint((blocks + minimum) / scale), 0, 15).astype(np.float32)
+    return mx.array((scale * numbers - minimum).reshape(N, K))
+
+
 @pytest.mark.parametrize("K", [64, 72, 640])  # a multiple of the kernel's 16, one with a tail, the demo's
 def test_the_float16_product_is_the_rounded_weights_product(K):
     weight = _random((700, K), 0, 0.05)
@@ -82,12 +95,29 @@ def test_int8_blocks_are_found_exactly_and_multiplied(divisor):
     assert int8_blocks(mx.array(off)) is None
 
 
-@pytest.mark.parametrize("make_copy", ["float16", "int8"])
-def test_a_row_gets_the_same_result_to_the_bit_whatever_rows_share_the_call(make_copy, monkeypatch):
-    weight = _random((999, 640), 4, 0.05)
-    if make_copy == "int8":
-        weight = _int8_exact(weight)
+def test_affine_blocks_are_found_exactly_and_multiplied():
+    weight = _affine_exact(_random((300, 128), 8, 0.05))
+    q, scales, biases = affine_blocks(weight)
+    want = (q.reshape(300, 4, 32).astype(np.float64) * scales[..., None] + biases[..., None]).reshape(300, 128)
+    np.testing.assert_array_equal(want, np.array(weight).astype(np.float64))  # the same weights, exactly
+    assert int8_blocks(weight) is None  # (a minimum per block is not a multiple of the scale)
     copy = cpu_linear.narrow_copy(weight)
+    assert [a.dtype for a in copy] == [mx.int8, mx.float32, mx.float32]
+    x = _random((5, 128), 9)
+    np.testing.assert_allclose(np.array(cpu_linear.narrow_linear(x, copy)), np.array(x @ weight.T), rtol=1e-5, atol=1e-5)
+    off = np.array(weight)
+    off[3, 40] += np.float32(1e-5)
+    assert affine_blocks(mx.array(off)) is None
+
+
+EXACT = {"float16": lambda w: w, "int8": _int8_exact, "affine": _affine_exact}
+
+
+@pytest.mark.parametrize("make_copy", list(EXACT))
+def test_a_row_gets_the_same_result_to_the_bit_whatever_rows_share_the_call(make_copy, monkeypatch):
+    weight = EXACT[make_copy](_random((999, 640), 4, 0.05))
+    copy = cpu_linear.narrow_copy(weight)
+    assert len(copy) == {"float16": 1, "int8": 2, "affine": 3}[make_copy]
     rows = _random((16, 640), 5)
     together = np.array(cpu_linear.narrow_linear(rows, copy))
     for threads in (1, 2, 3):
@@ -98,9 +128,9 @@ def test_a_row_gets_the_same_result_to_the_bit_whatever_rows_share_the_call(make
 
 
 def test_the_primitive_runs_in_compiled_functions_and_has_the_inputs_gradient():
-    weight = _int8_exact(_random((256, 64), 6, 0.1))
-    for copy in (cpu_linear.narrow_copy(weight), (weight.astype(mx.float16),)):
-        wide = copy[0].astype(mx.float32) if len(copy) == 1 else weight
+    weight, affine = _int8_exact(_random((256, 64), 6, 0.1)), _affine_exact(_random((256, 64), 6, 0.1))
+    for copy, wide in ((cpu_linear.narrow_copy(weight), weight), (cpu_linear.narrow_copy(affine), affine),
+                       ((weight.astype(mx.float16),), weight.astype(mx.float16).astype(mx.float32))):
         x = _random((3, 64), 7)
         compiled = mx.compile(lambda a: mx.tanh(cpu_linear.narrow_linear(a * 2, copy)))
         assert np.array_equal(np.array(compiled(x)), np.array(mx.tanh(cpu_linear.narrow_linear(x * 2, copy))))
@@ -120,26 +150,27 @@ def _tokens(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def _narrow_engine(pair, int8: bool) -> Engine:
+def _narrow_engine(pair, make_copy: str) -> Engine:
     engine = load_engine(str(pair[0]), str(pair[1]), prefill_chunk=16)
-    if int8:  # the target's projections as a GGUF's Q8_0 would leave them
+    if make_copy != "float16":  # the target's projections as a GGUF's Q8_0 or Q4_K would leave them
         for layer in engine.target.layers:
             for _, module in layer.named_modules():
                 if type(module) is nn.Linear and module.weight.shape[1] % 32 == 0:
-                    module.weight = _int8_exact(module.weight)
+                    module.weight = EXACT[make_copy](module.weight)
     assert engine.target.narrow_linears == 0  # the tiny model's layers are below MIN_PARAMETERS
     assert engine.target.use_narrow_linears(0) > 0
     copies = [(m.weight.shape[1], len(m[cpu_linear.NARROW_WEIGHT])) for layer in engine.target.layers
               for _, m in layer.named_modules() if cpu_linear.NARROW_WEIGHT in m]
     # int8 copies for the weights made int8 blocks (K a multiple of 32), float16 for the others
-    assert all((K % 32 == 0 and int8) + 1 == kind for K, kind in copies)
+    kind = {"float16": 1, "int8": 2, "affine": 3}[make_copy]
+    assert all(n == (kind if K % 32 == 0 else 1) for K, n in copies)
     return engine
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float16", "int8"])
+@pytest.mark.parametrize("make_copy", list(EXACT))
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
-def test_speculation_with_the_primitive_is_lossless(request, family, int8):
-    engine = _narrow_engine(request.getfixturevalue(f"{family}_pair"), int8)
+def test_speculation_with_the_primitive_is_lossless(request, family, make_copy):
+    engine = _narrow_engine(request.getfixturevalue(f"{family}_pair"), make_copy)
     prompt = sample_prompt(engine)
     proj = next(m for _, m in engine.target.layers[-1].named_modules() if cpu_linear.NARROW_WEIGHT in m)
     assert matmul.path_for(proj, mx.zeros((1, 1, proj.weight.shape[1])), engine.target.kernels) == "cpu"

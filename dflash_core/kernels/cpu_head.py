@@ -213,34 +213,96 @@ BLOCK_DIVISORS = (127, 16, 8)
 ROWS_PER_CHECK = 4096  # rows checked at once (temporaries of a few of their size)
 
 
+ROWS_TO_SAMPLE = 64  # rows checked first: most float32 weights fail there, and cheaply
+
+
+def _int8_scales(blocks: np.ndarray, divisors) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """For blocks [rows, K / 32, 32]: whether each is int8 numbers times a scale (its largest
+    magnitude over one of `divisors`, tried in turn), that scale, and each divisor's count of blocks."""
+    amax = np.abs(blocks).max(axis=2)
+    found = amax == 0
+    chosen = np.zeros_like(amax)
+    hits = []
+    for divisor in divisors:
+        if found.all():
+            hits.append(0)
+            continue
+        scale = amax / np.float32(divisor)
+        safe = np.where(scale == 0, np.float32(1), scale)[..., None]
+        numbers = np.rint(blocks / safe)
+        exact = (np.abs(numbers).max(axis=2) <= 127) & (numbers * safe == blocks).all(axis=2)
+        chosen = np.where(exact & ~found, scale, chosen)
+        hits.append(int((exact & ~found).sum()))
+        found |= exact
+    return found, chosen, hits
+
+
 def int8_blocks(weight: mx.array) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """(q int8 [N, K], scales float32 [N, K / 32]) with q times its block's scale exactly `weight`
     (float32 [N, K]), blocks of 32 along K, or None where some block is not such a multiple."""
     N, K = weight.shape
     if K % 32 or weight.dtype != mx.float32:
         return None
+    found, _, hits = _int8_scales(np.array(weight[:ROWS_TO_SAMPLE]).reshape(-1, K // 32, 32), BLOCK_DIVISORS)
+    if not found.all():
+        return None
+    divisors = [d for _, d in sorted(zip(hits, BLOCK_DIVISORS), key=lambda pair: -pair[0])]  # the sample's best first
     q = np.empty((N, K), dtype=np.int8)
     scales = np.empty((N, K // 32), dtype=np.float32)
     for r0 in range(0, N, ROWS_PER_CHECK):
         blocks = np.array(weight[r0 : r0 + ROWS_PER_CHECK]).reshape(-1, K // 32, 32)
-        amax = np.abs(blocks).max(axis=2)
-        found = amax == 0
-        chosen = np.zeros_like(amax)
-        for divisor in BLOCK_DIVISORS:
-            if found.all():
-                break
-            scale = amax / np.float32(divisor)
-            safe = np.where(scale == 0, np.float32(1), scale)[..., None]
-            numbers = np.rint(blocks / safe)
-            exact = (np.abs(numbers).max(axis=2) <= 127) & (numbers * safe == blocks).all(axis=2)
-            chosen = np.where(exact & ~found, scale, chosen)
-            found |= exact
+        found, chosen, _ = _int8_scales(blocks, divisors)
         if not found.all():
             return None
         safe = np.where(chosen == 0, np.float32(1), chosen)[..., None]
         q[r0 : r0 + len(blocks)] = np.rint(blocks / safe).astype(np.int8).reshape(-1, K)
         scales[r0 : r0 + len(blocks)] = chosen
     return q, scales
+
+
+def affine_blocks(weight: mx.array) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(q int8 [N, K], scales, biases float32 [N, K / 32]) with q times its block's scale plus its
+    bias exactly `weight` (float32 [N, K]; exactly as real numbers, checked in float64), blocks of 32
+    along K, or None. A block's bias is its smallest weight and its scale the smallest gap between
+    two of its weights (or a half, third or quarter of it): how a GGUF's Q4_K blocks (a scale and a
+    minimum per 32, numbers 0..15) come out converted to float32."""
+    N, K = weight.shape
+    if K % 32 or weight.dtype != mx.float32:
+        return None
+    if N > ROWS_TO_SAMPLE and affine_blocks(weight[:ROWS_TO_SAMPLE]) is None:
+        return None
+    q = np.empty((N, K), dtype=np.int8)
+    scales = np.empty((N, K // 32), dtype=np.float32)
+    biases = np.empty((N, K // 32), dtype=np.float32)
+    for r0 in range(0, N, ROWS_PER_CHECK):
+        blocks = np.array(weight[r0 : r0 + ROWS_PER_CHECK]).astype(np.float64).reshape(-1, K // 32, 32)
+        low = blocks.min(axis=2, keepdims=True)
+        found = np.zeros(low.shape[:2], dtype=bool)
+        chosen = np.zeros_like(low)
+
+        def attempt(scale):
+            nonlocal found, chosen
+            scale = np.where(scale > 0, scale, 1.0).astype(np.float32).astype(np.float64)
+            numbers = np.rint((blocks - low) / scale)
+            exact = (numbers.max(axis=2) <= 127) & (numbers * scale + low == blocks).all(axis=2)
+            chosen = np.where((exact & ~found)[..., None], scale, chosen)
+            found |= exact
+
+        attempt((blocks.max(axis=2, keepdims=True) - low) / 15)  # Q4_K's usual block: numbers 0..15
+        if not found.all():
+            gaps = np.diff(np.sort(blocks, axis=2), axis=2)
+            gaps[gaps == 0] = np.inf
+            gap = gaps.min(axis=2, keepdims=True)
+            for parts in (1, 2, 3, 4):
+                attempt(np.where(np.isinf(gap), 1.0, gap / parts))
+                if found.all():
+                    break
+        if not found.all():
+            return None
+        q[r0 : r0 + len(blocks)] = np.rint((blocks - low) / chosen).astype(np.int8).reshape(-1, K)
+        scales[r0 : r0 + len(blocks)] = chosen[..., 0]
+        biases[r0 : r0 + len(blocks)] = low[..., 0]
+    return q, scales, biases
 
 
 def half_head_for(weight: mx.array, min_parameters: int = MIN_PARAMETERS) -> Optional[HalfHead]:

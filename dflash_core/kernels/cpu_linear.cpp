@@ -2,7 +2,8 @@
 // primitives: they sit inside MLX's graphs (compiled blocks included) like any op, so a decode step
 // multiplies its weights at a half or a quarter of float32's bytes without leaving the graph
 // (cpu_linear.py). Weights: float16 (`half_linear`), or int8 in blocks of 32 along K with a float32
-// scale each (`int8_linear`, for weights that are exactly that).
+// scale each (`int8_linear`) and a float32 bias each (`affine_linear`), for weights that are exactly
+// that.
 //
 // Row-invariant: every output (m, n) is one sum over k in a fixed order, whatever M and however the
 // weight rows are split among threads, so a token's result is the same alone (decode) or beside 15
@@ -68,16 +69,20 @@ void half_rows(const uint16_t* w, const float* x, float* y, int64_t M, int64_t K
 
 // y[m, r] for r in [r0, r1), int8 weights q [N, K] and scales [N, K / 32]: a block's 32 products
 // into one vector, scaled into the row's vector, then the lanes pairwise. A block's four chunks of
-// eight are converted once for up to four rows of x.
-void int8_rows(const int8_t* q, const float* scales, const float* x, float* y, int64_t M, int64_t K, int64_t N,
-               int64_t r0, int64_t r1) {
+// eight are converted once for up to four rows of x. With `biases` [N, K / 32] (a weight is
+// scale * q + bias), each block adds bias * (its x's sum, `xsums` [M, K / 32]) to a scalar sum
+// kept in block order, added to the lanes' sum at the end.
+void int8_rows(const int8_t* q, const float* scales, const float* biases, const float* xsums, const float* x,
+               float* y, int64_t M, int64_t K, int64_t N, int64_t r0, int64_t r1) {
   const int64_t blocks = K / 32;
   for (int64_t r = r0; r < r1; r++) {
     const int8_t* qr = q + r * K;
     const float* sr = scales + r * blocks;
+    const float* br = biases ? biases + r * blocks : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int64_t mt = std::min<int64_t>(M - m0, 4);
       __m256 acc[4];
+      float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; b++) {
         const int8_t* qb = qr + b * 32;
@@ -93,9 +98,10 @@ void int8_rows(const int8_t* q, const float* scales, const float* x, float* y, i
           block = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), block);
           block = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), block);
           acc[t] = _mm256_fmadd_ps(block, scale, acc[t]);
+          if (br) offset[t] += br[b] * xsums[(m0 + t) * blocks + b];
         }
       }
-      for (int t = 0; t < mt; t++) y[(m0 + t) * N + r] = lanes_sum(acc[t]);
+      for (int t = 0; t < mt; t++) y[(m0 + t) * N + r] = lanes_sum(acc[t]) + offset[t];
     }
   }
 }
@@ -132,7 +138,21 @@ void split_rows(int64_t N, int threads, Rows rows) {
   for (auto& f : done) f.get();
 }
 
-// inputs: x float32 [..., K], then the weight: w float16 [N, K], or q int8 [N, K] and scales [N, K / 32].
+// Each row's sums of x over blocks of 32, in a fixed order: xsums [M, K / 32].
+void block_sums(const float* x, float* xsums, int64_t M, int64_t K) {
+  const int64_t blocks = K / 32;
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < blocks; b++) {
+      const float* xb = x + m * K + b * 32;
+      __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                               _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      xsums[m * blocks + b] = lanes_sum(s);
+    }
+  }
+}
+
+// inputs: x float32 [..., K], then the weight: w float16 [N, K]; or q int8 [N, K] and scales [N, K / 32],
+// and biases [N, K / 32] for affine blocks.
 class NarrowLinear : public Primitive {
  public:
   NarrowLinear(Stream stream, int threads) : Primitive(stream), threads_(threads) {}
@@ -152,9 +172,17 @@ class NarrowLinear : public Primitive {
       encoder.dispatch([=, wp = w.data<uint16_t>(), threads = threads_]() {
         split_rows(N, threads, [=](int64_t r0, int64_t r1) { half_rows(wp, xp, yp, M, K, N, r0, r1); });
       });
-    } else {
+    } else if (inputs.size() == 3) {
       encoder.dispatch([=, qp = w.data<int8_t>(), sp = inputs[2].data<float>(), threads = threads_]() {
-        split_rows(N, threads, [=](int64_t r0, int64_t r1) { int8_rows(qp, sp, xp, yp, M, K, N, r0, r1); });
+        split_rows(N, threads, [=](int64_t r0, int64_t r1) { int8_rows(qp, sp, nullptr, nullptr, xp, yp, M, K, N, r0, r1); });
+      });
+    } else {
+      encoder.dispatch([=, qp = w.data<int8_t>(), sp = inputs[2].data<float>(), bp = inputs[3].data<float>(),
+                        threads = threads_]() {
+        std::vector<float> xsums(M * (K / 32));
+        block_sums(xp, xsums.data(), M, K);
+        const float* xs = xsums.data();
+        split_rows(N, threads, [=](int64_t r0, int64_t r1) { int8_rows(qp, sp, bp, xs, xp, yp, M, K, N, r0, r1); });
       });
     }
   }
@@ -168,9 +196,10 @@ class NarrowLinear : public Primitive {
     array w = astype(primals[1], float32, stream());
     if (primals.size() == 2) return w;
     const int64_t N = w.shape(0), K = w.shape(1);
-    array blocks = reshape(w, {static_cast<int>(N), static_cast<int>(K / 32), 32}, stream());
-    return reshape(multiply(blocks, expand_dims(primals[2], -1, stream()), stream()),
-                   {static_cast<int>(N), static_cast<int>(K)}, stream());
+    array blocks = multiply(reshape(w, {static_cast<int>(N), static_cast<int>(K / 32), 32}, stream()),
+                            expand_dims(primals[2], -1, stream()), stream());
+    if (primals.size() == 4) blocks = add(blocks, expand_dims(primals[3], -1, stream()), stream());
+    return reshape(blocks, {static_cast<int>(N), static_cast<int>(K)}, stream());
   }
 
   std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
@@ -220,14 +249,26 @@ array half_linear(const array& x, const array& w, int threads) {
   return narrow_linear(x, {w}, threads);
 }
 
-array int8_linear(const array& x, const array& q, const array& scales, int threads) {
+void check_int8(const array& x, const array& q, const array& scales) {
   if (x.dtype() != float32 || q.dtype() != int8 || scales.dtype() != float32 || q.ndim() != 2 ||
       x.ndim() < 1 || x.shape(-1) != q.shape(1) || q.shape(1) % 32 || scales.ndim() != 2 ||
       scales.shape(0) != q.shape(0) || scales.shape(1) != q.shape(1) / 32) {
     throw std::invalid_argument(
         "[dflash_cpu_linear] x float32 [..., K], q int8 [N, K] and scales float32 [N, K / 32] expected");
   }
+}
+
+array int8_linear(const array& x, const array& q, const array& scales, int threads) {
+  check_int8(x, q, scales);
   return narrow_linear(x, {q, scales}, threads);
+}
+
+array affine_linear(const array& x, const array& q, const array& scales, const array& biases, int threads) {
+  if (biases.dtype() != float32 || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("[dflash_cpu_linear] biases float32 of the scales' shape expected");
+  }
+  check_int8(x, q, scales);
+  return narrow_linear(x, {q, scales, biases}, threads);
 }
 
 }  // namespace
@@ -238,4 +279,6 @@ NB_MODULE(MODULE_NAME, m) {
         "x @ w.T for float32 x [..., K] and float16 w [N, K], row-invariant, on the CPU.");
   m.def("int8_linear", &int8_linear, nb::arg("x"), nb::arg("q"), nb::arg("scales"), nb::arg("threads"),
         "x @ (q * scales per 32 along K).T for float32 x, int8 q [N, K], float32 scales [N, K / 32].");
+  m.def("affine_linear", &affine_linear, nb::arg("x"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("threads"), "x @ (q * scales + biases, per 32 along K).T: int8_linear with a bias per block.");
 }

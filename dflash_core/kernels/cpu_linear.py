@@ -8,15 +8,16 @@ cpu_matmul.py`). So on the CPU a target's large float32 projections get a narrow
 AVX2, FMA and F16C, threads) as an MLX primitive: it runs inside the compiled blocks like any op,
 with no trip to the host between layers. The copy (`narrow_copy`) is int8 blocks of 32 with a
 float32 scale each where the float32 weights are exactly that, as a GGUF's Q8_0, Q5_0 and Q4_0
-tensors converted to float32 are (the same weights in a quarter of the bytes), else float16 (the
-weights rounded to float16, products and sums in float32: half the bytes). Prefill keeps the
+tensors converted to float32 are, or with a float32 offset each too (Q4_K's): the same weights in
+about a quarter of the bytes; else float16 (the weights rounded to float16, products and sums in
+float32: half the bytes). Prefill keeps the
 float32 weights and MLX's product: at hundreds of rows it is compute-bound, where MKL's GEMM is
 the faster one (`TargetAdapter.prefill_kernels`).
 
 Each output is one sum in a fixed order whatever the other rows of the call, so a 16-token verify
 and a 1-token step give a token the same result to the bit, and speculative output stays exactly
 the target-alone output (tests/test_cpu_linear.py). The copies take memory besides the float32
-weights (the demo's: 144 MB).
+weights (the demo's: 126 MB).
 
 The primitive is a C++ MLX extension, compiled on first use (about 20 s) by CMake with nanobind
 (MLX's binding library, at the ABI MLX's Python module was built with) into the cache. Where it
@@ -45,7 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import backend
-from .cpu_head import cpu_supports, int8_blocks
+from .cpu_head import affine_blocks, cpu_supports, int8_blocks
 
 log = logging.getLogger(__name__)
 
@@ -161,20 +162,24 @@ NARROW_WEIGHT = "_cpu_weight"  # a layer's copy; the leading "_" keeps it out of
 
 
 def narrow_linear(x: mx.array, weight: tuple) -> mx.array:
-    """x [..., K] float32 @ W.T in the primitive, W a copy made by `narrow_copy`: (float16 [N, K],)
-    or (int8 [N, K], float32 scales [N, K / 32])."""
+    """x [..., K] float32 @ W.T in the primitive, W a copy made by `narrow_copy`: (float16 [N, K],),
+    (int8 [N, K], float32 scales [N, K / 32]) or (int8, scales, float32 biases [N, K / 32])."""
     module = extension()
     if len(weight) == 1:
         return module.half_linear(x, weight[0], threads())
-    return module.int8_linear(x, *weight, threads())
+    if len(weight) == 2:
+        return module.int8_linear(x, *weight, threads())
+    return module.affine_linear(x, *weight, threads())
 
 
 def narrow_copy(weight: mx.array) -> Optional[tuple]:
     """The copy of a float32 weight [N, K] the primitive multiplies: its int8 blocks where the
     weights are exactly that (a GGUF's Q8_0, Q5_0 or Q4_0 converted to float32: the same weights in a
-    quarter of the bytes), else float16 (the weights rounded: half the bytes); None for a weight
-    beyond float16's range."""
+    quarter of the bytes), or int8 blocks with a bias each (Q4_K's), else float16 (the weights
+    rounded: half the bytes); None for a weight beyond float16's range."""
     blocks = int8_blocks(weight)
+    if blocks is None:
+        blocks = affine_blocks(weight)
     if blocks is not None:
         return tuple(mx.array(a) for a in blocks)
     if mx.abs(weight).max().item() >= FLOAT16_MAX:
