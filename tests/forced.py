@@ -54,3 +54,38 @@ class ForcedDrafter:
                 token = (token + 1) % self.vocab_size
             drafts.append(token)
         return mx.array(drafts, dtype=mx.int32)
+
+
+# Every acceptance length 0..15, each next to another far from it.
+EVERY_LENGTH = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8]
+
+
+def _tokens(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def assert_every_acceptance_length_is_lossless(engine, prompt: list[int], max_tokens: int = 160) -> None:
+    """The engine's target with a ForcedDrafter accepting every length 0..15 (16-row verifies
+    against the 1-row steps of its target-alone reference) gives exactly that reference."""
+    from dflash_core.engine import Engine
+
+    reference = _tokens(engine.generate(prompt, max_tokens=max_tokens + 16, speculative=False, stop_token_ids=set()))
+    forced = ForcedDrafter(reference=list(prompt) + reference, prompt_length=len(prompt), schedule=EVERY_LENGTH,
+                           vocab_size=engine.target.vocab_size,
+                           target_layer_ids=engine.drafter.config.target_layer_ids)
+    chunks = list(Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16).generate(
+        prompt, max_tokens=max_tokens, stop_token_ids=set()))
+    assert _tokens(chunks) == reference[:max_tokens] and chunks[-1].stats.cycles >= len(EVERY_LENGTH)
+
+
+def assert_batched_rows_are_as_alone(engine, prompt: list[int], max_tokens: int) -> None:
+    """Three rows batched together (prompts of different lengths, speculating and plain mixed)
+    each give exactly what they give alone."""
+    from dflash_core.batching import generate_together
+
+    requests = [dict(prompt_tokens=prompt[: len(prompt) - i], max_tokens=max_tokens, speculation=mode,
+                     stop_token_ids=set()) for i, mode in enumerate(["on", "off", "on"])]
+    for request, chunks in zip(requests, generate_together(engine, requests)):
+        alone = _tokens(engine.generate(request["prompt_tokens"], max_tokens=max_tokens, speculative=False,
+                                        stop_token_ids=set()))
+        assert _tokens(chunks) == alone

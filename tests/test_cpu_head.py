@@ -8,9 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from families import sample_prompt
-from forced import ForcedDrafter
+from forced import assert_batched_rows_are_as_alone, assert_every_acceptance_length_is_lossless
 
-from dflash_core.batching import generate_together
 from dflash_core.engine import Engine
 from dflash_core.kernels import KernelOptions
 from dflash_core.kernels.cpu_head import HalfHead, library
@@ -71,22 +70,9 @@ def test_speculation_with_the_half_head_is_lossless(request, pair_name):
     half, full = engine.target.decode_lm_head(hidden), exact.target.lm_head(hidden)
     assert not np.array_equal(np.array(half), np.array(full))
     np.testing.assert_allclose(np.array(half), np.array(full), rtol=2e-2, atol=2e-2)
-    # Every acceptance length 0..15, forced from the reference (a 16-row verify against 1-row steps).
-    reference = _tokens(engine.generate(prompt, max_tokens=176, speculative=False, stop_token_ids=set()))
-    schedule = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8]
-    forced = ForcedDrafter(reference=list(prompt) + reference, prompt_length=len(prompt), schedule=schedule,
-                           vocab_size=engine.target.vocab_size,
-                           target_layer_ids=engine.drafter.config.target_layer_ids)
-    chunks = list(Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16).generate(
-        prompt, max_tokens=160, stop_token_ids=set()))
-    assert _tokens(chunks) == reference[:160] and chunks[-1].stats.cycles >= len(schedule)
-    # Rows batched together, speculating and plain mixed: each as alone.
-    requests = [dict(prompt_tokens=prompt[: len(prompt) - i], max_tokens=48, speculation=mode, stop_token_ids=set())
-                for i, mode in enumerate(["on", "off", "on"])]
-    together = generate_together(engine, requests)
-    for request_, chunks in zip(requests, together):
-        alone = _tokens(engine.generate(request_["prompt_tokens"], max_tokens=48, speculative=False, stop_token_ids=set()))
-        assert _tokens(chunks) == alone
+    # Every acceptance length 0..15 (16-row verifies against 1-row steps), and rows batched together.
+    assert_every_acceptance_length_is_lossless(engine, prompt)
+    assert_batched_rows_are_as_alone(engine, prompt, 48)
 
 
 def test_the_option_and_the_size_keep_mlx_head(qwen3_pair):

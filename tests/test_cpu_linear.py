@@ -14,9 +14,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from families import ENGINE_FAMILIES, sample_prompt
-from forced import ForcedDrafter
+from forced import assert_batched_rows_are_as_alone, assert_every_acceptance_length_is_lossless
 
-from dflash_core.batching import generate_together
 from dflash_core.engine import Engine
 from dflash_core.kernels import KernelOptions, cpu_linear, matmul
 from dflash_core.kernels.cpu_head import affine_blocks, int8_blocks
@@ -187,22 +186,9 @@ def test_speculation_with_the_primitive_is_lossless(request, family, make_copy):
         alone = _tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculative=False, stop_token_ids=set()))
         spec = _tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculation="on", stop_token_ids=set()))
         assert spec == alone
-    # Every acceptance length 0..15, forced from the reference (16-row verifies against 1-row steps),
-    # past the sliding windows of the families that have them.
-    reference = _tokens(engine.generate(prompt, max_tokens=176, speculative=False, stop_token_ids=set()))
-    schedule = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8]
-    forced = ForcedDrafter(reference=list(prompt) + reference, prompt_length=len(prompt), schedule=schedule,
-                           vocab_size=engine.target.vocab_size,
-                           target_layer_ids=engine.drafter.config.target_layer_ids)
-    chunks = list(Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16).generate(
-        prompt, max_tokens=160, stop_token_ids=set()))
-    assert _tokens(chunks) == reference[:160] and chunks[-1].stats.cycles >= len(schedule)
-    # Rows batched together, speculating and plain mixed: each as alone.
-    requests = [dict(prompt_tokens=prompt[: len(prompt) - i], max_tokens=40, speculation=mode, stop_token_ids=set())
-                for i, mode in enumerate(["on", "off", "on"])]
-    for request_, chunks in zip(requests, generate_together(engine, requests)):
-        alone = _tokens(engine.generate(request_["prompt_tokens"], max_tokens=40, speculative=False, stop_token_ids=set()))
-        assert _tokens(chunks) == alone
+    # Every acceptance length 0..15 (16-row verifies against 1-row steps), and rows batched together.
+    assert_every_acceptance_length_is_lossless(engine, prompt)
+    assert_batched_rows_are_as_alone(engine, prompt, 40)
 
 
 def test_prefill_and_the_option_off_keep_mlx_product(qwen3_pair):
