@@ -120,7 +120,7 @@ def test_a_row_gets_the_same_result_to_the_bit_whatever_rows_share_the_call(make
     rows = _random((16, 640), 5)
     together = np.array(cpu_linear.narrow_linear(rows, copy))
     for threads in (1, 2, 3):
-        monkeypatch.setattr(cpu_linear, "threads", lambda: threads)
+        monkeypatch.setattr(cpu_linear, "default_threads", lambda: threads)
         for i in range(16):
             alone = np.array(cpu_linear.narrow_linear(rows[i : i + 1], copy))[0]
             assert np.array_equal(alone, together[i])

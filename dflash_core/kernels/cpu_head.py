@@ -165,13 +165,21 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
+def default_threads() -> int:
+    """Threads a kernel of ours splits its rows among: every core, at most 16."""
+    return max(1, min(os.cpu_count() or 1, 16))
+
+
 class HalfHead:
     """x [..., K] float32 -> logits [..., N] float32 through a float16 copy of `weight` [N, K]."""
 
     def __init__(self, weight: mx.array, lib: ctypes.CDLL, threads: Optional[int] = None):
-        self.weight = np.ascontiguousarray(np.array(weight.astype(mx.float16)))
+        self._start(np.array(weight.astype(mx.float16)), lib, threads)
+
+    def _start(self, weight: np.ndarray, lib: ctypes.CDLL, threads: Optional[int]) -> None:
+        self.weight = np.ascontiguousarray(weight)
         self.lib = lib
-        self.threads = max(1, min(threads or os.cpu_count() or 1, 16))
+        self.threads = threads or default_threads()
         self.pool = concurrent.futures.ThreadPoolExecutor(self.threads) if self.threads > 1 else None
 
     def _rows(self, r0: int, r1: int, rows: np.ndarray, out: np.ndarray) -> None:
@@ -196,10 +204,8 @@ class Int8Head(HalfHead):
     scales, a quarter of the float32 bytes, the same weights (`int8_blocks` finds them)."""
 
     def __init__(self, q: np.ndarray, scales: np.ndarray, lib: ctypes.CDLL, threads: Optional[int] = None):
-        self.weight, self.scales = np.ascontiguousarray(q), np.ascontiguousarray(scales)
-        self.lib = lib
-        self.threads = max(1, min(threads or os.cpu_count() or 1, 16))
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self.scales = np.ascontiguousarray(scales)
+        self._start(q, lib, threads)
 
     def _rows(self, r0: int, r1: int, rows: np.ndarray, out: np.ndarray) -> None:
         N, K = self.weight.shape

@@ -46,7 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import backend
-from .cpu_head import affine_blocks, cpu_supports, int8_blocks
+from .cpu_head import affine_blocks, cpu_supports, default_threads, int8_blocks
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +154,6 @@ def extension() -> Optional[ModuleType]:
     return module
 
 
-def threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 16))
-
-
 NARROW_WEIGHT = "_cpu_weight"  # a layer's copy; the leading "_" keeps it out of parameters() and saves
 
 
@@ -166,10 +162,10 @@ def narrow_linear(x: mx.array, weight: tuple) -> mx.array:
     (int8 [N, K], float32 scales [N, K / 32]) or (int8, scales, float32 biases [N, K / 32])."""
     module = extension()
     if len(weight) == 1:
-        return module.half_linear(x, weight[0], threads())
+        return module.half_linear(x, weight[0], default_threads())
     if len(weight) == 2:
-        return module.int8_linear(x, *weight, threads())
-    return module.affine_linear(x, *weight, threads())
+        return module.int8_linear(x, *weight, default_threads())
+    return module.affine_linear(x, *weight, default_threads())
 
 
 def narrow_copy(weight: mx.array) -> Optional[tuple]:
@@ -211,9 +207,9 @@ def add_narrow_copies(modules: list[nn.Module], min_parameters: int = MIN_PARAME
         copy = narrow_copy(layer.weight)
         if copy is not None:
             setattr(layer, NARROW_WEIGHT, copy)
-            copies.extend(copy)
+            copies.append(copy)
     mx.eval(copies)
-    return sum(NARROW_WEIGHT in layer for layer in layers)
+    return len(copies)
 
 
 def active_path() -> str:
@@ -221,9 +217,9 @@ def active_path() -> str:
     if backend() != "cpu":
         return "not used (MLX runs on a GPU)"
     if not cpu_supports():
-        return "MLX's float32 product (the float16 kernel needs x86-64 Linux with AVX2, FMA and F16C)"
+        return "MLX's float32 product (the kernel needs x86-64 Linux with AVX2, FMA and F16C)"
     module = extension()
     if module is None:
-        return "MLX's float32 product (the float16 kernel did not build: is there a C++ compiler and CMake?)"
+        return "MLX's float32 product (the kernel did not build: is there a C++ compiler and CMake?)"
     return (f"int8 or float16 copies in our MLX primitive ({module.__file__}) for projections of {MIN_PARAMETERS}+ "
             "parameters in decode and verify")
