@@ -1,8 +1,10 @@
 """`dflash train`'s data generation speed: the target's greedy responses to many prompts, generated
-one at a time and with rows stepping together (`batching.generate_together`, what `dflash train
---generation-batch` uses), in one run, with the outputs compared.
+one at a time and with rows stepping together, through the engine's batching
+(`batching.generate_together`) and mlx-lm's `BatchGenerator` (`dflash train --generator`), in one
+run, with the outputs compared.
 
     python benchmarks/train_data.py --prompts 32 --max-tokens 64 --batches 1,4,16 --out train_data.json
+    python benchmarks/train_data.py --prompts 512 --max-tokens 128 --batches 256 --generators engine,mlx-lm
 
 The target is the offline demo's Gemma 3 270M unless --target names another; prompts are the demo's
 bundled prompt set (dflash_core/demo/prompts.txt), or --prompts-file's (what `dflash train --data`
@@ -34,13 +36,15 @@ def main() -> None:
     parser.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16])
     parser.add_argument("--prompts-file", type=Path, help="prompts as dflash train --data reads them")
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--generators", type=lambda s: s.split(","), default=["engine", "mlx-lm"],
+                        help="engine (dflash's batching), mlx-lm (its BatchGenerator), or both")
     parser.add_argument("--profile", type=Path, help="a cProfile of the largest batch's run (pstats format)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from dflash_core.batching import generate_together
     from dflash_core.demo import DEMO_PROMPTS, demo_target_dir
     from dflash_core.loading import load_engine
-    from dflash_core.train_data import encode_prompt, read_prompt_records
+    from dflash_core.train_data import encode_prompt, mlx_lm_responses, read_prompt_records
 
     engine = load_engine(args.target or str(demo_target_dir()), None)
     if args.prompts_file:
@@ -51,30 +55,42 @@ def main() -> None:
         encoded = [engine.tokenizer.encode(t) for t in texts]
     requests = [{"prompt_tokens": tokens, "max_tokens": args.max_tokens, "speculative": False} for tokens in encoded]
     generate_together(engine, requests[:2], 2)  # warm-up: compiled blocks
+    if "mlx-lm" in args.generators:
+        mlx_lm_responses(engine.target.model, [requests[0]["prompt_tokens"]], 4, engine.eos_token_ids, 1)
     report = {"machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "prompts": len(requests),
               "prompt_tokens": sum(len(r["prompt_tokens"]) for r in requests), "max_tokens": args.max_tokens,
               "prompts_file": str(args.prompts_file) if args.prompts_file else None, "rows": []}
     outputs = {}
-    for batch in args.batches:
-        profile = None
-        if args.profile and batch == max(args.batches):
-            import cProfile
+    stops = engine.eos_token_ids
+    for generator in args.generators:
+        for batch in args.batches:
+            profile = None
+            if args.profile and batch == max(args.batches):
+                import cProfile
 
-            profile = cProfile.Profile()
-            profile.enable()
-        start = time.perf_counter()
-        results = generate_together(engine, requests, batch)
-        seconds = time.perf_counter() - start
-        if profile is not None:
-            profile.disable()
-            profile.dump_stats(str(args.profile))
-        outputs[batch] = [[t for c in chunks for t in c.token_ids] for chunks in results]
-        tokens = sum(len(o) for o in outputs[batch])
-        row = {"batch": batch, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
-               "same_as_batch_1": outputs[batch] == outputs.get(1, outputs[batch])}
-        report["rows"].append(row)
-        print(f"batch {batch:>3}: {tokens} tokens in {seconds:6.1f} s = {row['tokens_per_second']:7.1f} tok/s "
-              f"(same as one at a time: {row['same_as_batch_1']})", flush=True)
+                profile = cProfile.Profile()
+                profile.enable()
+            start = time.perf_counter()
+            if generator == "mlx-lm":
+                made = mlx_lm_responses(engine.target.model, [r["prompt_tokens"] for r in requests], args.max_tokens,
+                                        stops, batch)
+            else:  # the engine's chunks, with the stop token that ended a response, as dflash train keeps it
+                made = [[t for c in chunks for t in c.token_ids] + ([chunks[-1].stop_token_id] if chunks and
+                        chunks[-1].stop_token_id is not None else [])
+                        for chunks in generate_together(engine, requests, batch)]
+            seconds = time.perf_counter() - start
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(str(args.profile.with_name(f"{args.profile.stem}_{generator}{args.profile.suffix}")))
+            first = outputs.setdefault("first", made)  # the first run's outputs: what every other is compared with
+            tokens = sum(len(o) - bool(o and o[-1] in stops) for o in made)
+            row = {"generator": generator, "batch": batch, "seconds": seconds, "tokens": tokens,
+                   "tokens_per_second": tokens / seconds,
+                   "same_responses_as_first_run": sum(a == b for a, b in zip(made, first))}
+            report["rows"].append(row)
+            print(f"{generator:>6} batch {batch:>3}: {tokens} tokens in {seconds:6.1f} s = "
+                  f"{row['tokens_per_second']:7.1f} tok/s (responses the same as the first run's: "
+                  f"{row['same_responses_as_first_run']} of {len(made)})", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -54,6 +54,9 @@ class TrainOptions:
     gamma: float = 7.0  # loss weight decay over block positions
     max_new_tokens: int = 128
     generation_batch: int = 16  # target responses generated together (continuous batching)
+    # Whose batching generates them: "engine" (batching.py) or "mlx-lm" (its BatchGenerator, one
+    # batched cache a step: far less host work a row at the hundreds of rows a GPU takes).
+    generator: str = "engine"
     max_prompt_tokens: int = 384  # longer prompts keep their first quarter and their end
     chat: bool = True
     held_out: float = 0.1  # share of prompts held out when the data does not say which (corpus.py does)

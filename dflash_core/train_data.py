@@ -1,7 +1,9 @@
 """`dflash train`'s data: prompts read from a file, and the target's own responses to them.
 
 Responses are generated in shards of prompts, with up to `generation_batch` generations stepping
-together (batching.py); each finished shard is appended to `sequences.jsonl` and recorded in
+together: through the engine's own batching (batching.py, `generator="engine"`) or mlx-lm's
+`BatchGenerator` (`generator="mlx-lm"`), whose one batched cache per step has far less host work a
+row at hundreds of rows (docs/train.md has both speeds). Each finished shard is appended to `sequences.jsonl` and recorded in
 `sequences.progress.json`, so a run cut short at any point resumes at its first unfinished shard
 and ends with exactly the sequences an unbroken run makes. Each prompt gives its greedy response
 and, with `samples_per_prompt` > 1, sampled ones (seeded per prompt and sample, so they too are
@@ -15,6 +17,8 @@ import json
 import logging
 import time
 from pathlib import Path
+
+import mlx.core as mx
 
 from .prompts import encode_rendered, hf_tokenizer, render_chat
 from .sampling import SamplingParams
@@ -75,6 +79,41 @@ def _sampling(prompt_index: int, sample: int, temperature: float, seed: int) -> 
     return SamplingParams(temperature=temperature, seed=(seed * 1_000_003 + prompt_index) * 97 + sample)
 
 
+def _seeded_sampler(temperature: float, seed: int):
+    """One sampler for a batch of rows (mlx-lm's BatchGenerator then samples them in one call), its
+    own key split at every step: the same seed gives the same tokens for the same batch."""
+    state = [mx.random.key(seed)]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        state[0], key = mx.random.split(state[0])
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=key)
+
+    return sample
+
+
+def mlx_lm_responses(model, prompts: list[list[int]], max_new_tokens: int, stop_ids, max_rows: int,
+                     sampler=None, progress=None) -> list[list[int]]:
+    """Each prompt's response through mlx-lm's BatchGenerator (up to `max_rows` at a time, a new
+    one joining as one ends), the stop token that ended it included, as the engine's are; greedy
+    unless `sampler` (one for all the rows, `_seeded_sampler`) is given."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=max_new_tokens, stop_tokens=[[t] for t in sorted(stop_ids)],
+                               sampler=sampler, completion_batch_size=max_rows,
+                               prefill_batch_size=min(max_rows, 64))
+    try:
+        uids = generator.insert(prompts)
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        while responses := generator.next_generated():
+            for r in responses:
+                out[r.uid].append(r.token)
+                if r.finish_reason is not None and progress is not None:
+                    progress(1)
+    finally:
+        generator.close()
+    return [out[u] for u in uids]
+
+
 def _read_done(cache_file: Path, progress_file: Path, key: dict) -> tuple[int, list[dict], dict]:
     """The prompts already done, their sequences and the counters, from an earlier run with the
     same key; (0, [], {}) otherwise."""
@@ -100,14 +139,15 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
     """Prompt + the target's response, token ids, for every record and sample: {"tokens",
     "response_start", "prompt_index", "sample", "category", "split"}. `opts` is a TrainOptions
     (the response settings); `progress(n)` hears of each finished generation."""
-    from .batching import generate_together
-
+    if opts.generator not in ("engine", "mlx-lm"):
+        raise ValueError(f"generator: {opts.generator!r} is not 'engine' or 'mlx-lm'")
     samples, temperature, shard = max(1, opts.samples_per_prompt), opts.sample_temperature, max(1, opts.shard_prompts)
     prompts = [r["prompt"] for r in records]
     sampled = samples > 1  # the seed and temperature matter only to sampled responses
     key = {"target": str(opts.target), "max_new_tokens": opts.max_new_tokens,
            "max_prompt_tokens": opts.max_prompt_tokens, "chat": opts.chat, "samples": samples,
            "temperature": temperature if sampled else None, "seed": opts.seed if sampled else None,
+           "generator": opts.generator if sampled else None,
            "prompts": hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()}
     progress_file = cache_file.with_name("sequences.progress.json")
     done, sequences, counters = _read_done(cache_file, progress_file, key)
@@ -129,17 +169,12 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
         chunk = range(done, min(done + shard, len(records)))
         encoded = {i: encode_prompt(engine.tokenizer, prompts[i], opts.chat, opts.max_prompt_tokens) for i in chunk}
         jobs = [(i, k) for i in chunk for k in range(samples)]
-        requests = [{"prompt_tokens": encoded[i], "max_tokens": opts.max_new_tokens, "speculative": False,
-                     "sampling": _sampling(i, k, temperature, opts.seed)} for i, k in jobs]
         started = time.perf_counter()
-        results = generate_together(engine, requests, opts.generation_batch, progress)
+        responses = _responses(engine, jobs, encoded, chunk.start, opts, progress)
         seconds += time.perf_counter() - started
         new = []
-        for (i, k), chunks in zip(jobs, results):
-            response = [t for c in chunks for t in c.token_ids]
-            generated += len(response)
-            if chunks and chunks[-1].stop_token_id is not None:  # the end of turn is part of what drafts predict
-                response.append(chunks[-1].stop_token_id)
+        for (i, k), (response, made) in zip(jobs, responses):
+            generated += made
             tokens = encoded[i] + response
             if len(response) >= 2 and tuple(tokens) not in seen:
                 seen.add(tuple(tokens))
@@ -156,6 +191,36 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
         log.info("target responses: %d of %d prompts, %d tokens, %.1f tok/s (%d at a time)", done, len(records),
                  generated, generated / seconds if seconds else 0.0, opts.generation_batch)
     return sequences
+
+
+def _responses(engine, jobs: list[tuple[int, int]], encoded: dict, shard: int, opts, progress) -> list[tuple]:
+    """(response tokens with the stop token that ended it, tokens generated) for each (prompt,
+    sample) job of a shard. The end of turn is part of what drafts predict, so it is kept."""
+    if opts.generator == "mlx-lm":
+        model, stops, rows = engine.target.model, engine.eos_token_ids, opts.generation_batch
+        greedy = [j for j, (_, k) in enumerate(jobs) if k == 0]
+        sampled = [j for j, (_, k) in enumerate(jobs) if k > 0]
+        out: list = [None] * len(jobs)
+        for members, sampler in ((greedy, None),
+                                 (sampled, _seeded_sampler(opts.sample_temperature, opts.seed * 1_000_003 + shard))):
+            if members:
+                made = mlx_lm_responses(model, [encoded[jobs[j][0]] for j in members], opts.max_new_tokens, stops,
+                                        rows, sampler, progress)
+                for j, response in zip(members, made):
+                    out[j] = (response, len(response) - bool(response and response[-1] in stops))
+        return out
+    from .batching import generate_together
+
+    requests = [{"prompt_tokens": encoded[i], "max_tokens": opts.max_new_tokens, "speculative": False,
+                 "sampling": _sampling(i, k, opts.sample_temperature, opts.seed)} for i, k in jobs]
+    out = []
+    for chunks in generate_together(engine, requests, opts.generation_batch, progress):
+        response = [t for c in chunks for t in c.token_ids]
+        made = len(response)
+        if chunks and chunks[-1].stop_token_id is not None:
+            response.append(chunks[-1].stop_token_id)
+        out.append((response, made))
+    return out
 
 
 def data_report(sequences: list[dict], progress_file: Path) -> dict:

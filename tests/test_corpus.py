@@ -12,7 +12,7 @@ from dflash_core.corpus import CATEGORIES, build_corpus, normalised, split_of
 from dflash_core.engine import Engine
 from dflash_core.loading import load_target
 from dflash_core.train import TrainOptions
-from dflash_core.train_data import read_prompt_records, regenerate
+from dflash_core.train_data import mlx_lm_responses, read_prompt_records, regenerate
 
 
 def test_the_corpus_has_every_category_distinct_prompts_and_a_stable_split():
@@ -59,19 +59,20 @@ def _records():
             for i, p in enumerate(PROMPTS)]
 
 
-def _opts(target_dir, out):
+def _opts(target_dir, out, generator="engine"):
     return TrainOptions(target=str(target_dir), data=None, out=out, max_new_tokens=12, generation_batch=4,
-                        chat=False, samples_per_prompt=2, sample_temperature=1.0, shard_prompts=4)
+                        chat=False, samples_per_prompt=2, sample_temperature=1.0, shard_prompts=4, generator=generator)
 
 
 class Cut(Exception):
     pass
 
 
-def test_a_cut_generation_resumes_to_what_an_unbroken_run_makes(qwen3_pair, tmp_path):
+@pytest.mark.parametrize("generator", ["engine", "mlx-lm"])
+def test_a_cut_generation_resumes_to_what_an_unbroken_run_makes(qwen3_pair, tmp_path, generator):
     target, tokenizer, _ = load_target(qwen3_pair[0])
     engine = Engine(target, tokenizer)
-    unbroken = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "a"), tmp_path / "a" / "sequences.jsonl")
+    unbroken = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "a", generator), tmp_path / "a" / "sequences.jsonl")
     assert {s["sample"] for s in unbroken} == {0, 1}
     greedy = {s["prompt_index"]: s["tokens"] for s in unbroken if s["sample"] == 0}
     assert any(s["tokens"] != greedy.get(s["prompt_index"]) for s in unbroken if s["sample"] == 1)  # sampled
@@ -85,16 +86,42 @@ def test_a_cut_generation_resumes_to_what_an_unbroken_run_makes(qwen3_pair, tmp_
         if len(ends) == 10:  # a shard is 4 prompts x 2 samples: this is inside the second
             raise Cut
     with pytest.raises(Cut):
-        regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b"), cache, cut_in_the_second_shard)
+        regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b", generator), cache, cut_in_the_second_shard)
     assert json.loads(cache.with_name("sequences.progress.json").read_text())["prompts_done"] == 4
     ends.clear()
-    resumed = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b"), cache, ends.append)
+    resumed = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b", generator), cache, ends.append)
     assert len(ends) == 16  # the first shard was not generated again
     assert resumed == unbroken
     assert [json.loads(line) for line in cache.read_text().splitlines()] == unbroken
     ends.clear()
-    assert regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b"), cache, ends.append) == unbroken
+    assert regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "b", generator), cache, ends.append) == unbroken
     assert ends == []  # all done: nothing generated
+
+
+def test_mlx_lm_generator_gives_the_engines_greedy_responses(qwen3_pair, tmp_path):
+    """The greedy responses (what the drafter learns to predict) are the target's own through either
+    generator, stop token included; sampled ones differ between them (each its own random stream)
+    but each is reproducible."""
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    engine = Engine(target, tokenizer)
+    made = {g: regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / g, g), tmp_path / g / "sequences.jsonl")
+            for g in ("engine", "mlx-lm")}
+    greedy = {g: {s["prompt_index"]: s["tokens"] for s in made[g] if s["sample"] == 0} for g in made}
+    assert greedy["engine"] == greedy["mlx-lm"] and len(greedy["engine"]) == len(PROMPTS)
+    again = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path / "again", "mlx-lm"),
+                       tmp_path / "again" / "sequences.jsonl")
+    assert again == made["mlx-lm"]
+
+
+def test_mlx_lm_responses_end_with_the_stop_token_as_the_engines_do(qwen3_pair):
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    engine = Engine(target, tokenizer)
+    prompt = tokenizer.encode("Once upon a time")
+    alone = [t for c in engine.generate(prompt_tokens=prompt, max_tokens=12, speculative=False) for t in c.token_ids]
+    stop = alone[4]
+    cut = alone[: alone.index(stop) + 1]
+    [response] = mlx_lm_responses(target.model, [prompt], 12, {stop}, 4)
+    assert response == cut  # the stop token ends it and is kept
 
 
 def test_training_holds_out_the_prompts_the_data_marks(qwen3_pair, tmp_path, capsys):

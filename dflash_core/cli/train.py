@@ -31,6 +31,9 @@ def add_train(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="length of the regenerated responses")
     p.add_argument("--generation-batch", type=positive_int, default=16,
                    help="target responses generated together (one batched forward per step)")
+    p.add_argument("--generator", choices=("engine", "mlx-lm"), default="engine",
+                   help="whose batched generation makes the responses: the engine's, or mlx-lm's BatchGenerator "
+                        "(far less host work a row at hundreds of rows on a GPU; docs/train.md)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=384, help="longer prompts keep their head and end")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--samples-per-prompt", type=positive_int, default=1,
@@ -115,7 +118,8 @@ def run_train(args) -> int:
         taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, minutes=args.minutes,
         batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-        generation_batch=args.generation_batch, samples_per_prompt=args.samples_per_prompt,
+        generation_batch=args.generation_batch, generator=args.generator,
+        samples_per_prompt=args.samples_per_prompt,
         sample_temperature=args.sample_temperature, shard_prompts=args.shard_prompts,
         generation_minutes=args.generation_minutes, held_out=args.held_out,
         max_prompt_tokens=args.max_prompt_tokens,
