@@ -232,6 +232,7 @@ class Scheduler:
                 for job in jobs:
                     self._finish(job, e)
                 continue
+            chunks: list[tuple[Job, Any]] = []
             for job, result in zip(jobs, results):
                 if result.error is not None:
                     log.error("generation failed", exc_info=result.error)
@@ -239,7 +240,8 @@ class Scheduler:
                 elif result.done:
                     self._finish(job, None)
                 else:
-                    job._deliver(result.chunk)
+                    chunks.append((job, result.chunk))
+            _deliver_together(chunks)
 
     def _started(self, job: Job) -> bool:
         if job.steps is not None:
@@ -278,6 +280,22 @@ class Scheduler:
             self._active.remove(job)
             self._finished.append(time.perf_counter())
         job._deliver(end)
+
+
+def _deliver_together(items: list[tuple[Job, Any]]) -> None:
+    """Hand a batched step's chunks to their requests with one wake-up of each event loop. One
+    `call_soon_threadsafe` per job (a write to the loop's self-pipe and a pass of the loop apiece)
+    was event-loop work per row per step, on the cores the engine and the clients share."""
+    by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]]] = {}
+    for job, item in items:
+        by_loop.setdefault(id(job.loop), (job.loop, []))[1].append((job.outputs, item))
+    for loop, puts in by_loop.values():
+        loop.call_soon_threadsafe(_put_all, puts)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)
 
 
 def _device_memory() -> int:
