@@ -38,6 +38,7 @@ from typing import Optional, Protocol
 from .rounds import RoundCosts
 
 MODES = ("auto", "on", "off")
+RECENT = 0.9
 
 
 class SpeculationPolicy(Protocol):
@@ -113,7 +114,7 @@ class ProbeSchedule:
     longest: int = 256
     interval: int = 4
     countdown: float = 0
-    overhead: float = 0.05  # the share of the plain steps that losing probes may cost
+    overhead: float = 0.02  # the share of the plain steps that losing probes may cost
     longest_wait: int = 4096
 
     def due(self, share: float = 1.0) -> bool:
@@ -130,9 +131,13 @@ class ProbeSchedule:
         self.interval = self.shortest
 
     def lost(self, steps: float) -> None:
-        """The last probe cost `steps` plain steps' worth more than it gave: the next one waits
-        long enough that probing costs at most `overhead` of the steps between."""
-        self.countdown = max(self.countdown, min(self.longest_wait, steps / self.overhead))
+        """The last probe cost `steps` plain steps' worth more than it gave (0 or less: it gained,
+        only not by the margin): the next one waits long enough that probing costs at most
+        `overhead` of the steps between, and no longer. So a probe that costs little (a GPU, where a
+        cycle is about two steps) comes again soon, whatever came before, and catches a generation
+        whose acceptance has risen; one that costs a lot (a CPU) waits long."""
+        self.interval = int(min(self.longest_wait, max(self.shortest, steps / self.overhead)))
+        self.countdown = self.interval
 
 
 @dataclass
@@ -148,6 +153,7 @@ class AutoSpeculation:
     refresh_every: int = 32  # while speculating, a plain step after this many cycles keeps its time current
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
+    recent: float = RECENT  # each cycle, this generation's older cycles count this much less
     speculating: bool = False
     widths: list[int] = field(init=False)  # the widths tried, widest first
     _counts: AcceptanceCounts = field(init=False)  # this generation's
@@ -161,7 +167,7 @@ class AutoSpeculation:
 
     def __post_init__(self):
         self.widths = sorted({w for w in (self.block_size, 8, 4, 2) if 2 <= w <= self.block_size}, reverse=True)
-        self._counts = AcceptanceCounts(self.block_size - 1)
+        self._counts = AcceptanceCounts(self.block_size - 1, decay=self.recent)
 
     def expected_tokens(self, width: int) -> float:
         """1 + the expected accepted drafts of a cycle of `width`: P(accepted through j), each

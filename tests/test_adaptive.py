@@ -182,14 +182,17 @@ def test_auto_in_a_batch_prices_a_row_by_its_share_of_the_round():
     policies = [model.policy("auto", batched=True) for _ in range(8)]
     log, rate = _feed_rounds(policies, model.rounds, wall, lambda w: 1, 700)
     tail = log[-500:]
-    assert sum(1 for plans in tail if any(plans)) <= 4, [i for i, plans in enumerate(tail) if any(plans)]
+    assert 0 < sum(1 for plans in tail if any(plans)) < 0.1 * len(tail)  # plain rounds, a probe now and then
+    seconds = sum(wall(sum(w or 1 for w in plans), sum(1 for w in plans if w)) for plans in tail)
+    assert seconds <= 1.03 * len(tail) * wall(8, 0), seconds / (len(tail) * wall(8, 0))  # probes cost <= 3 %
     assert policies[0].note().endswith("against a step of 1.1 ms (shares of a round of 8)"), policies[0].note()
     # The same rows judging by the walls between their reads, as alone: they cycle, and lose.
     walls = ModelSpeculation(16)
     walls_log, walls_rate = _feed_rounds([walls.policy("auto") for _ in range(8)], walls.rounds, wall,
                                          lambda w: 1, 700)
     assert sum(w > 0 for plans in walls_log[-500:] for w in plans) > 0.5 * 8 * 500
-    assert rate > 1.15 * walls_rate
+    assert rate >= 0.97 * 8 / wall(8, 0)  # within 3 % of plain rounds
+    assert rate > 1.1 * walls_rate
 
 
 @pytest.mark.parametrize("rows", [8, 16])
