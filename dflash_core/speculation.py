@@ -10,15 +10,17 @@ machine measured:
 - `Timings` (one per model, shared by its generations): the wall time of a plain step and of a
   cycle of each width, per context-length bucket (powers of two), as moving averages. The first
   sample of each width is dropped (MLX compiles new shapes then).
-- the acceptance by block position, from this generation's own cycles on top of the model's
+- the acceptance by block position, from this generation's own cycles (its last ten or so
+  weigh most, so a generation whose text turns easy or hard is followed) on top of the model's
   pooled history (`AcceptanceCounts` that decay), giving the expected tokens of a cycle of width w.
 
 It runs cycles at the width with the best expected tokens per second while that beats plain
 steps by `margin` (with a plain step now and then to keep that time current); otherwise plain
 steps, whose taps (from the same target forward) go into the drafter's context in one block before
-the next cycle, so switching back costs nothing, and a probe cycle every so often, the interval
-doubling while probes keep losing, and long enough that probes cost at most 5 % of the plain
-steps (a probe that lost 8 steps' worth, as on a CPU, waits 160). Widths are explored from the
+the next cycle, so switching back costs nothing, and a probe cycle every so often: after a probe
+that lost, as long as makes probing cost at most 2 % of the plain steps and no longer (a probe that
+lost 8 steps' worth, as on a CPU, waits 400; one that lost 0.8, as on a GPU, 40), before any
+probe was judged, an interval doubling from 4. Widths are explored from the
 block size down. Output never depends on any of this: a plain step and a cycle both commit
 exactly the target's tokens.
 

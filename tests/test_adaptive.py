@@ -110,22 +110,22 @@ def test_auto_turns_cycles_off_when_they_lose_and_keeps_probing():
     assert "against a step of 10.0 ms" in policy.note()
 
 
-def test_a_losing_probe_waits_until_probing_has_cost_a_twentieth():
+def test_a_losing_probe_waits_until_probing_has_cost_a_fiftieth():
     """This project's CPU with the demo pair: a cycle costs about 9 plain steps and (here) yields
     one token, at any width. After a probe has measured that, the next waits until probing has
-    cost at most 5 % of the steps, not just twice the last interval: over six short generations of
+    cost at most 2 % of the steps, not just twice the last interval: over six short generations of
     one model (its probe schedule shared, as in a server), the first one's exploration included,
-    cycles cost 14 % more time than plain steps alone would, against 25 % with the doubling alone."""
+    cycles cost 11 % more time than plain steps alone would, against 25 % with the doubling alone."""
     from dflash_core.speculation import ModelSpeculation
 
     model = ModelSpeculation(16)
     step, cycle = 0.035, 0.315
     plans = [w for _ in range(6) for w in _feed(model.policy("auto"), 64, step, lambda w: cycle, lambda w: 0, 48)]
     seconds = sum(cycle if w else step for w in plans)
-    assert seconds <= 1.16 * len(plans) * step, seconds / (len(plans) * step)
+    assert seconds <= 1.12 * len(plans) * step, seconds / (len(plans) * step)
     probes = [i for i, w in enumerate(plans) if w]
     after_first_look = [j - i for i, j in zip(probes, probes[1:]) if j - i > 1][1:]  # (a width's first sample is run twice)
-    assert all(gap >= 0.05 ** -1 * 8 for gap in after_first_look), probes
+    assert all(gap >= 0.02 ** -1 * 8 for gap in after_first_look), probes
 
 
 def test_auto_follows_a_generation_whose_acceptance_changes():
