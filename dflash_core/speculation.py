@@ -17,12 +17,12 @@ machine measured:
 It runs cycles at the width with the best expected tokens per second while that beats plain
 steps by `margin` (with a plain step now and then to keep that time current); otherwise plain
 steps, whose taps (from the same target forward) go into the drafter's context in one block before
-the next cycle, so switching back costs nothing, and a probe cycle every so often: after a probe
-that lost, as long as makes probing cost at most 2 % of the plain steps and no longer (a probe that
-lost 8 steps' worth, as on a CPU, waits 400; one that lost 0.8, as on a GPU, 40), before any
-probe was judged, an interval doubling from 4. Widths are explored from the
-block size down. Output never depends on any of this: a plain step and a cycle both commit
-exactly the target's tokens.
+the next cycle, so switching back costs nothing, and a probe cycle every so often. After a losing
+probe the next one waits as long as keeps probing within 2 % of the plain steps, and no longer (a
+probe that lost 8 steps' worth, as on a CPU, waits 400; one that lost 0.8, as on a GPU, 40); until
+a probe has been judged, the wait doubles from 4. Widths are explored from the block size down.
+Output never depends on any of this: a plain step and a cycle both commit exactly the target's
+tokens.
 
 Timings are wall times between this generation's reads: with other generations interleaved on
 the worker, both kinds of step include their share of the others' time. In a batch, where every
@@ -40,7 +40,6 @@ from typing import Optional, Protocol
 from .rounds import RoundCosts
 
 MODES = ("auto", "on", "off")
-RECENT = 0.9
 
 
 class SpeculationPolicy(Protocol):
@@ -155,7 +154,7 @@ class AutoSpeculation:
     refresh_every: int = 32  # while speculating, a plain step after this many cycles keeps its time current
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
-    recent: float = RECENT  # each cycle, this generation's older cycles count this much less
+    recent: float = 0.9  # each cycle, this generation's older cycles count this much less
     speculating: bool = False
     widths: list[int] = field(init=False)  # the widths tried, widest first
     _counts: AcceptanceCounts = field(init=False)  # this generation's

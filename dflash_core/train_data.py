@@ -2,12 +2,13 @@
 
 Responses are generated in shards of prompts, with up to `generation_batch` generations stepping
 together: through the engine's own batching (batching.py, `generator="engine"`) or mlx-lm's
-`BatchGenerator` (`generator="mlx-lm"`), whose one batched cache per step has far less host work a
-row at hundreds of rows (docs/train.md has both speeds). Each finished shard is appended to `sequences.jsonl` and recorded in
-`sequences.progress.json`, so a run cut short at any point resumes at its first unfinished shard
-and ends with exactly the sequences an unbroken run makes. Each prompt gives its greedy response
-and, with `samples_per_prompt` > 1, sampled ones (seeded per prompt and sample, so they too are
-the same after a restart); identical sequences are kept once.
+`BatchGenerator` (`generator="mlx-lm"`), whose one batched cache has far less host work a row at
+hundreds of rows (docs/train.md has both speeds). Each finished shard is appended to
+`sequences.jsonl` and recorded in `sequences.progress.json`, so a run cut short at any point
+resumes at its first unfinished shard and ends with exactly the sequences an unbroken run makes.
+Each prompt gives its greedy response and, with `samples_per_prompt` > 1, sampled ones, seeded
+(per prompt and sample through the engine, per shard through mlx-lm), so they too are the same
+after a restart; identical sequences are kept once.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
 
 def _responses(engine, jobs: list[tuple[int, int]], encoded: dict, shard: int, opts, progress) -> list[tuple]:
     """(response tokens with the stop token that ended it, tokens generated) for each (prompt,
-    sample) job of a shard. The end of turn is part of what drafts predict, so it is kept."""
+    sample) job of the shard whose first prompt is `shard` (it seeds mlx-lm's sampled pass). The
+    end of turn is part of what drafts predict, so it is kept."""
     if opts.generator == "mlx-lm":
         model, stops, rows = engine.target.model, engine.eos_token_ids, opts.generation_batch
         greedy = [j for j, (_, k) in enumerate(jobs) if k == 0]
