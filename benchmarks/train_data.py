@@ -44,7 +44,7 @@ def main() -> None:
     from dflash_core.batching import generate_together
     from dflash_core.demo import DEMO_PROMPTS, demo_target_dir
     from dflash_core.loading import load_engine
-    from dflash_core.train_data import encode_prompt, mlx_lm_responses, read_prompt_records
+    from dflash_core.train_data import encode_prompt, engine_response, generated_tokens, mlx_lm_responses, read_prompt_records
 
     engine = load_engine(args.target or str(demo_target_dir()), None)
     if args.prompts_file:
@@ -60,7 +60,7 @@ def main() -> None:
     report = {"machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "prompts": len(requests),
               "prompt_tokens": sum(len(r["prompt_tokens"]) for r in requests), "max_tokens": args.max_tokens,
               "prompts_file": str(args.prompts_file) if args.prompts_file else None, "rows": []}
-    outputs = {}
+    first = None
     stops = engine.eos_token_ids
     for generator in args.generators:
         for batch in args.batches:
@@ -74,16 +74,14 @@ def main() -> None:
             if generator == "mlx-lm":
                 made = mlx_lm_responses(engine.target.model, [r["prompt_tokens"] for r in requests], args.max_tokens,
                                         stops, batch)
-            else:  # the engine's chunks, with the stop token that ended a response, as dflash train keeps it
-                made = [[t for c in chunks for t in c.token_ids] + ([chunks[-1].stop_token_id] if chunks and
-                        chunks[-1].stop_token_id is not None else [])
-                        for chunks in generate_together(engine, requests, batch)]
+            else:  # with the stop token that ended a response, as dflash train keeps it
+                made = [engine_response(chunks) for chunks in generate_together(engine, requests, batch)]
             seconds = time.perf_counter() - start
             if profile is not None:
                 profile.disable()
                 profile.dump_stats(str(args.profile.with_name(f"{args.profile.stem}_{generator}{args.profile.suffix}")))
-            first = outputs.setdefault("first", made)  # the first run's outputs: what every other is compared with
-            tokens = sum(len(o) - bool(o and o[-1] in stops) for o in made)
+            first = made if first is None else first  # the first run's outputs: what every other is compared with
+            tokens = sum(generated_tokens(o, stops) for o in made)
             row = {"generator": generator, "batch": batch, "seconds": seconds, "tokens": tokens,
                    "tokens_per_second": tokens / seconds,
                    "same_responses_as_first_run": sum(a == b for a, b in zip(made, first))}

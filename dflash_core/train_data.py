@@ -159,6 +159,7 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     cache_file.write_text("".join(json.dumps(s) + "\n" for s in sequences))  # drops an unfinished shard
     seen = {tuple(s["tokens"]) for s in sequences}
+    stops = engine.eos_token_ids
     generated = counters.get("generated_tokens", 0)
     seconds = counters.get("seconds", 0.0)
     budget = None if opts.generation_minutes is None else time.perf_counter() + 60 * opts.generation_minutes
@@ -174,8 +175,8 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
         responses = _responses(engine, jobs, encoded, chunk.start, opts, progress)
         seconds += time.perf_counter() - started
         new = []
-        for (i, k), (response, made) in zip(jobs, responses):
-            generated += made
+        for (i, k), response in zip(jobs, responses):
+            generated += generated_tokens(response, stops)
             tokens = encoded[i] + response
             if len(response) >= 2 and tuple(tokens) not in seen:
                 seen.add(tuple(tokens))
@@ -194,10 +195,9 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
     return sequences
 
 
-def _responses(engine, jobs: list[tuple[int, int]], encoded: dict, shard: int, opts, progress) -> list[tuple]:
-    """(response tokens with the stop token that ended it, tokens generated) for each (prompt,
-    sample) job of the shard whose first prompt is `shard` (it seeds mlx-lm's sampled pass). The
-    end of turn is part of what drafts predict, so it is kept."""
+def _responses(engine, jobs: list[tuple[int, int]], encoded: dict, shard: int, opts, progress) -> list[list[int]]:
+    """Each (prompt, sample) job's response, with the stop token that ended it, of the shard whose
+    first prompt is `shard` (it seeds mlx-lm's sampled pass)."""
     if opts.generator == "mlx-lm":
         model, stops, rows = engine.target.model, engine.eos_token_ids, opts.generation_batch
         greedy = [j for j, (_, k) in enumerate(jobs) if k == 0]
@@ -209,20 +209,27 @@ def _responses(engine, jobs: list[tuple[int, int]], encoded: dict, shard: int, o
                 made = mlx_lm_responses(model, [encoded[jobs[j][0]] for j in members], opts.max_new_tokens, stops,
                                         rows, sampler, progress)
                 for j, response in zip(members, made):
-                    out[j] = (response, len(response) - bool(response and response[-1] in stops))
+                    out[j] = response
         return out
     from .batching import generate_together
 
     requests = [{"prompt_tokens": encoded[i], "max_tokens": opts.max_new_tokens, "speculative": False,
                  "sampling": _sampling(i, k, opts.sample_temperature, opts.seed)} for i, k in jobs]
-    out = []
-    for chunks in generate_together(engine, requests, opts.generation_batch, progress):
-        response = [t for c in chunks for t in c.token_ids]
-        made = len(response)
-        if chunks and chunks[-1].stop_token_id is not None:
-            response.append(chunks[-1].stop_token_id)
-        out.append((response, made))
-    return out
+    return [engine_response(chunks) for chunks in generate_together(engine, requests, opts.generation_batch, progress)]
+
+
+def engine_response(chunks) -> list[int]:
+    """An engine generation's tokens with the stop token that ended it, as mlx-lm's BatchGenerator
+    gives them: the end of turn is part of what drafts predict, so it is kept."""
+    response = [t for c in chunks for t in c.token_ids]
+    if chunks and chunks[-1].stop_token_id is not None:
+        response.append(chunks[-1].stop_token_id)
+    return response
+
+
+def generated_tokens(response: list[int], stop_ids) -> int:
+    """The tokens a response's generation made: all but the stop token that ended it."""
+    return len(response) - bool(response and response[-1] in stop_ids)
 
 
 def data_report(sequences: list[dict], progress_file: Path) -> dict:

@@ -60,7 +60,8 @@ class ForcedDrafter:
 EVERY_LENGTH = [15, 0, 7, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 8]
 
 
-def _tokens(chunks) -> list[int]:
+def tokens(chunks) -> list[int]:
+    """A generation's token ids, its chunks joined."""
     return [t for c in chunks for t in c.token_ids]
 
 
@@ -69,13 +70,13 @@ def assert_every_acceptance_length_is_lossless(engine, prompt: list[int], max_to
     against the 1-row steps of its target-alone reference) gives exactly that reference."""
     from dflash_core.engine import Engine
 
-    reference = _tokens(engine.generate(prompt, max_tokens=max_tokens + 16, speculative=False, stop_token_ids=set()))
+    reference = tokens(engine.generate(prompt, max_tokens=max_tokens + 16, speculative=False, stop_token_ids=set()))
     forced = ForcedDrafter(reference=list(prompt) + reference, prompt_length=len(prompt), schedule=EVERY_LENGTH,
                            vocab_size=engine.target.vocab_size,
                            target_layer_ids=engine.drafter.config.target_layer_ids)
     chunks = list(Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16).generate(
         prompt, max_tokens=max_tokens, stop_token_ids=set()))
-    assert _tokens(chunks) == reference[:max_tokens] and chunks[-1].stats.cycles >= len(EVERY_LENGTH)
+    assert tokens(chunks) == reference[:max_tokens] and chunks[-1].stats.cycles >= len(EVERY_LENGTH)
 
 
 def assert_batched_rows_are_as_alone(engine, prompt: list[int], max_tokens: int) -> None:
@@ -86,6 +87,6 @@ def assert_batched_rows_are_as_alone(engine, prompt: list[int], max_tokens: int)
     requests = [dict(prompt_tokens=prompt[: len(prompt) - i], max_tokens=max_tokens, speculation=mode,
                      stop_token_ids=set()) for i, mode in enumerate(["on", "off", "on"])]
     for request, chunks in zip(requests, generate_together(engine, requests)):
-        alone = _tokens(engine.generate(request["prompt_tokens"], max_tokens=max_tokens, speculative=False,
+        alone = tokens(engine.generate(request["prompt_tokens"], max_tokens=max_tokens, speculative=False,
                                         stop_token_ids=set()))
-        assert _tokens(chunks) == alone
+        assert tokens(chunks) == alone

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from families import sample_prompt
-from forced import assert_batched_rows_are_as_alone, assert_every_acceptance_length_is_lossless
+from forced import assert_batched_rows_are_as_alone, assert_every_acceptance_length_is_lossless, tokens
 
 from dflash_core.engine import Engine
 from dflash_core.kernels import KernelOptions
@@ -51,10 +51,6 @@ def _half_head_engine(pair, **kwargs) -> Engine:
     return engine
 
 
-def _tokens(chunks) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
 @pytest.mark.parametrize("pair_name", ["qwen3_pair", "gemma3_pair"])  # a separate head; a tied one
 def test_speculation_with_the_half_head_is_lossless(request, pair_name):
     pair = request.getfixturevalue(pair_name)
@@ -62,8 +58,8 @@ def test_speculation_with_the_half_head_is_lossless(request, pair_name):
     prompt = sample_prompt(engine)
     exact = load_engine(str(pair[0]), str(pair[1]), prefill_chunk=16)
     for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=7)):
-        alone = _tokens(engine.generate(prompt, max_tokens=96, sampling=sampling, speculative=False, stop_token_ids=set()))
-        spec = _tokens(engine.generate(prompt, max_tokens=96, sampling=sampling, speculation="on", stop_token_ids=set()))
+        alone = tokens(engine.generate(prompt, max_tokens=96, sampling=sampling, speculative=False, stop_token_ids=set()))
+        spec = tokens(engine.generate(prompt, max_tokens=96, sampling=sampling, speculation="on", stop_token_ids=set()))
         assert spec == alone
     # The logits are the float16 head's, near MLX's float32 head's.
     hidden = mx.random.normal((1, 3, engine.target.hidden_size))

@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from families import ENGINE_FAMILIES, sample_prompt
-from forced import assert_batched_rows_are_as_alone, assert_every_acceptance_length_is_lossless
+from forced import assert_batched_rows_are_as_alone, assert_every_acceptance_length_is_lossless, tokens
 
 from dflash_core.engine import Engine
 from dflash_core.kernels import KernelOptions, cpu_linear, matmul
@@ -110,13 +110,14 @@ def test_affine_blocks_are_found_exactly_and_multiplied():
 
 
 EXACT = {"float16": lambda w: w, "int8": _int8_exact, "affine": _affine_exact}
+PARTS = {"float16": 1, "int8": 2, "affine": 3}  # arrays in each kind of copy
 
 
 @pytest.mark.parametrize("make_copy", list(EXACT))
 def test_a_row_gets_the_same_result_to_the_bit_whatever_rows_share_the_call(make_copy, monkeypatch):
     weight = EXACT[make_copy](_random((999, 640), 4, 0.05))
     copy = cpu_linear.narrow_copy(weight)
-    assert len(copy) == {"float16": 1, "int8": 2, "affine": 3}[make_copy]
+    assert len(copy) == PARTS[make_copy]
     rows = _random((16, 640), 5)
     together = np.array(cpu_linear.narrow_linear(rows, copy))
     for threads in (1, 2, 3):
@@ -145,10 +146,6 @@ def test_bad_inputs_are_refused_with_the_reason(primitive):
         primitive.int8_linear(mx.zeros((1, 64)), mx.zeros((8, 64), dtype=mx.int8), mx.zeros((8, 1)), 1)
 
 
-def _tokens(chunks) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
 def _narrow_engine(pair, make_copy: str) -> Engine:
     engine = load_engine(str(pair[0]), str(pair[1]), prefill_chunk=16)
     if make_copy != "float16":  # the target's projections as a GGUF's Q8_0 or Q4_K would leave them
@@ -161,7 +158,7 @@ def _narrow_engine(pair, make_copy: str) -> Engine:
     copies = [(m.weight.shape[1], len(m[cpu_linear.NARROW_WEIGHT])) for layer in engine.target.layers
               for _, m in layer.named_modules() if cpu_linear.NARROW_WEIGHT in m]
     # int8 copies for the weights made int8 blocks (K a multiple of 32), float16 for the others
-    kind = {"float16": 1, "int8": 2, "affine": 3}[make_copy]
+    kind = PARTS[make_copy]
     assert all(n == (kind if K % 32 == 0 else 1) for K, n in copies)
     return engine
 
@@ -183,8 +180,8 @@ def test_speculation_with_the_primitive_is_lossless(request, family, make_copy):
     steps = mx.concatenate([target.forward(block[:, i : i + 1], caches[1]).logits for i in range(16)], axis=1)
     assert np.array_equal(np.array(verify), np.array(steps))
     for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=7)):
-        alone = _tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculative=False, stop_token_ids=set()))
-        spec = _tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculation="on", stop_token_ids=set()))
+        alone = tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculative=False, stop_token_ids=set()))
+        spec = tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculation="on", stop_token_ids=set()))
         assert spec == alone
     # Every acceptance length 0..15 (16-row verifies against 1-row steps), and rows batched together.
     assert_every_acceptance_length_is_lossless(engine, prompt)
