@@ -91,6 +91,9 @@ def test_short_sweep_end_to_end(qwen3_pair, tmp_path, capsys):
             assert r.prompt_tokens == r.context and r.filler_tokens > 0
         else:  # the agent prompt with its tools is longer than both contexts: left as it is
             assert r.prompt_tokens > r.context and r.filler_tokens == 0
+    # The untrained drafter loses: auto says why, in numbers, as a response's stats do.
+    notes = [r.auto.speculation_note for r in report.results if r.auto.speculation_note]
+    assert notes and all("against a step of" in n for n in notes)
     _assert_png(tmp_path / "results-speed.png")
     _assert_png(tmp_path / "results-acceptance.png")
 

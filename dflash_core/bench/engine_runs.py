@@ -175,6 +175,7 @@ def mode_result(runs: list[Run]) -> ModeResult:
         acceptance_by_position=counts.acceptance_by_position,
         plain_steps=sum(r.stats.plain_steps for r in runs),
         tokens_from_steps=sum(r.stats.tokens_from_steps for r in runs),
+        speculation_note=first.speculation_note,
     )
 
 

@@ -90,6 +90,8 @@ class ModeResult(_Strict):
     acceptance_by_position: Optional[list[float]] = Field(None, description="accepted_by_position / cycles")
     plain_steps: int = Field(0, description="speculation auto: plain target steps, summed over runs")
     tokens_from_steps: int = Field(0, description="tokens those plain steps made, summed over runs")
+    speculation_note: Optional[str] = Field(
+        None, description="speculation auto, the first run: why it last chose plain steps, in numbers")
 
 
 class PromptResult(_Strict):
