@@ -11,10 +11,6 @@ requests one after another and of N requests sent together (medians of --repeats
 turn), aggregate tok/s, per-stream tok/s and time to first token, the server process's CPU time
 each way (all its threads: the engine, the event loop, MLX's and the BLAS's), and whether every
 answer was the same both ways (batching must not change a token).
-
-`--without uvloop,httptools` runs a second server per mode in which those packages cannot be
-imported (uvicorn then falls back to asyncio's event loop and h11), measured in turn with the
-first, so that what an optional package of the server gives is measured in one run.
 """
 
 from __future__ import annotations
@@ -39,19 +35,12 @@ from serving import start_server  # noqa: E402
 EOS: list[int] = []  # the target's end-of-sequence ids, read from its generation_config.json
 
 
-def start(target: Path, drafter: Path, speculation: str, workdir: Path, without: tuple[str, ...] = ()):
-    env = None
-    if without:  # first on the path: packages whose import fails, as where they are not installed
-        hidden = workdir / ("without-" + "-".join(without))
-        for name in without:
-            (hidden / name).mkdir(parents=True, exist_ok=True)
-            (hidden / name / "__init__.py").write_text(f"raise ImportError('{name}: hidden by cpu_batch.py')\n")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))}
+def start(target: Path, drafter: Path, speculation: str, workdir: Path):
     return start_server({
         "server": {"max_active": 16},
         "prefix_cache_gb": 0,  # every request computes its prompt: the same work both ways
         "models": [{"name": "bench", "target": str(target), "drafter": str(drafter), "speculation": speculation}],
-    }, workdir, speculation + "-without" * bool(without), timeout=300, env=env)
+    }, workdir, speculation, timeout=300)
 
 
 def stream(url: str, prompt: str, max_tokens: int) -> dict:
@@ -105,51 +94,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def mapped(pid: int, packages: list[str]) -> list[str]:
-    """Those of `packages` whose compiled modules process `pid` has mapped (Linux's /proc)."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return []
-    return [p for p in packages if f"/{p}/" in maps]
-
-
-def measure(servers: list[tuple[str, int]], n: int, max_tokens: int, repeats: int = 3) -> list[dict]:
-    """For each server (URL, process id): N requests one after another, then the same N at once,
-    `repeats` times in turn, the servers in turn within each: the median wall time of each way
-    (this 2-core machine is noisy; one run of a second or less is not a figure), and the server's
-    median CPU time each way."""
+def measure(url: str, n: int, max_tokens: int, repeats: int = 3, pid: int = 0) -> dict:
+    """N requests one after another, then the same N at once, `repeats` times in turn: the median
+    wall time of each way (this 2-core machine is noisy; one run of a second or less is not a figure),
+    and the server's (process `pid`) median CPU time each way."""
     texts = prompts(n)
-    for url, _ in servers:
-        stream(url, texts[0], 8)  # warm-up: compiled blocks for these shapes
-    runs: list[list[tuple[float, float, float, float, list, list]]] = [[] for _ in servers]
+    stream(url, texts[0], 8)  # warm-up: compiled blocks for these shapes
+    walls_alone, walls_together, cpu_alone, cpu_together = [], [], [], []
     for _ in range(repeats):
-        for (url, pid), done in zip(servers, runs):
-            start, cpu = time.perf_counter(), cpu_seconds(pid)
-            alone = [stream(url, t, max_tokens) for t in texts]
-            wall_alone, cpu_alone = time.perf_counter() - start, cpu_seconds(pid) - cpu
-            cpu = cpu_seconds(pid)
-            wall, together = _together(url, texts, max_tokens)
-            done.append((wall_alone, wall, cpu_alone, cpu_seconds(pid) - cpu, alone, together))
-    return [_row(done, n, max_tokens) for done in runs]
-
-
-def _row(done: list, n: int, max_tokens: int) -> dict:
-    walls_alone, walls_together = [d[0] for d in done], [d[1] for d in done]
-    alone, together = done[-1][4], done[-1][5]
-    same = all([a["text"] for a in d[4]] == [b["text"] for b in d[5]] for d in done)
+        start, cpu = time.perf_counter(), cpu_seconds(pid)
+        alone = [stream(url, t, max_tokens) for t in texts]
+        walls_alone.append(time.perf_counter() - start)
+        cpu_alone.append(cpu_seconds(pid) - cpu)
+        cpu = cpu_seconds(pid)
+        wall, together = _together(url, texts, max_tokens)
+        walls_together.append(wall)
+        cpu_together.append(cpu_seconds(pid) - cpu)
+        if [a["text"] for a in alone] != [b["text"] for b in together]:
+            break
     one_by_one, at_once = statistics.median(walls_alone), statistics.median(walls_together)
     tokens = n * max_tokens
     return {
-        "streams": n, "repeats": len(done), "one_by_one_s": one_by_one, "together_s": at_once,
+        "streams": n, "repeats": len(walls_alone), "one_by_one_s": one_by_one, "together_s": at_once,
         "one_by_one_s_all": walls_alone, "together_s_all": walls_together, "speedup": one_by_one / at_once,
-        "server_cpu_s_one_by_one": statistics.median(d[2] for d in done),
-        "server_cpu_s_together": statistics.median(d[3] for d in done),
+        "server_cpu_s_one_by_one": statistics.median(cpu_alone), "server_cpu_s_together": statistics.median(cpu_together),
         "aggregate_tok_s": tokens / at_once, "aggregate_tok_s_one_by_one": tokens / one_by_one,
         "per_stream_tok_s": sum(max_tokens / r["seconds"] for r in together) / n,
         "solo_stream_tok_s": sum(max_tokens / r["seconds"] for r in alone) / n,
         "ttft_s_together": sum(r["ttft"] for r in together) / n,
-        "same_output": same,
+        "same_output": [a["text"] for a in alone] == [b["text"] for b in together],
     }
 
 
@@ -159,8 +132,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", default="off,on")
     parser.add_argument("--repeats", type=int, default=3, help="each N's two ways, this many times in turn (medians)")
-    parser.add_argument("--without", default="", help="also a server where these packages cannot be imported "
-                        "(e.g. uvloop,httptools), measured in turn with the first")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
@@ -172,30 +143,20 @@ def main() -> None:
         target, drafter = tiny_pair(Path(work) / "tiny", "qwen3")
         eos = json.loads((target / "generation_config.json").read_text())["eos_token_id"]
         EOS.extend(eos if isinstance(eos, list) else [eos])
-        variants = [()] + ([tuple(args.without.split(","))] if args.without else [])
         for mode in args.modes.split(","):
-            servers = []
+            process, url = start(target, drafter, mode, Path(work))
             try:
-                for without in variants:
-                    servers.append(start(target, drafter, mode, Path(work), without))
                 for n in args.streams:
-                    rows = measure([(url, process.pid) for process, url in servers], n, args.max_tokens, args.repeats)
-                    for without, row in zip(variants, rows):
-                        if args.without:  # what the server process has loaded of them, to be sure
-                            pid = servers[variants.index(without)][0].pid
-                            row = {"without": list(without), "loaded": mapped(pid, args.without.split(",")), **row}
-                        row = {"speculation": mode, **row}
-                        report["rows"].append(row)
-                        label = mode + (f" without {','.join(without)}" if without else "")
-                        print(f"{label:>4} {n:>3} streams | one by one {row['one_by_one_s']:6.2f} s, together "
-                              f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | aggregate {row['aggregate_tok_s']:7.1f} "
-                              f"tok/s, per stream {row['per_stream_tok_s']:6.1f} (alone {row['solo_stream_tok_s']:6.1f}) "
-                              f"| server CPU s {row['server_cpu_s_one_by_one']:.2f} / {row['server_cpu_s_together']:.2f} "
-                              f"| same output: {row['same_output']}", flush=True)
+                    row = {"speculation": mode, **measure(url, n, args.max_tokens, args.repeats, process.pid)}
+                    report["rows"].append(row)
+                    print(f"{mode:>4} {n:>3} streams | one by one {row['one_by_one_s']:6.2f} s, together "
+                          f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | aggregate {row['aggregate_tok_s']:7.1f} "
+                          f"tok/s, per stream {row['per_stream_tok_s']:6.1f} (alone {row['solo_stream_tok_s']:6.1f}) "
+                          f"| server CPU s {row['server_cpu_s_one_by_one']:.2f} / {row['server_cpu_s_together']:.2f} "
+                          f"| same output: {row['same_output']}", flush=True)
             finally:
-                for process, _ in servers:
-                    process.terminate()
-                    process.wait(timeout=60)
+                process.terminate()
+                process.wait(timeout=60)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import httpx
 import yaml
@@ -21,7 +20,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(config: dict, workdir: Path, name: str, timeout: float = 600, env: Optional[dict] = None):
+def start_server(config: dict, workdir: Path, name: str, timeout: float = 600):
     """`dflash serve` with `config` (config.yaml's keys; the port is chosen here) as a process;
     (process, base URL) once /health answers 200. Its log is workdir/server-{name}.log."""
     port = free_port()
@@ -29,7 +28,7 @@ def start_server(config: dict, workdir: Path, name: str, timeout: float = 600, e
     path.write_text(yaml.safe_dump({**config, "server": {**config.get("server", {}), "port": port}}))
     log = open(workdir / f"server-{name}.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "dflash_core.launch", "serve", "--config", str(path)],
-                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -107,18 +107,6 @@ def test_cpu_distributed_runs_on_a_small_shape(tmp_path):
     assert sizes["each of two ranks"] < sizes["one process"]
 
 
-def test_cpu_batch_measures_the_server_without_its_optional_packages(tmp_path):
-    # The server runs uvicorn's uvloop and httptools (dependencies); --without hides them from a
-    # second server, which then runs asyncio's loop and h11, and says which of them each one loaded.
-    out = tmp_path / "cpu_batch.json"
-    done = _run("benchmarks/cpu_batch.py", "--streams", "2", "--modes", "off", "--max-tokens", "4", "--repeats", "1",
-                "--without", "uvloop,httptools", "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["without"], r["loaded"]) for r in rows] == [([], ["uvloop", "httptools"]), (["uvloop", "httptools"], [])]
-    assert all(r["same_output"] for r in rows)
-
-
 def test_cpu_batch_runs_through_a_real_server(tmp_path):
     out = tmp_path / "cpu_batch.json"
     done = _run("benchmarks/cpu_batch.py", "--streams", "2", "--modes", "off,on", "--max-tokens", "6", "--repeats", "2",
