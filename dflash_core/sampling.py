@@ -163,5 +163,9 @@ class Sampler:
         index = mx.arange(first_index, first_index + rows, dtype=mx.uint32)[:, None]
         row_key = _mix32(_mix32(index ^ self._seed_lo) + self._seed_hi)
         bits = _mix32(row_key ^ self._token_hash[None])
-        u = ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
-        return -mx.log(-mx.log(u))
+        # v = 1 - u on a grid of 2^-23: (k + 0.5) * 2^-23 is exact in float32 for every 23-bit k, so
+        # v lies strictly inside (0, 1) and the noise is finite. (With 24-bit k and 2^-24 the top k
+        # rounded to u = 1.0, an infinite noise: a uniformly random token won, about once in 2^24
+        # draws, so once in ~64 tokens with a 262k vocabulary.) log1p keeps -log(u) exact near u = 1.
+        v = ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
+        return -mx.log(-mx.log1p(-v))

@@ -85,6 +85,18 @@ def test_sampler_draws_from_the_processed_distribution():
     assert _chi_square_p(counts, probs * n) > 1e-3
 
 
+def test_noise_never_lets_an_unlikely_token_win_on_a_large_vocabulary():
+    # Every token of a 262k vocabulary (Gemma's) at 512 generated positions: 134M noise draws, where
+    # one noise of +inf in a row would let its token win against a lead of 60 logits (e^-60: never).
+    vocab, rows = 262144, 128
+    logits = mx.zeros((rows, vocab)).at[:, 1234].add(60.0)
+    for first in range(0, 512, rows):
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=first), vocab_size=vocab)
+        noise = sampler._gumbel(first, rows)
+        assert mx.all(mx.isfinite(noise)).item()
+        assert mx.all(sampler.choose(logits, None, first) == 1234).item()
+
+
 def test_speculative_distribution_matches_target_alone(engine):
     """Two independent samples, one with speculation (seeds 0..n-1) and one without (seeds n..2n-1),
     of the first three tokens under top-k 2 (a tiny effective vocabulary). The drafter proposes one
