@@ -30,11 +30,13 @@ RELEASED_DRAFTERS: dict[str, dict] = {
                             sliding=(5, 4096)),
     "gemma-4-31b": dict(layers=5, heads=64, kv=8, inter=10752, taps=[1, 12, 23, 35, 46, 57], mask=4,
                         sliding=(4, 2048), softcap=30.0),
+    # No released drafter: the shipped demo drafter's layout (dflash_core/demo/gemma-3-270m-dflash).
+    "gemma-3-270m": dict(layers=3, heads=4, kv=1, inter=1536, taps=[1, 8, 15], mask=4),
 }
 
 # `tiny-<family>` builds the tiny shapes of the family, with the drafter layout of this model.
 FAMILY_EXAMPLES = {"qwen3": "qwen3-8b", "qwen3_5": "qwen3.5-9b", "qwen3_5_moe": "qwen3.6-35b-a3b",
-                   "gemma4": "gemma-4-31b"}
+                   "gemma4": "gemma-4-31b", "gemma3_text": "gemma-3-270m"}
 QUANTS = ("bf16", "4bit")
 
 

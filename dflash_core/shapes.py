@@ -56,6 +56,12 @@ REAL_SHAPES: dict[str, dict[str, Any]] = {
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
         num_kv_shared_layers=0, hidden_size_per_layer_input=0, vocab_size=262144,
         vocab_size_per_layer_input=262144, max_position_embeddings=262144),
+    # The offline demo's target (its GGUF's metadata): small enough that a step is kernel launches.
+    "gemma-3-270m": dict(
+        family="gemma3_text", hidden_size=640, num_hidden_layers=18, intermediate_size=2048,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        vocab_size=262144, max_position_embeddings=32768, tie_word_embeddings=True),
 }
 
 # Token ids of the real vocabularies, used when a target has no tokenizer.
