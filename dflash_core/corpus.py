@@ -1,4 +1,7 @@
-"""Prompt corpora for `dflash train`, built from what every machine with Python has.
+"""Prompt corpora for `dflash train`, built from what every machine with dflash installed has: the
+Python standard library and the bundled prompt sets (source `stdlib`), then the packages dflash
+installs with it (source `packages`: numpy, transformers, mlx-lm, pydantic, FastAPI, ...), whose
+docstrings hold far more prose about software than the standard library's.
 
 - code: the heads of functions and classes in the standard library's own sources (signature,
   docstring, first lines), continued by the target as code;
@@ -11,13 +14,16 @@
 
 Prompts are deduplicated on their normalised text (case and whitespace folded), and each one's
 split is a hash of that text: a held-out prompt never appears in training, however the corpus is
-rebuilt, grown or ordered, and two spellings of one prompt land on the same side.
+rebuilt, grown or ordered, and two spellings of one prompt land on the same side. Within a
+category the standard library's prompts come first, so `--sources stdlib` gives the corpus the
+shipped drafter was trained on; the packages' prompts depend on the versions installed.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.util
 import itertools
 import json
 import re
@@ -27,6 +33,10 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
 
 CATEGORIES = ("code", "prose", "chat", "structured")
+SOURCE_NAMES = ("stdlib", "packages")
+# Installed with dflash (directly or through mlx-lm, transformers and FastAPI), in this order.
+PACKAGES = ("numpy", "transformers", "huggingface_hub", "mlx_lm", "mlx", "pydantic", "fastapi", "starlette",
+            "jinja2", "httpx", "anyio", "uvicorn", "yaml", "tqdm")
 HELD_OUT = 0.05  # share of prompts held out by default
 MAX_CHARS = 1500  # longer prompts are cut (code at a line end)
 
@@ -52,14 +62,37 @@ def split_of(prompt: Prompt, held_out: float = HELD_OUT) -> str:
     return "held_out" if digest % 1_000_000 < held_out * 1_000_000 else "train"
 
 
+@dataclass(frozen=True)
+class Tree:
+    """Python files to take prompts from: `files`, named (and made module names) relative to `root`;
+    prose from every public docstring (`all_docstrings`) or from module docstrings only."""
+
+    root: Path
+    files: tuple[Path, ...]
+    all_docstrings: bool = False
+
+
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _python_files(root: Path) -> Iterator[Path]:
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" not in path.parts and "dist-packages" not in path.parts:
-            yield path
+def stdlib_tree(root: Optional[Path] = None) -> Tree:
+    root = root or stdlib_root()
+    return Tree(root, tuple(p for p in sorted(root.rglob("*.py"))
+                            if "site-packages" not in p.parts and "dist-packages" not in p.parts))
+
+
+def package_trees(names: Iterable[str] = PACKAGES) -> list[Tree]:
+    """The installed packages among `names` (those missing are skipped), each relative to the
+    directory that holds it, so that its modules are named as they are imported."""
+    trees = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        trees.append(Tree(folder.parent, tuple(sorted(folder.rglob("*.py"))), all_docstrings=True))
+    return trees
 
 
 def _parsed(path: Path) -> Optional[tuple[list[str], ast.Module]]:
@@ -70,10 +103,11 @@ def _parsed(path: Path) -> Optional[tuple[list[str], ast.Module]]:
         return None
 
 
-def code_prompts(root: Path) -> Iterator[tuple[str, str]]:
+def code_prompts(tree: Tree) -> Iterator[tuple[str, str]]:
     """(prompt, source): each function's or class's head, up to half its lines (at least the
     signature and four more), so the target continues real code."""
-    for path in _python_files(root):
+    root = tree.root
+    for path in tree.files:
         parsed = _parsed(path)
         if parsed is None:
             continue
@@ -100,30 +134,54 @@ def _cut(text: str) -> str:
     return text[: text.rfind("\n", 0, MAX_CHARS) if "\n" in text[:MAX_CHARS] else MAX_CHARS]
 
 
-def _paragraph_openings(text: str, source: str) -> Iterator[tuple[str, str]]:
+# A docstring paragraph that is a parameter list, a section heading, markup or code, not prose.
+NOT_PROSE = re.compile(r"^(#|\.\.|:|[A-Z][a-z]+:|Args\b|Arguments\b|Parameters\b|Params\b|Returns?\b|Yields?\b"
+                       r"|Raises\b|Examples?\b|Attributes\b|Notes?\b|See [Aa]lso\b)|-{3,}|={3,}|```")
+
+
+def _paragraph_openings(text: str, source: str, strict: bool = False) -> Iterator[tuple[str, str]]:
+    """The first third of each paragraph of 120 characters or more; `strict`: only paragraphs
+    that read as sentences (a capital first, a full stop, no section or parameter markup)."""
     for paragraph in re.split(r"\n\s*\n", text):
         paragraph = " ".join(paragraph.split())
-        if len(paragraph) >= 120 and not paragraph.startswith((">>>", "...", "$")):
-            yield _cut(paragraph[: max(60, len(paragraph) // 3)]), source
+        if len(paragraph) < 120 or paragraph.startswith((">>>", "...", "$")):
+            continue
+        if strict and (not paragraph[0].isupper() or ". " not in paragraph or NOT_PROSE.search(paragraph)):
+            continue
+        yield _cut(paragraph[: max(60, len(paragraph) // 3)]), source
 
 
-def prose_prompts(root: Path) -> Iterator[tuple[str, str]]:
-    """(prompt, source): paragraph openings of the documentation topics, then of module docstrings."""
+def pydoc_prose() -> Iterator[tuple[str, str]]:
+    """(prompt, source): paragraph openings of Python's documentation topics."""
     try:
         from pydoc_data.topics import topics
     except ImportError:  # a Python built without its docs data
         topics = {}
     for name in sorted(topics):
         yield from _paragraph_openings(topics[name], f"pydoc_data:{name}")
-    for path in _python_files(root):
+
+
+def prose_prompts(tree: Tree) -> Iterator[tuple[str, str]]:
+    """(prompt, source): paragraph openings of module docstrings, and of public classes' and
+    functions' where the tree takes all its docstrings (the packages: the standard library's are
+    the documentation topics' text again)."""
+    for path in tree.files:
         parsed = _parsed(path)
-        if parsed is not None:
-            yield from _paragraph_openings(ast.get_docstring(parsed[1]) or "", f"{path.relative_to(root)}:doc")
+        if parsed is None:
+            continue
+        source = str(path.relative_to(tree.root))
+        strict = tree.all_docstrings
+        yield from _paragraph_openings(ast.get_docstring(parsed[1]) or "", f"{source}:doc", strict)
+        if tree.all_docstrings:
+            for node in ast.walk(parsed[1]):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                    yield from _paragraph_openings(ast.get_docstring(node) or "", f"{source}:{node.lineno}", strict)
 
 
-def _documented_functions(root: Path) -> Iterator[tuple[str, str, list[str], str, str]]:
+def _documented_functions(tree: Tree) -> Iterator[tuple[str, str, list[str], str, str]]:
     """(module, name, arguments, first docstring line, source) of public module-level functions."""
-    for path in _python_files(root):
+    root = tree.root
+    for path in tree.files:
         if any(part.startswith(("test", "_", "idle")) for part in path.relative_to(root).parts):
             continue
         parsed = _parsed(path)
@@ -139,8 +197,8 @@ def _documented_functions(root: Path) -> Iterator[tuple[str, str, list[str], str
                     yield module, node.name, args, doc, f"{path.relative_to(root)}:{node.lineno}"
 
 
-def chat_prompts(root: Path) -> Iterator[tuple[Prompt, str]]:
-    """(prompt, source): the bundled prompt sets, then questions about documented functions."""
+def bundled_chat() -> Iterator[tuple[Prompt, str]]:
+    """(prompt, source): the bundled prompt sets (the demo's, `dflash bench`'s)."""
     from .bench_prompts import PROMPTS
     from .demo import DEMO_PROMPTS
 
@@ -150,37 +208,55 @@ def chat_prompts(root: Path) -> Iterator[tuple[Prompt, str]]:
     for p in PROMPTS:
         if not p.tools:  # a prompt with tools needs them rendered; the bench serves those
             yield p.messages, f"bench_prompts:{p.set}/{p.name}"
-    for module, name, args, doc, source in _documented_functions(root):
+
+
+def chat_prompts(tree: Tree) -> Iterator[tuple[Prompt, str]]:
+    """(prompt, source): questions about documented functions."""
+    for module, name, args, doc, source in _documented_functions(tree):
         yield (f"What does {module}.{name}({', '.join(args)}) do in Python, and when would you use it? "
                f"The documentation starts: \"{doc[:300]}\""), source
 
 
-def structured_prompts(root: Path) -> Iterator[tuple[str, str]]:
+def structured_prompts(tree: Tree) -> Iterator[tuple[str, str]]:
     """(prompt, source): a JSON record of a documented function, opened for the target to finish."""
-    for module, name, args, doc, source in _documented_functions(root):
+    for module, name, args, doc, source in _documented_functions(tree):
         record = {"tool": "describe_function", "module": module, "name": name, "arguments": args}
         opened = json.dumps(record)[:-1] + ', "summary": "'
         yield f"{doc[:300]}\n{opened}", source
 
 
 SOURCES = {"code": code_prompts, "prose": prose_prompts, "chat": chat_prompts, "structured": structured_prompts}
+# What a category takes once, before its trees: the documentation topics, the bundled prompt sets.
+FIRST = {"prose": pydoc_prose, "chat": bundled_chat}
+
+
+def _category(category: str, trees: list[Tree], first: bool) -> Iterator[tuple[Prompt, str]]:
+    if first and category in FIRST:
+        yield from FIRST[category]()
+    for tree in trees:
+        yield from SOURCES[category](tree)
 
 
 def build_corpus(categories: Iterable[str] = CATEGORIES, per_category: Optional[int] = None,
-                 held_out: float = HELD_OUT, root: Optional[Path] = None) -> list[CorpusPrompt]:
+                 held_out: float = HELD_OUT, root: Optional[Path] = None,
+                 sources: Iterable[str] = SOURCE_NAMES) -> list[CorpusPrompt]:
     """Up to `per_category` distinct prompts of each category (all by default), in a fixed order:
     the categories taken in turn, one prompt each, so that every head of the corpus is balanced
-    (a data generation cut short by `dflash train --generation-minutes` covers all of them)."""
-    categories = list(categories)
+    (a data generation cut short by `dflash train --generation-minutes` covers all of them).
+    `sources`: "stdlib" (the standard library at `root`, and the bundled sets), "packages"."""
+    categories, sources = list(categories), list(sources)
     unknown = [c for c in categories if c not in SOURCES]
     if unknown:
         raise ValueError(f"unknown categories {unknown}; known: {', '.join(CATEGORIES)}")
-    root = root or stdlib_root()
+    unknown = [s for s in sources if s not in SOURCE_NAMES]
+    if unknown or not sources:
+        raise ValueError(f"unknown sources {unknown}; known: {', '.join(SOURCE_NAMES)}")
+    trees = ([stdlib_tree(root)] if "stdlib" in sources else []) + (package_trees() if "packages" in sources else [])
     seen: set[str] = set()
     by_category = []
     for category in categories:
         prompts = []
-        for prompt, source in SOURCES[category](root):
+        for prompt, source in _category(category, trees, first="stdlib" in sources):
             key = normalised(prompt)
             if key in seen:
                 continue

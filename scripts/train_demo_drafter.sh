@@ -22,7 +22,7 @@ GENERATION_BATCH="${GENERATION_BATCH:-512}"
 LOSS_VOCAB="${LOSS_VOCAB:-full}"
 TARGET_DIR="${TARGET_DIR:-$(python3 -c 'from dflash_core.demo import demo_target_dir; print(demo_target_dir())')}"
 mkdir -p "$WORK"
-dflash corpus --out "$WORK/corpus.jsonl"
+dflash corpus --sources stdlib --out "$WORK/corpus.jsonl"
 head -n "$PROMPTS" "$WORK/corpus.jsonl" > "$WORK/prompts.jsonl"
 dflash train --target "$TARGET_DIR" --data "$WORK/prompts.jsonl" --out "$WORK" --no-chat \
   --layers 3 --heads 4 --kv-heads 1 --head-dim 128 --intermediate-size 1536 \

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dflash_core import cli
-from dflash_core.corpus import CATEGORIES, build_corpus, normalised, split_of
+from dflash_core.corpus import CATEGORIES, NOT_PROSE, build_corpus, normalised, split_of
 from dflash_core.engine import Engine
 from dflash_core.loading import load_target
 from dflash_core.train import TrainOptions
@@ -30,6 +30,22 @@ def test_the_corpus_has_every_category_distinct_prompts_and_a_stable_split():
         assert {"module", "name", "arguments", "summary"} <= record.keys()
 
 
+def test_the_packages_installed_with_dflash_add_prompts_after_the_standard_library():
+    packages = build_corpus(per_category=30, sources=["packages"])
+    assert [sum(c.category == cat for c in packages) for cat in CATEGORIES] == [30] * 4
+    assert all(c.source.split("/")[0] in ("numpy", "transformers") for c in packages)  # the first packages
+    prose = [c.prompt for c in packages if c.category == "prose"]
+    assert all(p[0].isupper() and not NOT_PROSE.search(p) for p in prose)  # sentences, not parameter lists
+    asked = [c.prompt for c in packages if c.category == "chat"]
+    assert all(p.startswith("What does numpy.") for p in asked)  # module names as imported
+    # The standard library's prompts come first in each category: the corpus before the packages
+    # joined is the head of every category now, so `--sources stdlib` rebuilds it.
+    both = build_corpus(per_category=30)
+    assert both == build_corpus(per_category=30, sources=["stdlib"])
+    with pytest.raises(ValueError, match="sources"):
+        build_corpus(sources=["internet"])
+
+
 def test_the_split_is_decided_by_the_text_alone():
     assert split_of("Explain  how Rivers form.") == split_of("explain how rivers form.")
     texts = [f"prompt number {i} about something" for i in range(20000)]
@@ -47,6 +63,11 @@ def test_dflash_corpus_writes_what_dflash_train_reads(tmp_path, capsys):
     assert {r["split"] for r in records} == {"train", "held_out"}
     assert cli.main(["corpus", "--out", str(out), "--categories", "code,poetry"]) == 2
     assert "poetry" in capsys.readouterr().err
+    assert cli.main(["corpus", "--out", str(out), "--sources", "stdlib,web"]) == 2
+    assert "web" in capsys.readouterr().err
+    assert cli.main(["corpus", "--out", str(out), "--per-category", "3", "--sources", "packages"]) == 0
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(written) == 12 and {r["source"].split("/")[0] for r in written} <= {"numpy", "transformers"}
 
 
 PROMPTS = ["def add(a, b):", "The weather today is", "Count from one to ten.", "Why is the sky blue?",

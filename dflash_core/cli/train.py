@@ -6,7 +6,7 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from ..corpus import CATEGORIES, HELD_OUT, build_corpus, write_corpus
+from ..corpus import CATEGORIES, HELD_OUT, SOURCE_NAMES, build_corpus, write_corpus
 from ..train import TrainOptions, train
 from .args import positive_int
 
@@ -86,17 +86,22 @@ def _share(text: str) -> float:
 
 
 def add_corpus(sub) -> None:
-    p = sub.add_parser("corpus", help="write a prompt corpus for dflash train from the Python standard library "
-                                      "and the bundled prompt sets (code, prose, chat, structured)")
+    p = sub.add_parser("corpus", help="write a prompt corpus for dflash train from the Python standard library, "
+                                      "the bundled prompt sets and the packages installed with dflash "
+                                      "(code, prose, chat, structured)")
     p.add_argument("--out", required=True, type=Path, help="the .jsonl to write (dflash train --data reads it)")
     p.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma list of: {', '.join(CATEGORIES)}")
+    p.add_argument("--sources", default=",".join(SOURCE_NAMES),
+                   help="comma list of: stdlib (the standard library and the bundled prompt sets), packages (the "
+                        "docstrings and code of numpy, transformers, mlx-lm, pydantic, ...: about two minutes to read); "
+                        "stdlib alone is the corpus the demo drafter was trained on")
     p.add_argument("--per-category", type=positive_int, help="at most this many prompts of each (default: all)")
     p.add_argument("--held-out", type=_share, default=HELD_OUT, help="share of prompts held out (by a hash of each)")
     p.set_defaults(func=run_corpus)
 
 
 def run_corpus(args) -> int:
-    corpus = build_corpus(args.categories.split(","), args.per_category, args.held_out)
+    corpus = build_corpus(args.categories.split(","), args.per_category, args.held_out, sources=args.sources.split(","))
     write_corpus(corpus, args.out)
     counts = Counter((c.category, c.split) for c in corpus)
     for category in dict.fromkeys(c.category for c in corpus):
