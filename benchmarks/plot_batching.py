@@ -3,7 +3,8 @@
     python benchmarks/plot_batching.py docs/gpu/gpu_batch_bf16_per_row_attention.json \\
         docs/gpu/gpu_batch_bf16_attention_rows.json docs/gpu/gpu_batch_bf16.json --out docs/gpu/batching_bf16.png
 
-Needs matplotlib (the `bench` extra). Each report's label is its file name.
+Needs matplotlib (the `bench` extra). Each report's label is its file name; `--quant bf16` keeps
+one quantization's rows of reports that hold several.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quant", help="plot only this quantization's rows (a report may hold bf16 and 4bit)")
     args = parser.parse_args()
     import matplotlib
 
@@ -26,7 +28,7 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for path in args.reports:
         report = json.loads(path.read_text())
-        rows = sorted(report["rows"], key=lambda r: r["streams"])
+        rows = sorted((r for r in report["rows"] if args.quant in (None, r.get("quant"))), key=lambda r: r["streams"])
         streams = [r["streams"] for r in rows]
         style = "-" if path is args.reports[-1] else "--"
         ax.plot(streams, [r["dflash"]["aggregate_tok_s"] for r in rows], "s" + style, label=f"DFlash 6.4 tok/cycle ({path.stem})")
