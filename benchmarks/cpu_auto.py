@@ -7,7 +7,13 @@ Three pairs, each run in all three modes on the same prompts, alternating, media
 - `demo`: the offline demo pair (Gemma 3 270M and its trained drafter; about 1.1 tokens per cycle),
 - `tiny-untrained`: a tiny random Qwen3 target with an untrained drafter (nothing is accepted),
 - `demo-forced-5`: the demo target with its drafter, the target made to accept 5 drafts per
-  cycle (6 tokens per cycle; `random_models.ForcedAcceptance`): a well-accepted pair's speed.
+  cycle (6 tokens per cycle; `random_models.ForcedAcceptance`): a well-accepted pair's speed,
+- `tiny-trained`: a real pair that is accepted well, nothing forced: a tiny Gemma 3 target trained
+  to answer these prompts with fixed passages (the tests' `agent_model`), and a drafter trained for
+  it by `dflash train` on the target's own responses (about 7 minutes to build here). It knows what
+  the target will say, so nearly every draft is accepted: speed where acceptance is high.
+
+`--pairs` picks some of them (all by default).
 
 Prints the ratios `auto / target` and `auto / on`; `auto` should not fall below 0.95 of the better
 mode. The first generation of each mode is a warm-up (auto's first measurements and probes); auto
@@ -46,19 +52,55 @@ PROMPTS = [
 ]
 
 
-def pairs(work: Path):
+PAIRS = ("demo", "tiny-untrained", "demo-forced-5", "tiny-trained")
+
+
+def trained_tiny_pair(work: Path, response_tokens: int = 140) -> tuple[Path, Path]:
+    """A tiny target trained to answer each of PROMPTS with its own passage of the tests' synthetic
+    text, and a drafter that `dflash train` distils from it on those prompts: both directories."""
+    import json as json_
+
+    from agent_model import agent_tokenizer, train_agent_target
+    from synthetic import _corpus
+
+    from dflash_core.train import TrainOptions, train
+
+    tokenizer = agent_tokenizer(work / "tokenizer")
+    words = " ".join(_corpus()).split()
+    end = tokenizer.encode("<end_of_turn>", add_special_tokens=False)
+    examples = []
+    for i, prompt in enumerate(PROMPTS):
+        passage = " " + " ".join(words[i * 100:(i + 1) * 100])
+        examples.append((tokenizer.encode(prompt), tokenizer.encode(passage, add_special_tokens=False)[:response_tokens] + end))
+    target = train_agent_target(work / "target", examples, steps=3000, margin=4.0, log=lambda *a: None)
+    records = [{"prompt": p, "split": "train"} for p in PROMPTS] + [{"prompt": "A note on rivers", "split": "held_out"}]
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json_.dumps(r) + "\n" for r in records))
+    train(TrainOptions(target=str(target), data=data, out=work / "drafter", chat=False, layers=2, heads=4, kv_heads=2,
+                       head_dim=16, intermediate_size=128, max_new_tokens=response_tokens + 8, steps=300, batch=8,
+                       anchors=8, lr=3e-3, warmup=50, eval_every=300, save_every=300, seed=0))
+    return target, work / "drafter"
+
+
+def pairs(work: Path, names=PAIRS):
     from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
     from dflash_core.loading import load_model
     from dflash_core.random_models import ForcedAcceptance
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from synthetic import tiny_pair  # the tests' fixtures: a tiny checkpoint on disk, with a tokenizer
 
-    demo = load_model(str(demo_target_dir()), str(DEMO_DRAFTER)).engine
-    yield "demo", demo
-    target, drafter = tiny_pair(work / "tiny", "qwen3")
-    yield "tiny-untrained", load_model(str(target), str(drafter)).engine
-    forced = ForcedAcceptance(demo.target, [5], demo.drafter.block_size)
-    yield "demo-forced-5", Engine(forced, demo.tokenizer, demo.drafter)
+    demo = load_model(str(demo_target_dir()), str(DEMO_DRAFTER)).engine if {"demo", "demo-forced-5"} & set(names) else None
+    if "demo" in names:
+        yield "demo", demo
+    if "tiny-untrained" in names:
+        target, drafter = tiny_pair(work / "tiny", "qwen3")
+        yield "tiny-untrained", load_model(str(target), str(drafter)).engine
+    if "demo-forced-5" in names:
+        forced = ForcedAcceptance(demo.target, [5], demo.drafter.block_size)
+        yield "demo-forced-5", Engine(forced, demo.tokenizer, demo.drafter)
+    if "tiny-trained" in names:
+        target, drafter = trained_tiny_pair(work / "trained")
+        yield "tiny-trained", load_model(str(target), str(drafter)).engine
 
 
 def measure(engine, prompts, max_tokens: int, repeats: int) -> dict:
@@ -93,15 +135,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma list of: {', '.join(PAIRS)}")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    names = args.pairs.split(",")
+    if unknown := [n for n in names if n not in PAIRS]:
+        parser.error(f"unknown pairs {unknown}; known: {', '.join(PAIRS)}")
     report = {"machine": f"{platform.system()} {platform.machine()}, {mx.default_device()}", "blas": None,
               "max_tokens": args.max_tokens, "pairs": {}}
     from dflash_core.blas import describe
 
     report["blas"] = describe()
     with tempfile.TemporaryDirectory() as work:
-        for name, engine in pairs(Path(work)):
+        for name, engine in pairs(Path(work), names):
             result = measure(engine, PROMPTS[: args.prompts], args.max_tokens, args.repeats)
             report["pairs"][name] = result
             print(f"{name:<16} target {result['off']['decode_tokens_per_second']:7.1f} tok/s | "

@@ -163,8 +163,8 @@ def pydoc_prose() -> Iterator[tuple[str, str]]:
 
 def prose_prompts(tree: Tree) -> Iterator[tuple[str, str]]:
     """(prompt, source): paragraph openings of module docstrings, and of public classes' and
-    functions' where the tree takes all its docstrings (the packages: the standard library's are
-    the documentation topics' text again)."""
+    functions' where the tree takes all its docstrings (the packages; the standard library keeps
+    its module docstrings only, so that `--sources stdlib` stays the shipped drafter's corpus)."""
     for path in tree.files:
         parsed = _parsed(path)
         if parsed is None:
