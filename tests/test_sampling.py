@@ -95,6 +95,9 @@ def test_noise_never_lets_an_unlikely_token_win_on_a_large_vocabulary():
         noise = sampler._gumbel(first, rows)
         assert mx.all(mx.isfinite(noise)).item()
         assert mx.all(sampler.choose(logits, None, first) == 1234).item()
+        # A grammar's mask: an infinite noise on a masked (-inf) token made NaN, which argmax takes.
+        allowed = mx.zeros((rows, vocab), mx.bool_).at[:, 99].add(True)
+        assert mx.all(sampler.choose(logits, None, first, allowed) == 99).item()
 
 
 def test_speculative_distribution_matches_target_alone(engine):
