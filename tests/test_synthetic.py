@@ -127,6 +127,27 @@ def test_real_shapes_make_valid_configs():
         target_config("qwen3", "gemma-4-31b")
 
 
+def test_every_family_has_a_tiny_random_pair_for_the_benchmarks():
+    """`tiny-<family>` (dflash bench --random-weights, the GPU scripts' --tiny checks) for every
+    family: a random target and a random drafter of its example's layout that generate, with
+    speculation, exactly what the target alone does."""
+    from dflash_core.engine import Engine
+    from dflash_core.random_models import FAMILY_EXAMPLES, ByteTokenizer, parse_shape, random_drafter, random_target
+
+    assert set(FAMILY_EXAMPLES) == set(FAMILIES)
+    for family in FAMILIES:
+        name, tiny = parse_shape(f"tiny-{family}")
+        target = random_target(name, tiny=tiny)
+        engine = Engine(target, ByteTokenizer(target.vocab_size), random_drafter(name, target, tiny))
+        prompt = list(range(20, 60))
+
+        def tokens(mode):
+            return [t for c in engine.generate(prompt, max_tokens=12, speculation=mode, stop_token_ids=set())
+                    for t in c.token_ids]
+
+        assert tokens("on") == tokens("off"), family
+
+
 # ------------------------------------------------------------------ tokenizer
 
 def test_tokenizer_roundtrips_multibyte_text(family_pair):
