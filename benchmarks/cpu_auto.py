@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_auto.py --out cpu_auto.json
 
-Three pairs, each run in all three modes on the same prompts, alternating, median decode tok/s:
+Four pairs, each run in all three modes on the same prompts, alternating, median decode tok/s:
 
 - `demo`: the offline demo pair (Gemma 3 270M and its trained drafter; about 1.1 tokens per cycle),
 - `tiny-untrained`: a tiny random Qwen3 target with an untrained drafter (nothing is accepted),
@@ -10,7 +10,7 @@ Three pairs, each run in all three modes on the same prompts, alternating, media
   cycle (6 tokens per cycle; `random_models.ForcedAcceptance`): a well-accepted pair's speed,
 - `tiny-trained`: a real pair that is accepted well, nothing forced: a tiny Gemma 3 target trained
   to answer these prompts with fixed passages (the tests' `agent_model`), and a drafter trained for
-  it by `dflash train` on the target's own responses (about 7 minutes to build here). It knows what
+  it by `dflash train` on the target's own responses (about 3 minutes to build here). It knows what
   the target will say, so nearly every draft is accepted: speed where acceptance is high.
 
 `--pairs` picks some of them (all by default).
@@ -58,8 +58,6 @@ PAIRS = ("demo", "tiny-untrained", "demo-forced-5", "tiny-trained")
 def trained_tiny_pair(work: Path, response_tokens: int = 140) -> tuple[Path, Path]:
     """A tiny target trained to answer each of PROMPTS with its own passage of the tests' synthetic
     text, and a drafter that `dflash train` distils from it on those prompts: both directories."""
-    import json as json_
-
     from agent_model import agent_tokenizer, train_agent_target
     from synthetic import _corpus
 
@@ -75,7 +73,7 @@ def trained_tiny_pair(work: Path, response_tokens: int = 140) -> tuple[Path, Pat
     target = train_agent_target(work / "target", examples, steps=3000, margin=4.0, log=lambda *a: None)
     records = [{"prompt": p, "split": "train"} for p in PROMPTS] + [{"prompt": "A note on rivers", "split": "held_out"}]
     data = work / "prompts.jsonl"
-    data.write_text("".join(json_.dumps(r) + "\n" for r in records))
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     train(TrainOptions(target=str(target), data=data, out=work / "drafter", chat=False, layers=2, heads=4, kv_heads=2,
                        head_dim=16, intermediate_size=128, max_new_tokens=response_tokens + 8, steps=300, batch=8,
                        anchors=8, lr=3e-3, warmup=50, eval_every=300, save_every=300, seed=0))

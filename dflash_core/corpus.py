@@ -169,13 +169,12 @@ def prose_prompts(tree: Tree) -> Iterator[tuple[str, str]]:
         parsed = _parsed(path)
         if parsed is None:
             continue
-        source = str(path.relative_to(tree.root))
-        strict = tree.all_docstrings
-        yield from _paragraph_openings(ast.get_docstring(parsed[1]) or "", f"{source}:doc", strict)
-        if tree.all_docstrings:
+        source, every = str(path.relative_to(tree.root)), tree.all_docstrings
+        yield from _paragraph_openings(ast.get_docstring(parsed[1]) or "", f"{source}:doc", strict=every)
+        if every:
             for node in ast.walk(parsed[1]):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
-                    yield from _paragraph_openings(ast.get_docstring(node) or "", f"{source}:{node.lineno}", strict)
+                    yield from _paragraph_openings(ast.get_docstring(node) or "", f"{source}:{node.lineno}", strict=True)
 
 
 def _documented_functions(tree: Tree) -> Iterator[tuple[str, str, list[str], str, str]]:
