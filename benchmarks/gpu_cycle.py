@@ -13,8 +13,10 @@ with the drafts: this measures speed, not acceptance).
 (block attention, dflash_core/kernels/attention.py; GatedDeltaNet rollback from recorded step
 states; the 4-bit small-M matmul, dflash_core/kernels/matmul.py), with the rollback replaying the
 recurrence instead, with MLX's fused attention, the replay and MLX's quantized matmul, with only
-MLX's own matmuls swapped back in (no 4-bit kernel, no stacked bf16 GEMM), and with a 4-bit kernel launch or bf16 GEMM per weight
-instead of one per shared input, all in the same process.
+MLX's own matmuls swapped back in (no 4-bit kernel, no bf16 stream kernel, no stacked bf16 GEMM),
+with a 4-bit kernel launch or bf16 product per weight instead of one per shared input, with MLX's
+GEMM (cuBLASLt) for bf16 products instead of our stream kernel (`cublas`), and with MLX's fused
+attention (`fused`), all in the same process.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ PATHS = {
     "mlx": KernelOptions(block_attention=False, step_states=False, cuda_matmul=False),
     "mlx-qmm": KernelOptions(cuda_matmul=False),
     "unfused": KernelOptions(one_launch_per_input=False),
+    "cublas": KernelOptions(bf16_stream=False),
+    "fused": KernelOptions(block_attention=False),
 }
 
 
@@ -202,7 +206,9 @@ def main() -> int:
                              "by replay instead of recorded step states), mlx (MLX's fused attention, replay and "
                              "quantized matmul), mlx-qmm (dflash with MLX's own matmuls: no 4-bit kernel, no stacked "
                              "bf16 GEMM), unfused (dflash with a "
-                             "4-bit launch or bf16 GEMM per weight, not one per shared input)")
+                             "4-bit launch or bf16 product per weight, not one per shared input), cublas (dflash with MLX's "
+                             "GEMM for bf16 products instead of our stream kernel), fused (dflash with MLX's fused "
+                             "attention)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

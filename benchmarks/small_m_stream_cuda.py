@@ -1,5 +1,7 @@
 """An experiment: `x @ w.T` for a few rows of x (M <= 32) on tensor cores, built to keep enough
-weight bytes in flight to stream them at the card's bandwidth. Measured by gpu_small_m.py.
+weight bytes in flight to stream them at the card's bandwidth. Measured by gpu_small_m.py. The
+kernel itself now lives in dflash_core/kernels/bf16_matmul_cuda.py (an engine option); this file
+keeps the measuring aids (a read probe, ncu markers) and the history.
 
 Why another one. small_m_matmul_cuda.py's kernels stayed at 1.3-2.5 TB/s. Little's law says why
 they may: at ~4 TB/s and ~1 us of loaded DRAM latency the card needs ~4 MB of loads in flight,
@@ -27,143 +29,14 @@ import functools
 
 import mlx.core as mx
 
-from dflash_core.kernels.quantized_matmul_cuda import MMA_BF16_16816, SUM_WARP_PARTIALS
-
-TARGET_WARPS = 132 * 24  # H200: 132 SMs; ~24 warps each
-
-_HEADER = MMA_BF16_16816 + """
-template <int NT>
-__device__ __forceinline__ void mma_chunk(float (&acc)[1][NT][4], const uint4& w_lo, const uint4& w_hi,
-                                          const uint4 (&x)[NT]) {
-  #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    mma_bf16_16816(acc[0][nt], w_lo.x, w_hi.x, w_lo.y, w_hi.y, x[nt].x, x[nt].y);
-    mma_bf16_16816(acc[0][nt], w_lo.z, w_hi.z, w_lo.w, w_hi.w, x[nt].z, x[nt].w);
-  }
-}
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-"""
-
-_SOURCE = """
-    constexpr int MT = 1;
-    constexpr int ROWS = 16;
-    const int M = x_shape[0];
-    const int K = x_shape[1];
-    const int N = w_shape[0];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    const int row0 = blockIdx.x * ROWS;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-
-    const uint4* x_rows[NT];
-    bool x_real[NT];
-    #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int token = nt * 8 + g;
-      x_real[nt] = token < M;
-      x_rows[nt] = reinterpret_cast<const uint4*>(x + (size_t)(x_real[nt] ? token : 0) * K) + t;
-    }
-    const uint4* w_lo = reinterpret_cast<const uint4*>(w + (size_t)(row0 + g) * K) + t;
-    const uint4* w_hi = reinterpret_cast<const uint4*>(w + (size_t)(row0 + g + 8) * K) + t;
-
-    // This warp's 32-k chunks: a split fixed by K and NW alone.
-    const int chunks = K / 32;
-    const int c_begin = (warp * chunks) / NW;
-    const int c_end = ((warp + 1) * chunks) / NW;
-
-    float acc[1][NT][4];
-    #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[0][nt][i] = 0.0f;
-
-    uint4 wa[U][2], wb[U][2];
-    uint4 xa[U][NT], xb[U][NT];
-    // Chunks past c_end load zeros, whose products add exact zeros.
-    auto load = [&](uint4 (&wr)[U][2], uint4 (&xr)[U][NT], int c) {
-      #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool in = c + u < c_end;
-        wr[u][0] = in ? load_stream(w_lo + (c + u) * 4) : zero;
-        wr[u][1] = in ? load_stream(w_hi + (c + u) * 4) : zero;
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) xr[u][nt] = (in && x_real[nt]) ? __ldg(x_rows[nt] + (c + u) * 4) : zero;
-      }
-    };
-    auto compute = [&](const uint4 (&wr)[U][2], const uint4 (&xr)[U][NT]) {
-      #pragma unroll
-      for (int u = 0; u < U; ++u) mma_chunk<NT>(acc, wr[u][0], wr[u][1], xr[u]);
-    };
-
-    load(wa, xa, c_begin);
-    for (int c = c_begin; c < c_end; c += 2 * U) {
-      load(wb, xb, c + U);
-      compute(wa, xa);
-      if (c + 2 * U < c_end) load(wa, xa, c + 2 * U);
-      if (c + U < c_end) compute(wb, xb);
-    }
-    __shared__ float partial[NW][ROWS][NT * 8];
-""" + SUM_WARP_PARTIALS
-
-
-@functools.cache
-def _kernel():
-    return mx.fast.cuda_kernel(
-        name="dflash_small_m_stream",
-        input_names=["x", "w"],
-        output_names=["y"],
-        source=_SOURCE,
-        header=_HEADER,
-    )
-
-
-def supported(rows: int, x: mx.array, w: mx.array) -> bool:
-    """bf16 x [rows <= 32, K] and w [N, K], K a multiple of 32, N of 16."""
-    return (1 <= rows <= 32 and x.dtype == mx.bfloat16 and w.dtype == mx.bfloat16 and w.ndim == 2
-            and w.shape[1] % 32 == 0 and w.shape[0] % 16 == 0)
-
-
-def max_warps(U: int) -> int:
-    """Warps per block whose registers fit in an SM's 64K for up to 4 token tiles: U double-buffered
-    chunks of weights and x take 8 * U * (2 + NT) registers a thread. It must not depend on M:
-    the K split decides the order of the sums, so a token's output would change with the rows
-    beside it (seen on the H200 when it did)."""
-    return 16 if U == 1 else 8
-
-
-def warps_for(N: int, K: int, U: int, target: int = TARGET_WARPS) -> int:
-    """Warps per block (K slices of a 16-row tile): enough for `target` warps in the grid, within
-    `max_warps`, and each warp at least one group of U chunks."""
-    tiles = N // 16
-    nw = 1
-    while nw < max_warps(U) and tiles * nw < target and (K // 32) // (2 * nw) >= U:
-        nw *= 2
-    return nw
-
-
-def matmul_stream(x: mx.array, w: mx.array, U: int = 4, warps: int = 0) -> mx.array:
-    """x [M, K] @ w[N, K].T -> [M, N] in bf16; `warps` 0 picks them by `warps_for`."""
-    M, K = x.shape
-    N = w.shape[0]
-    NT = (M + 7) // 8
-    nw = min(warps or warps_for(N, K, U), max_warps(U))
-    return _kernel()(
-        inputs=[x, w],
-        template=[("OutT", x.dtype), ("NW", nw), ("NT", NT), ("U", U)],
-        grid=(N // 16 * nw * 32, 1, 1),
-        threadgroup=(nw * 32, 1, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[x.dtype],
-    )[0]
-
+from dflash_core.kernels.bf16_matmul_cuda import (  # noqa: F401  (the kernel, moved into the engine's kernels)
+    _HEADER,
+    TARGET_WARPS,
+    matmul_stream,
+    max_warps,
+    supported,
+    warps_for,
+)
 
 _READ_SOURCE = """
     // Reads every 16 bytes of `src` once (U loads in flight per thread), so nothing but the

@@ -70,8 +70,8 @@ def stack_lookups(monkeypatch):
 
     found, products = [], matmul._stacked_products
 
-    def recorded(layers, x):
-        ys = products(layers, x)
+    def recorded(layers, x, stream=False):
+        ys = products(layers, x, stream)
         found.append(ys is not None)
         return ys
 

@@ -29,6 +29,17 @@ def test_gpu_cycle_runs_on_tiny_shapes(tmp_path):
         assert row["forced_3"]["tokens_per_cycle"] == 3.0  # the forced schedule really ran
 
 
+def test_gpu_graphs_runs_mlx_products_on_the_cpu(tmp_path):
+    """gpu_graphs.py's MLX kinds (its kernel kinds need CUDA) on small weights."""
+    out = tmp_path / "graphs.json"
+    done = _run("benchmarks/gpu_graphs.py", "--kinds", "gemm16,gemv1", "--layers", "2", "--n", "64", "--k", "64",
+                "--reps", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["kinds"]) == {"gemm16", "gemv1"}
+    assert all(v["wall_ms"] > 0 and v["ops_per_chain"] == 6 for v in report["kinds"].values())
+
+
 @pytest.mark.parametrize("flag, model, quant, labels", [("--launches", "qwen3-8b", "4bit", ("fused", "apart")),
                                                     ("--attention", "qwen3.5-9b", "bf16", ("block", "mlx"))])
 def test_gpu_profile_alternations_run_on_tiny_shapes(tmp_path, flag, model, quant, labels):

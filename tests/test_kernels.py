@@ -194,7 +194,7 @@ def test_small_m_gate(monkeypatch):
     assert small_m.path_for(_quantized_linear(40, 256), x) == "mlx"  # N % 16
     plain = nn.Linear(256, 64)
     plain.set_dtype(mx.bfloat16)
-    assert small_m.path_for(plain, x) == "mlx"  # bf16 weights keep MLX's GEMM
+    assert small_m.path_for(plain, x, KernelOptions(bf16_stream=False)) == "mlx"  # bf16: MLX's GEMM when asked
     half_scales = _quantized_linear(64, 256)
     half_scales.scales = half_scales.scales.astype(mx.float16)
     assert small_m.path_for(half_scales, x) == "mlx"
@@ -313,12 +313,13 @@ def test_stacked_projections_keep_memory_and_outputs(monkeypatch):
     assert mx.get_active_memory() <= before
     assert small_m._stacked_products(shared, x) is not None  # the one-GEMM path is taken
     assert small_m._stacked_products(layers, x) is None  # a plain list is not a stack
-    for got, want, layer in zip(small_m.linears(shared, x), expected, layers):
+    gemm = KernelOptions(bf16_stream=False)  # MLX's GEMM on the stack (the stream kernel needs a GPU)
+    for got, want, layer in zip(small_m.linears(shared, x, gemm), expected, layers):
         assert got.shape == want.shape
         assert mx.array_equal(got, want)  # exact on this CPU: a column's dot products are the same
         assert mx.array_equal(layer(x), want)  # mlx-lm's own call reads the same weights
     # The kernel options a benchmark turns off: the layers one by one, as mlx-lm calls them.
-    for kernels in (KernelOptions(one_launch_per_input=False), KernelOptions(cuda_matmul=False)):
+    for kernels in (KernelOptions(one_launch_per_input=False, bf16_stream=False), KernelOptions(cuda_matmul=False)):
         assert all(mx.array_equal(got, want) for got, want in zip(small_m.linears(shared, x, kernels), expected))
     # Stacking the same layers again (its first stack let go) adds nothing either.
     shared = None
@@ -330,11 +331,11 @@ def test_stacked_projections_keep_memory_and_outputs(monkeypatch):
     gc.collect()
     mx.clear_cache()
     assert mx.get_active_memory() <= before
-    assert all(mx.array_equal(got, want) for got, want in zip(small_m.linears(shared, x), expected))
+    assert all(mx.array_equal(got, want) for got, want in zip(small_m.linears(shared, x, gemm), expected))
     layers[1].weight = layers[1].weight + 0  # a weight replaced after stacking: no longer stacked
     assert small_m._stacked_products(shared, x) is None
     assert not shared.stacked  # the old matrix is let go
-    for got, layer in zip(small_m.linears(shared, x), layers):
+    for got, layer in zip(small_m.linears(shared, x, gemm), layers):
         assert mx.array_equal(got, layer(x))
     # Not stacked: quantized layers (the kernel's), a bias (added inside nn.Linear's GEMM), inputs
     # of different widths or dtypes, a single layer, the kernel options off, other backends.
@@ -445,6 +446,136 @@ def _assert_close(got, expected):
     """Within 3% of the output's largest magnitude: bf16 rounding, not a wrong layout or scale."""
     got, expected = got.astype(mx.float32), expected.astype(mx.float32)
     assert mx.abs(got - expected).max().item() <= 0.03 * mx.abs(expected).max().item()
+
+
+def test_bf16_stream_gate(monkeypatch):
+    """The bf16 stream kernel takes bf16 plain linears and embeddings of <= 32 rows on CUDA (unless
+    `bf16_stream` is off); never quantized, float32 or wider products."""
+    stream = KernelOptions(bf16_stream=True)
+    plain = nn.Linear(256, 64, bias=False)
+    plain.set_dtype(mx.bfloat16)
+    x = mx.zeros((1, 16, 256), mx.bfloat16)
+    assert small_m.path_for(plain, x, stream) == ("stream" if backend() == "cuda" else "mlx")
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
+    assert small_m.path_for(plain, x) == "stream"  # on by default
+    assert small_m.path_for(plain, x[:, :1]) == "stream"  # decode
+    assert small_m.path_for(plain, x, KernelOptions(bf16_stream=False)) == "mlx"
+    assert small_m.path_for(plain, mx.zeros((1, 33, 256), mx.bfloat16), stream) == "mlx"  # prefill
+    assert small_m.path_for(plain, x.astype(mx.float32), stream) == "mlx"
+    assert small_m.path_for(_quantized_linear(64, 256), x, stream) == "cuda"  # 4-bit keeps its kernel
+    assert small_m.path_for(plain, x, KernelOptions(bf16_stream=True, cuda_matmul=False)) == "mlx"
+    odd = nn.Linear(256, 40, bias=False)  # N % 16
+    odd.set_dtype(mx.bfloat16)
+    assert small_m.path_for(odd, x, stream) == "mlx"
+
+
+@pytest.fixture
+def stream_on_cpu(monkeypatch):
+    """The stream path's wiring on this CPU: the gate as on CUDA, float32 accepted, and the kernel
+    replaced by a product that is row-invariant here (what the real kernel guarantees, and what
+    the CUDA tests below check on the GPU). Returns the calls' row counts."""
+    from dflash_core.kernels import bf16_matmul_cuda
+
+    calls = []
+    real_supported = bf16_matmul_cuda.supported
+    monkeypatch.setattr(small_m, "backend", lambda: "cuda")
+    monkeypatch.setattr(bf16_matmul_cuda, "supported", lambda rows, x, w: real_supported(
+        rows, x.astype(mx.bfloat16), w.astype(mx.bfloat16)))
+    monkeypatch.setattr(bf16_matmul_cuda, "matmul_stream", lambda x, w: calls.append(x.shape[0]) or (
+        (x[:, None, :] * w[None]).sum(-1)))
+    small_m._stream_product.cache_clear()
+    yield calls
+    small_m._stream_product.cache_clear()
+
+
+def test_stream_path_has_the_gradient_of_the_product(stream_on_cpu):
+    """`dflash train` trains drafter projections that go through the stream kernel on CUDA: the
+    kernel's product has the gradient of `x @ W.T` in x and in W."""
+    mx.random.seed(13)
+    layer = nn.Linear(64, 32, bias=False)
+    x = mx.random.normal((1, 16, 64))
+
+    def loss(weight, x, through_kernel):
+        layer.weight = weight
+        y = small_m.linear(layer, x) if through_kernel else layer(x)
+        return (y * mx.arange(32)).sum()
+
+    got = mx.grad(loss, argnums=(0, 1))(layer.weight, x, True)
+    assert stream_on_cpu == [16]  # it went through the kernel's path
+    expected = mx.grad(loss, argnums=(0, 1))(layer.weight, x, False)
+    for g, e in zip(got, expected):
+        assert mx.allclose(g, e, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3_text"])
+def test_stream_path_is_lossless(request, family, stream_on_cpu):
+    """Decode, verify and draft products through the stream path (as on CUDA, with a row-invariant
+    product standing in for the kernel): speculative output equals target-alone output at every
+    acceptance length."""
+    from test_lossless import N_TOKENS, _check_every_acceptance_length, _prompt, _run
+
+    from dflash_core.loading import load_engine
+
+    target, drafter = request.getfixturevalue(f"{family}_pair")
+    engine = load_engine(str(target), str(drafter), prefill_chunk=16)
+    prompt = _prompt(engine)
+    reference, _ = _run(engine, prompt, max_tokens=N_TOKENS + 16, speculative=False)
+    assert 1 in stream_on_cpu  # decode steps took it
+    tokens, _ = _run(engine, prompt)
+    assert 16 in stream_on_cpu  # verifies and drafts took it
+    assert tokens == reference[:N_TOKENS]
+    _check_every_acceptance_length({family: engine}, {family: (prompt, reference)}, family)
+
+
+@cuda_only
+@pytest.mark.parametrize("n,k", [(4096, 4096), (12288, 4096), (4096, 12288), (48, 384), (32768, 512)])
+def test_bf16_stream_kernel_is_close_and_row_invariant(n, k):
+    """Within bf16 rounding of MLX's matmul for 1..32 rows, and a token's output bit-identical
+    alone (decode) and in any block (verify), as the lossless loop needs."""
+    from dflash_core.kernels.bf16_matmul_cuda import matmul_stream
+
+    mx.random.seed(11)
+    w = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
+    x = mx.random.normal((32, k)).astype(mx.bfloat16)
+    for m in (1, 7, 16, 32):
+        _assert_close(matmul_stream(x[:m], w), x[:m] @ w.T)
+    block = matmul_stream(x[:16], w)
+    for i in range(16):
+        assert mx.array_equal(matmul_stream(x[i : i + 1], w)[0], block[i])
+    assert mx.array_equal(matmul_stream(x, w)[:16], block)
+
+
+@cuda_only
+def test_linears_and_tied_head_through_the_stream_kernel():
+    """With `bf16_stream`, stacked projections, a plain linear with a bias and a tied head give
+    MLX's products within bf16 rounding."""
+    from mlx_lm.models.activations import swiglu
+    from mlx_lm.models.qwen3 import MLP
+
+    stream = KernelOptions(bf16_stream=True)
+    mx.random.seed(12)
+    x = mx.random.normal((1, 16, 1024)).astype(mx.bfloat16)
+    mlp = MLP(1024, 2048)
+    mlp.set_dtype(mx.bfloat16)
+    expected = mlp(x)
+    gate_up = small_m.SharedInput([mlp.gate_proj, mlp.up_proj], stream)
+    assert gate_up.stacked
+    _assert_close(small_m.gated_mlp(mlp, x, swiglu, stream, gate_up), expected)
+    layer = nn.Linear(1024, 512, bias=True)
+    layer.set_dtype(mx.bfloat16)
+    assert small_m.path_for(layer, x, stream) == "stream"
+    _assert_close(small_m.linear(layer, x, stream), layer(x))
+    embedding = nn.Embedding(512, 1024)
+    embedding.set_dtype(mx.bfloat16)
+    _assert_close(small_m.tied_lm_head(embedding, x, stream), embedding.as_linear(x))
+
+    def loss(weight, x, through_kernel):  # the gradient `dflash train` takes through a drafter's linear
+        layer.weight = weight
+        return (small_m.linear(layer, x, stream) if through_kernel else layer(x)).astype(mx.float32).sum()
+
+    for got, expected in zip(mx.grad(loss, argnums=(0, 1))(layer.weight, x, True),
+                             mx.grad(loss, argnums=(0, 1))(layer.weight, x, False)):
+        _assert_close(got, expected)
 
 
 def test_q4_launch_shape_splits_k_by_the_weights_alone():

@@ -3,17 +3,21 @@
 Adapters call `linear(layer, x)` where mlx-lm would call `layer(x)`, `linears(group, x)` for
 projections that share an input (one launch on the kernel's path), `gated_mlp(mlp, x, act)` for
 its gated MLPs and `tied_lm_head(embedding, x)` for a tied head, each with the `KernelOptions` of
-the adapter. On CUDA, 4-bit affine weights (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`)
-multiplied by at most 16 rows use our kernel (quantized_matmul_cuda.py), because MLX's CUDA
-quantized matmul streams them at a fraction of the card's bandwidth. Everything else, on every
-backend, is mlx-lm's own call, which is what tests compare the kernel against. bf16 weights keep
-MLX's GEMM: a kernel of ours for them did not beat it (docs/performance.md, "Weight streaming").
-What does pay for bf16 on CUDA is one GEMM for the projections that share an input instead of one
-each (up to 2.5x for a verify's 16 rows, where MLX's GEMM handles a 32-row weight poorly): a
-`SharedInput` built at load puts their weights into one matrix, each layer's weight becoming a view
-of its rows, so memory does not grow and mlx-lm's own calls (prefill) read the same numbers.
+the adapter. On CUDA, products of at most 16 rows by 4-bit affine weights (`nn.QuantizedLinear`,
+`nn.QuantizedEmbedding`) use our kernel (quantized_matmul_cuda.py), because MLX's CUDA quantized
+matmul streams them at a fraction of the card's bandwidth; products of at most 32 rows by bf16
+weights (`nn.Linear`, `nn.Embedding`) use our stream kernel (bf16_matmul_cuda.py): kernel-only it
+matches MLX's GEMMs, but per call it costs the host less than MLX's cuBLASLt path, which made
+forced DFlash cycles on the H200 5-20 % faster (docs/performance.md, "MLX's CUDA graphs and the
+cycle"). Both kernels give a token's row the same bits whatever rows share the call, as the
+lossless loop needs, and both have a gradient (`dflash train` sends drafter blocks through them).
+Everything else, on every backend, is mlx-lm's own call, which is what tests compare the kernels
+against. What also pays for bf16 on CUDA is one product for the projections that share an input
+instead of one each (up to 2.5x for a verify's 16 rows with MLX's GEMM, which handles a 32-row
+weight poorly): a `SharedInput` built at load puts their weights into one matrix, each layer's
+weight becoming a view of its rows, so memory does not grow and mlx-lm's own calls (prefill) read
+the same numbers.
 """
-
 from __future__ import annotations
 
 import functools
@@ -23,7 +27,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import DEFAULT_KERNELS, KernelOptions, backend, cpu_linear, quantized_matmul_cuda
+from . import DEFAULT_KERNELS, KernelOptions, backend, bf16_matmul_cuda, cpu_linear, quantized_matmul_cuda
 
 
 def _on_cuda(kernels: KernelOptions) -> bool:
@@ -62,7 +66,7 @@ class SharedInput:
         mx.eval(stacked, self.views)
         self.weight, self.splits = stacked, starts[1:-1]
 
-    def products(self, x: mx.array) -> Optional[list[mx.array]]:
+    def products(self, x: mx.array, stream: bool = False) -> Optional[list[mx.array]]:
         """The layers' outputs from one GEMM, if they were stacked and still hold their views."""
         if self.weight is None:
             return None
@@ -71,7 +75,7 @@ class SharedInput:
             # matrix go.
             self.weight, self.views, self.splits = None, (), []
             return None
-        return mx.split(x @ self.weight.T, self.splits, axis=-1)
+        return mx.split(_bf16_product(x, self.weight, stream), self.splits, axis=-1)
 
 
 def _stackable(layers: list[nn.Module]) -> bool:
@@ -84,19 +88,52 @@ def _stackable(layers: list[nn.Module]) -> bool:
 Group = Union[Sequence[nn.Module], SharedInput]
 
 
-def _stacked_products(group: Group, x: mx.array) -> Optional[list[mx.array]]:
+def _stacked_products(group: Group, x: mx.array, stream: bool = False) -> Optional[list[mx.array]]:
     """The group's outputs from one GEMM, if it is a SharedInput whose weights were stacked."""
-    return group.products(x) if isinstance(group, SharedInput) else None
+    return group.products(x, stream) if isinstance(group, SharedInput) else None
+
+
+def _bf16_product(x: mx.array, weight: mx.array, stream: bool) -> mx.array:
+    """`x @ weight.T`, through the stream kernel where `stream` asks for it and it takes the shapes."""
+    rows = x.reshape(-1, x.shape[-1])
+    if stream and bf16_matmul_cuda.supported(rows.shape[0], rows, weight):
+        return _stream_product()(rows, weight).reshape(*x.shape[:-1], weight.shape[0])
+    return x @ weight.T
+
+
+@functools.cache
+def _stream_product():
+    """The stream kernel as a differentiable function of x and the weight: `dflash train` sends
+    drafter blocks through the drafter's own projections (trained) and the target's head (frozen)."""
+
+    @mx.custom_function
+    def product(x, weight):
+        return bf16_matmul_cuda.matmul_stream(x, weight)
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        x, weight = primals
+        return (cotangent @ weight).astype(x.dtype), (cotangent.T @ x).astype(weight.dtype)
+
+    return product
+
+
+def _stream(kernels: KernelOptions) -> bool:
+    return kernels.bf16_stream and _on_cuda(kernels)
 
 
 def path_for(layer: nn.Module, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS) -> str:
-    """'cuda' where `layer`'s product with `x` runs through our kernel, 'cpu' where through our CPU
-    primitive for narrow copies of float32 weights (cpu_linear.py), else 'mlx'."""
+    """'cuda' where `layer`'s product with `x` runs through our 4-bit kernel, 'stream' through our
+    bf16 stream kernel, 'cpu' where through our CPU primitive for narrow copies of float32 weights
+    (cpu_linear.py), else 'mlx'."""
     if kernels.cpu_narrow_linears and cpu_linear.cpu_weight(layer, x) is not None:
         return "cpu"
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if _stream(kernels) and type(layer) in (nn.Linear, nn.Embedding) and bf16_matmul_cuda.supported(
+            rows, x, layer.weight):
+        return "stream"
     if not (_on_cuda(kernels) and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))):
         return "mlx"
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
     ok = "biases" in layer and quantized_matmul_cuda.supported(
         rows, x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits, getattr(layer, "mode", "affine"))
     return "cuda" if ok else "mlx"
@@ -135,7 +172,7 @@ def linears(group: Group, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS)
     layers = group.layers if isinstance(group, SharedInput) else list(group)
     fused = kernels.one_launch_per_input
     if fused and len(layers) > 1 and _on_cuda(kernels):
-        stacked = _stacked_products(group, x)
+        stacked = _stacked_products(group, x, _stream(kernels))
         if stacked is not None:
             return stacked
     ys = [None] * len(layers)
@@ -146,6 +183,9 @@ def linears(group: Group, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS)
             launches.setdefault(layer.group_size if fused else -1 - i, []).append(i)
         elif path == "cpu":
             y = cpu_linear.narrow_linear(x, cpu_linear.cpu_weight(layer, x))
+            ys[i] = y + layer.bias if "bias" in layer else y
+        elif path == "stream":
+            y = _bf16_product(x, layer.weight, True)
             ys[i] = y + layer.bias if "bias" in layer else y
         else:
             ys[i] = layer(x)
@@ -162,8 +202,11 @@ def linear(layer: nn.Module, x: mx.array, kernels: KernelOptions = DEFAULT_KERNE
 
 def tied_lm_head(embedding: nn.Module, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
     """`embedding.as_linear(x)`, through the kernel for a 4-bit embedding where it runs."""
-    if path_for(embedding, x, kernels) == "cuda":
+    path = path_for(embedding, x, kernels)
+    if path == "cuda":
         return _quantized_products([embedding], x)[0]
+    if path == "stream":
+        return _bf16_product(x, embedding.weight, True)
     return embedding.as_linear(x)
 
 
@@ -186,6 +229,7 @@ def gated_mlp(mlp: nn.Module, x: mx.array, activation, kernels: KernelOptions = 
 def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """Which implementation small-M weight products use here (for `dflash doctor`)."""
     if _on_cuda(kernels):
-        return ("dflash CUDA kernel for 4-bit affine weights and <= 16 rows; MLX otherwise, with bf16 "
-                "projections that share an input stacked into one GEMM")
+        bf16 = "dflash stream kernel for bf16 weights and <= 32 rows" if kernels.bf16_stream else "MLX's GEMM for bf16"
+        return (f"dflash CUDA kernel for 4-bit affine weights and <= 16 rows; {bf16}; MLX otherwise, with bf16 "
+                "projections that share an input stacked into one product")
     return "MLX matmul"
