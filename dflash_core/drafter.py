@@ -481,8 +481,14 @@ class DFlashDrafter(nn.Module):
         # Several rows: each layer's attention for all of them at once over their stacked contexts
         # (the masks hide each row's padding and the stale tail of its buffer).
         batch = BlockBatch(widths, starts)
+        used = max(starts)  # no row sees a context position past its own start
         for i, layer in enumerate(self.layers):
             context = batch.context([cache[i] for cache in caches], layer.self_attn, h.dtype, self.stacked_rows)
+            if used < context[0].shape[2]:
+                # Attend over the positions some row has, not the buffers' unused tail (masked for
+                # every row, it only adds exp(-inf) terms: a softmax's exps are most of a small
+                # attention's time on a CPU).
+                context = (context[0][:, :, :used], context[1][:, :, :used])
             mask = batch.mask(self.config, i, context[0].shape[2])
             h = layer.over_batch(h, batch, context, mask, self.kernels)
         self.stacked_rows.end_forward()
