@@ -120,6 +120,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
             outputs = _draft_rows(engine, [calls.pop(i) for i in drafting])
             for i, out in zip(drafting, outputs):
                 advance(i, out)
+            _evaluate_queued(engine)
             continue
         by_taps: dict[tuple, list[int]] = {}
         for i, c in calls.items():
@@ -133,6 +134,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
             outputs = engine.target.forward_rows(rows, taps)
             for i, out in zip(members, outputs):
                 advance(i, out)
+            _evaluate_queued(engine)
     spec = getattr(engine, "speculation_state", None)
     if spec is not None:
         # Clean: every row decoded (a prefill chunk, or the first token's read of the prompt's last
@@ -140,6 +142,16 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
         clean = len(called) == len(streams) and all(r.chunk is None or _decoded(r.chunk) for r in results)
         spec.rounds.end_round(widths, clean)
     return results
+
+
+def _evaluate_queued(engine) -> None:
+    """Start evaluating what the rows queued while they took their outputs (`Engine.batch_evals`:
+    each row's next token, drafts, taps), in one call: `mx.async_eval` once per row cost as much as
+    the batched forward at hundreds of rows."""
+    queued = getattr(engine, "batch_evals", None)
+    if queued:
+        mx.async_eval(*queued)
+        queued.clear()
 
 
 def _decoded(chunk) -> bool:

@@ -76,6 +76,16 @@ class DecodeState:
     # one block with the next cycle's draft (or before a snapshot), not one drafter forward per
     # token while cycles are off.
     untapped: list = field(default_factory=list)
+    # A batched generation's arrays to evaluate go to its engine's queue (`Engine.batch_evals`),
+    # which `batching.step_together` evaluates once for all rows; None: evaluated at once.
+    eval_queue: Optional[list] = None
+
+    def evaluate(self, *arrays: mx.array) -> None:
+        """Start evaluating `arrays` on the device without waiting for them."""
+        if self.eval_queue is None:
+            mx.async_eval(*arrays)
+        else:
+            self.eval_queue.extend(arrays)
 
     def take_due(self) -> Optional[tuple[RollbackRecord, int]]:
         due, self.due = self.due, None
@@ -144,6 +154,10 @@ class Engine:
         self.cache_bytes_per_token: Optional[float] = None
         self._grammar_tokenizer = None
         self._token_bytes: Any = False  # not looked at yet (None: the tokenizer is not byte-level)
+        # What the batched generations queued for evaluation since `batching.step_together` last
+        # evaluated them, in one `mx.async_eval` for all rows: one call per row cost as much as
+        # the batched forward itself at 256 rows (docs/performance.md, "dflash train's generation").
+        self.batch_evals: list[mx.array] = []
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -243,10 +257,12 @@ class Engine:
             limit = ReasoningBudget(*reasoning_budget, vocab)
             constraint = limit if constraint is None else AllConstraints([constraint, limit])
         scorer = LogprobScorer(logprobs, vocab)
-        steps = self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint, policy)
+        queue = self.batch_evals if batched else None
+        steps = self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint, policy, queue)
         return steps if batched else serve_alone(self, steps)
 
-    def _stream(self, prompt, budget, sampling, stats, eos, scorer, constraint, policy) -> Iterator[GenerationChunk]:
+    def _stream(self, prompt, budget, sampling, stats, eos, scorer, constraint, policy,
+                eval_queue: Optional[list] = None) -> Iterator[GenerationChunk]:
         start = time.perf_counter()
         hit = self.prefix_cache.lookup(prompt, need_context=stats.speculative) if self.prefix_cache else None
         if hit is not None:
@@ -256,6 +272,7 @@ class Engine:
         else:
             context = self.drafter.make_cache() if stats.speculative else None
             state = DecodeState(self.target.make_cache(max_rollback=self.max_rollback), context, [])
+        state.eval_queue = eval_queue
         sampler = Sampler(sampling, self.target.vocab_size, prompt)
         if stats.speculative:
             steps = self._speculative(prompt, sampler, state, hit, scorer, constraint, policy)
@@ -398,7 +415,7 @@ class Engine:
                 constraint.commit(token.tolist())
             # Queue the next step before reading this token: the device never waits for the host.
             next_token = sampler.choose(logits, None, index + 1, constraint.masks() if constraint else None)
-            mx.async_eval(next_token)
+            state.evaluate(next_token)
             next_scored = scorer.queue(logits, next_token)
             committed = token.tolist()
             state.fed += committed
@@ -459,7 +476,7 @@ class Engine:
             out = yield TargetCall(ForwardRow(token[None], cache, record=True, undo=state.take_due()), tap_ids)
             choice = sampler.choose(out.logits[0], None, index + 1, constraint.masks() if constraint else None)
             sampler.commit(choice)  # on the device: a step queued after this one samples after it
-            mx.async_eval(choice, out.tapped_hidden)
+            state.evaluate(choice, out.tapped_hidden)
             scored = scorer.queue(out.logits[0], choice)
             state.pending = out.rollback
 
@@ -477,7 +494,7 @@ class Engine:
         # The drafter's context takes the taps since the last cycle (its accepted positions, the
         # plain steps' since) in the same call as the draft: batched, one write for all rows.
         drafts = yield DraftCall(token, context, width, state.take_untapped())
-        mx.async_eval(drafts)  # the draft runs while the verify graph is built
+        state.evaluate(drafts)  # the draft runs while the verify graph is built
         verify = yield TargetCall(ForwardRow(mx.concatenate([token, drafts])[None], cache, record=True,
                                              undo=state.take_due()), tap_ids)
         allowed = None
@@ -488,7 +505,7 @@ class Engine:
         # What the host reads, joined on the device as part of this step (a read then copies, it
         # launches nothing: batched rows each read their own without a launch and a wait apiece).
         proposals_and_choices = mx.concatenate([drafts, choices])
-        mx.async_eval(proposals_and_choices, verify.tapped_hidden)
+        state.evaluate(proposals_and_choices, verify.tapped_hidden)
         state.pending = verify.rollback
         scored = scorer.queue(verify.logits[0], choices)
 

@@ -280,6 +280,40 @@ def test_generate_together_runs_many_with_rows_joining_as_others_end(engines):
         assert chunks[-1].finish_reason == "length"
 
 
+def test_a_batched_round_starts_its_rows_evaluations_in_one_call_per_forward(engines, monkeypatch):
+    """Plain steps and cycles together: a round evaluates what its rows queued (next tokens,
+    drafts, taps) in one `mx.async_eval` per forward, not one per row, which cost as much as the
+    batched forward at hundreds of rows. So a round of 8 rows makes as many calls as one of 2; and
+    the rows still give exactly their tokens alone."""
+    engine = engines["qwen3"]
+    real = mx.async_eval
+
+    def rounds(n: int) -> tuple[int, list]:
+        rows = [Row(_prompt(engine, 5 + i, i), 12, SEEDED if i % 2 else SamplingParams(), "on" if i % 2 else "off")
+                for i in range(n)]
+        streams = [engine.generate(r.prompt, max_tokens=r.max_tokens, sampling=r.sampling,
+                                   speculation=r.speculation, stop_token_ids=set(), batched=True) for r in rows]
+        outputs = [[] for _ in rows]
+        calls = []
+        for round_ in range(7):  # a prefill round, then decode rounds: plain steps, drafts and verifies
+            if round_ == 4:
+                monkeypatch.setattr(mx, "async_eval", lambda *a: calls.append(len(a)) or real(*a))
+            for out, stepped in zip(outputs, step_together(engine, streams)):
+                out += stepped.chunk.token_ids
+        monkeypatch.setattr(mx, "async_eval", real)
+        assert not engine.batch_evals  # every queued array went out with its round
+        for stream in streams:
+            stream.close()
+        for row, out in zip(rows, outputs):
+            assert out == _alone(engine, row)[: len(out)]
+        return len(calls), calls
+
+    two, _ = rounds(2)
+    eight, calls = rounds(8)
+    assert eight == two, calls
+    assert max(calls) >= 8  # one call held every row's arrays
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
 def test_rows_restore_and_leave_prefix_cache_snapshots(engines, family):
     """A batch whose rows start from snapshots that other rows of the batch left (a conversation's
