@@ -1,26 +1,14 @@
-"""An experiment: `x @ w.T` for a few rows of x (M <= 32) on tensor cores, built to keep enough
-weight bytes in flight to stream them at the card's bandwidth. Measured by gpu_small_m.py. The
-kernel itself now lives in dflash_core/kernels/bf16_matmul_cuda.py (an engine option); this file
-keeps the measuring aids (a read probe, ncu markers) and the history.
+"""An experiment that became the engine's bf16 kernel: `x @ w.T` for a few rows of x (M <= 32) on
+tensor cores, built to keep enough weight bytes in flight to stream them at the card's bandwidth.
+Measured by gpu_small_m.py. The kernel now lives in dflash_core/kernels/bf16_matmul_cuda.py, whose
+docstring says how it streams; this file keeps its names for the benchmarks and the measuring
+aids (a read probe, ncu markers).
 
-Why another one. small_m_matmul_cuda.py's kernels stayed at 1.3-2.5 TB/s. Little's law says why
-they may: at ~4 TB/s and ~1 us of loaded DRAM latency the card needs ~4 MB of loads in flight,
-~30 KB per SM. Their grid is one 2-warp block per 16 weight rows, so a 4096-row weight has 512
-warps for 132 SMs (4 per SM) with 4 KB each in flight, and each warp waits for its loads before
-it issues the next ones. Here:
-
-- Every warp keeps two groups of U 32-k chunks in registers and issues the next group's loads
-  before the MMAs of the current one (register double buffering), so its loads never drain.
-- The block's NW warps split K for one 16-row tile; NW is picked per shape so that the grid has
-  about `TARGET_WARPS` warps whatever N is (16 warps of K slices for a 4096-row weight, one for
-  the LM head's 248k rows).
-- The block sums its warps' partials in a fixed order (the same shared-memory reduction as the
-  4-bit kernel), and nothing but the number of 8-token tiles depends on M: a token's output is
-  bit-identical whether it is multiplied alone or with the others.
-
-The MMA layout is small_m_matmul_cuda.py's: the weight is the A operand (16 rows x 16 k), x the
-B operand (16 k x 8 tokens), k permuted identically in both so that 16-byte loads feed the
-fragments directly.
+Why it was written: small_m_matmul_cuda.py's kernels stayed at 1.3-2.5 TB/s, and Little's law
+says why they may: at ~4 TB/s and ~1 us of loaded DRAM latency the card needs ~4 MB of loads in
+flight, ~30 KB per SM. Their grid is one 2-warp block per 16 weight rows, so a 4096-row weight has
+512 warps for 132 SMs (4 per SM) with 4 KB each in flight, and each warp waits for its loads
+before it issues the next ones.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the adapter. On CUDA, products of at most 16 rows by 4-bit affine weights (`nn.Q
 matmul streams them at a fraction of the card's bandwidth; products of at most 32 rows by bf16
 weights (`nn.Linear`, `nn.Embedding`) use our stream kernel (bf16_matmul_cuda.py): kernel-only it
 matches MLX's GEMMs, but per call it costs the host less than MLX's cuBLASLt path, which made
-forced DFlash cycles on the H200 5-20 % faster (docs/performance.md, "MLX's CUDA graphs and the
+forced DFlash cycles on the H200 3-22 % faster (docs/performance.md, "MLX's CUDA graphs and the
 cycle"). Both kernels give a token's row the same bits whatever rows share the call, as the
 lossless loop needs, and both have a gradient (`dflash train` sends drafter blocks through them).
 Everything else, on every backend, is mlx-lm's own call, which is what tests compare the kernels
@@ -18,6 +18,7 @@ weight poorly): a `SharedInput` built at load puts their weights into one matrix
 weight becoming a view of its rows, so memory does not grow and mlx-lm's own calls (prefill) read
 the same numbers.
 """
+
 from __future__ import annotations
 
 import functools
