@@ -5,7 +5,7 @@
     MLX_USE_CUDA_GRAPHS=0 python benchmarks/gpu_graphs.py --out off.json
 
 Kinds: `gemm16` MLX's matmul for 16 rows (cuBLASLt on CUDA), `gemv1` MLX's matmul for one row
-(MLX's own GEMV kernel), `stream16` the bf16 stream kernel of small_m_stream_cuda.py for 16 rows
+(MLX's own GEMV kernel), `stream16` the engine's bf16 stream kernel (bf16_matmul_cuda.py) for 16 rows
 (an `mx.fast.cuda_kernel` launch), `q4_16` this project's 4-bit kernel for 16 rows.
 
 Why: MLX records kernels into a CUDA graph and, every 100 operations on this card, either updates
@@ -36,10 +36,8 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import small_m_stream_cuda as stream  # noqa: E402
-
+from dflash_core.kernels import bf16_matmul_cuda as stream  # noqa: E402
 from dflash_core.kernels import quantized_matmul_cuda as q4  # noqa: E402
 
 KINDS = ("gemm16", "gemv1", "stream16", "q4_16")

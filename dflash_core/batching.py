@@ -146,8 +146,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
 
 def _evaluate_queued(engine) -> None:
     """Start evaluating what the rows queued while they took their outputs (`Engine.batch_evals`:
-    each row's next token, drafts, taps), in one call: `mx.async_eval` once per row cost as much as
-    the batched forward at hundreds of rows."""
+    each row's next token, drafts, taps), in one `mx.async_eval` instead of one per row."""
     queued = getattr(engine, "batch_evals", None)
     if queued:
         mx.async_eval(*queued)

@@ -282,9 +282,8 @@ def test_generate_together_runs_many_with_rows_joining_as_others_end(engines):
 
 def test_a_batched_round_starts_its_rows_evaluations_in_one_call_per_forward(engines, monkeypatch):
     """Plain steps and cycles together: a round evaluates what its rows queued (next tokens,
-    drafts, taps) in one `mx.async_eval` per forward, not one per row, which cost as much as the
-    batched forward at hundreds of rows. So a round of 8 rows makes as many calls as one of 2; and
-    the rows still give exactly their tokens alone."""
+    drafts, taps) in one `mx.async_eval` per forward, not one per row. So a round of 8 rows makes
+    as many calls as one of 2; and the rows still give exactly their tokens alone."""
     engine = engines["qwen3"]
     real = mx.async_eval
 

@@ -96,9 +96,8 @@ def _stacked_products(group: Group, x: mx.array, stream: bool = False) -> Option
 
 def _bf16_product(x: mx.array, weight: mx.array, stream: bool) -> mx.array:
     """`x @ weight.T`, through the stream kernel where `stream` asks for it and it takes the shapes."""
-    rows = x.reshape(-1, x.shape[-1])
-    if stream and bf16_matmul_cuda.supported(rows.shape[0], rows, weight):
-        return _stream_product()(rows, weight).reshape(*x.shape[:-1], weight.shape[0])
+    if stream and bf16_matmul_cuda.supported(x.size // x.shape[-1], x, weight):
+        return _stream_product()(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
     return x @ weight.T
 
 
