@@ -52,6 +52,16 @@ class RequestError(ValueError):
     """A request the engine cannot serve as asked (reported to clients as a 400)."""
 
 
+def choose(sampler: Sampler, out, drafts: Optional[mx.array], first_index: int,
+           allowed: Optional[mx.array] = None) -> mx.array:
+    """`sampler.choose` on a forward's logits rows; a plain greedy row of a batched forward takes
+    the batch's one argmax instead (`TargetOutput.choices`: the same tokens, without the row's own
+    slice, cast and reduction on the host's graph)."""
+    if out.choices is not None and allowed is None and sampler.plain_greedy:
+        return out.choices
+    return sampler.choose(out.logits[0], drafts, first_index, allowed)
+
+
 def accepted_length(drafts: Sequence[int], choices: Sequence[int]) -> int:
     """Drafts accepted: the longest prefix where each draft equals the target's choice before it."""
     n = 0
@@ -409,14 +419,14 @@ class Engine:
         index = 0
         while True:
             sampler.commit(token)
-            logits = (yield TargetCall(ForwardRow(token[None], state.cache))).logits[0]
+            out = yield TargetCall(ForwardRow(token[None], state.cache))
             if constraint is not None:  # the next mask needs this token: read it while the step runs
-                mx.async_eval(logits)
+                mx.async_eval(out.logits)
                 constraint.commit(token.tolist())
             # Queue the next step before reading this token: the device never waits for the host.
-            next_token = sampler.choose(logits, None, index + 1, constraint.masks() if constraint else None)
+            next_token = choose(sampler, out, None, index + 1, constraint.masks() if constraint else None)
             state.evaluate(next_token)
-            next_scored = scorer.queue(logits, next_token)
+            next_scored = scorer.queue(out.logits[0], next_token)
             committed = token.tolist()
             state.fed += committed
             yield committed, scorer.read(scored, committed), 0
@@ -474,7 +484,7 @@ class Engine:
         tap_ids = drafter.config.target_layer_ids
         if width == 0:
             out = yield TargetCall(ForwardRow(token[None], cache, record=True, undo=state.take_due()), tap_ids)
-            choice = sampler.choose(out.logits[0], None, index + 1, constraint.masks() if constraint else None)
+            choice = choose(sampler, out, None, index + 1, constraint.masks() if constraint else None)
             sampler.commit(choice)  # on the device: a step queued after this one samples after it
             state.evaluate(choice, out.tapped_hidden)
             scored = scorer.queue(out.logits[0], choice)
@@ -501,7 +511,7 @@ class Engine:
         if constraint is not None:  # each row's mask follows the drafts before it: read them
             mx.async_eval(verify.logits, verify.tapped_hidden)  # the verify runs while the host builds masks
             allowed = constraint.masks(drafts.tolist())
-        choices = sampler.choose(verify.logits[0], drafts, index + 1, allowed)
+        choices = choose(sampler, verify, drafts, index + 1, allowed)
         # What the host reads, joined on the device as part of this step (a read then copies, it
         # launches nothing: batched rows each read their own without a launch and a wait apiece).
         proposals_and_choices = mx.concatenate([drafts, choices])

@@ -125,7 +125,8 @@ class ForcedAcceptance:
         wanted = mx.concatenate([drafts[:accept], (drafts[accept: accept + 1] + 1) % self.vocab_size,
                                  drafts[accept + 1:], mx.zeros((1,), mx.int32)])[:width]
         boost = (mx.arange(self.vocab_size)[None] == wanted[:, None]).astype(out.logits.dtype) * 1e4
-        return replace(out, logits=out.logits + boost[None])
+        # The forced choices are `wanted` by construction (a boost of 1e4 over random logits).
+        return replace(out, logits=out.logits + boost[None], choices=None if out.choices is None else wanted)
 
 
 class ByteTokenizer:

@@ -99,6 +99,11 @@ class Sampler:
         if params.presence_penalty or params.frequency_penalty:
             self._counts = mx.zeros((vocab_size,), mx.float32)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no bias or penalty: the choice is the argmax of the raw logits."""
+        return self.params.greedy and self._bias is None and self._seen is None and self._counts is None
+
     def commit(self, tokens: mx.array) -> None:
         """Record emitted tokens (int32 [n]) in the penalty histories."""
         if self._seen is not None:

@@ -87,6 +87,9 @@ def _round(adapter, solo_caches, batched_caches, lengths, seed, tap_ids=TAPS, **
     for s, b, n in zip(solo, batched, lengths):
         assert b.logits.shape[1] == (1 if row_kwargs.get("last_logits_only") else n)
         _same_output(s, b)
+        if b.choices is not None:  # the batch's one argmax, each row's part: its own logits' argmax
+            assert mx.array_equal(b.choices, mx.argmax(s.logits[0], axis=-1).astype(mx.int32))
+    assert any(b.choices is not None for b in batched)  # rows that ran together carry them
     for s, b, n in zip(solo_caches, batched_caches, lengths):
         _same_cache(s, b, written=n)
     return solo, batched

@@ -154,3 +154,25 @@ def test_invalid_parameters_are_refused(params, param):
     with pytest.raises(SamplingError) as err:
         params.validate(vocab_size=100)
     assert err.value.param == param
+
+
+def test_only_plain_greedy_rows_take_the_batch_argmax():
+    """`engine.choose`: a batched forward's one argmax (`TargetOutput.choices`) stands for the
+    sampler only where greedy decoding applies nothing to the logits first; a bias, a penalty, a
+    grammar's mask or a temperature goes through the sampler, whose choice then differs here."""
+    from dflash_core.adapters import TargetOutput
+    from dflash_core.engine import choose
+
+    vocab = 8
+    logits = mx.array([[[0.9, 5, 1, 0, 0, 0, 0, 0], [0.9, 1, 5, 0, 0, 0, 0, 0]]])
+    out = TargetOutput(logits, None, None, mx.argmax(logits[0], axis=-1).astype(mx.int32))
+    drafts = mx.array([2], dtype=mx.int32)
+    assert choose(Sampler(SamplingParams(), vocab), out, drafts, 0) is out.choices
+    assert choose(Sampler(SamplingParams(logit_bias={3: 10.0}), vocab), out, drafts, 0).tolist() == [3, 3]
+    assert choose(Sampler(SamplingParams(repetition_penalty=10.0), vocab, [1, 2]), out, drafts, 0).tolist() == [0, 0]
+    no_2 = mx.array([[True] * vocab, [True, True, False] + [True] * 5])
+    assert choose(Sampler(SamplingParams(), vocab), out, drafts, 0, no_2).tolist() == [1, 1]
+    assert choose(Sampler(SamplingParams(temperature=1.0, seed=1), vocab), out, drafts, 0) is not out.choices
+    # Without a batch's argmax (a forward alone), every row goes through the sampler.
+    alone = TargetOutput(logits, None, None)
+    assert choose(Sampler(SamplingParams(), vocab), alone, drafts, 0).tolist() == [1, 2]

@@ -53,6 +53,11 @@ class TargetOutput:
     logits: mx.array  # [1, rows, V]: every position, or only the last one
     tapped_hidden: Optional[mx.array]  # [1, L, n_taps * H] in tap-id order, None without tap ids
     rollback: Optional[RollbackRecord]  # None unless record=True
+    # int32 [rows]: each logits row's argmax, from one argmax over a batched forward's rows (lazy:
+    # computed only if a row reads it). A greedy row with nothing to apply first takes it instead
+    # of slicing, casting and reducing its own logits: a few graph nodes per row, which bound a
+    # batch of hundreds of small rows on the host (`engine.choose`). None: not computed.
+    choices: Optional[mx.array] = None
 
 
 @dataclass
@@ -427,13 +432,17 @@ class TargetAdapter:
                 self.stacked_rows.end_forward()
         # The LM head once, over the positions each row wants.
         picks = [(e - 1, e) if r.last_logits_only else (s, e) for r, (s, e) in zip(rows, bounds)]
-        logits = self.logits(join([part(h, s, e) for s, e in picks]))
+        # (Where every row wants all its positions, as in decode steps and verifies, that is h itself.)
+        logits = self.logits(h if picks == bounds else join([part(h, s, e) for s, e in picks]))
+        choices = mx.argmax(logits, axis=-1).reshape(-1).astype(mx.int32)  # (lazy, see TargetOutput)
         # The tapped layers side by side once for all rows; each row then takes its tokens' part.
         taps = join([tapped[i] for i in tap_ids], axis=-1) if tap_ids else None
         outputs, at = [], 0
         for (s, e), (ps, pe), record in zip(bounds, picks, state.records):
-            outputs.append(TargetOutput(part(logits, at, at + pe - ps), part(taps, s, e) if taps is not None else None, record))
-            at += pe - ps
+            n = pe - ps
+            outputs.append(TargetOutput(part(logits, at, at + n), part(taps, s, e) if taps is not None else None, record,
+                                        part(choices, at, at + n, axis=0)))
+            at += n
         return outputs
 
     def queue_layers(self, i: int, h: mx.array, rows: Rows) -> None:
