@@ -135,6 +135,9 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
             for i, out in zip(members, outputs):
                 advance(i, out)
             _evaluate_queued(engine)
+    queued = getattr(engine, "batch_queue", None)
+    if queued is not None:
+        queued.join_reads()
     spec = getattr(engine, "speculation_state", None)
     if spec is not None:
         # Clean: every row decoded (a prefill chunk, or the first token's read of the prompt's last
@@ -145,12 +148,12 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
 
 
 def _evaluate_queued(engine) -> None:
-    """Start evaluating what the rows queued while they took their outputs (`Engine.batch_evals`:
-    each row's next token, drafts, taps), in one `mx.async_eval` instead of one per row."""
-    queued = getattr(engine, "batch_evals", None)
+    """Start evaluating what the rows queued while they took their outputs (`Engine.batch_queue`:
+    each row's next token, drafts, taps), in one `mx.async_eval` instead of one per row (the
+    tokens they will read are joined for one host read at the round's end: `host_reads`)."""
+    queued = getattr(engine, "batch_queue", None)
     if queued:
-        mx.async_eval(*queued)
-        queued.clear()
+        queued.flush()
 
 
 def _decoded(chunk) -> bool:

@@ -21,6 +21,7 @@ from .cache import cache_arrays
 from .detokenize import IncrementalDetokenizer, TokenBytes
 from .drafter import DFlashDrafter
 from .grammar import AllConstraints, CompiledGrammar, Constraint, GrammarSpec, ReasoningBudget, compile_grammar, tokenizer_info
+from .host_reads import PendingRead, RoundQueue
 from .logprobs import MAX_TOP_LOGPROBS, LogprobScorer, TokenLogprob
 from .prefill import ChunkPacer, chunk_ends
 from .prefix_cache import PrefixCache
@@ -86,16 +87,27 @@ class DecodeState:
     # one block with the next cycle's draft (or before a snapshot), not one drafter forward per
     # token while cycles are off.
     untapped: list = field(default_factory=list)
-    # A batched generation's arrays to evaluate go to its engine's queue (`Engine.batch_evals`),
-    # which `batching.step_together` evaluates once for all rows; None: evaluated at once.
-    eval_queue: Optional[list] = None
+    # The last committed token: the input of the step in flight, fed when that step is read.
+    last: Optional[int] = None
+    # A batched generation's arrays to evaluate and read go to its engine's queue
+    # (`Engine.batch_queue`), which `batching.step_together` starts once for all rows; None:
+    # evaluated at once, read alone.
+    eval_queue: Optional[RoundQueue] = None
 
     def evaluate(self, *arrays: mx.array) -> None:
         """Start evaluating `arrays` on the device without waiting for them."""
         if self.eval_queue is None:
             mx.async_eval(*arrays)
         else:
-            self.eval_queue.extend(arrays)
+            self.eval_queue.evaluate(*arrays)
+
+    def read_later(self, tokens: mx.array) -> PendingRead:
+        """Start evaluating int32 `tokens`, to be read on the host with `.tolist()` (a batch's rows
+        in one read)."""
+        if self.eval_queue is None:
+            mx.async_eval(tokens)
+            return PendingRead(tokens)
+        return self.eval_queue.read_later(tokens)
 
     def take_due(self) -> Optional[tuple[RollbackRecord, int]]:
         due, self.due = self.due, None
@@ -164,10 +176,10 @@ class Engine:
         self.cache_bytes_per_token: Optional[float] = None
         self._grammar_tokenizer = None
         self._token_bytes: Any = False  # not looked at yet (None: the tokenizer is not byte-level)
-        # What the batched generations queued for evaluation since `batching.step_together` last
-        # evaluated them, in one `mx.async_eval` for all rows instead of one per row (7 % faster at
-        # 256 rows on a CPU, within its noise: docs/performance.md, "dflash train's generation").
-        self.batch_evals: list[mx.array] = []
+        # What the batched generations queued for evaluation and host reads since
+        # `batching.step_together` last started them: one `mx.async_eval` and one read for all rows
+        # instead of one each (docs/performance.md, "dflash train's generation", "One read a round").
+        self.batch_queue = RoundQueue()
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -267,12 +279,12 @@ class Engine:
             limit = ReasoningBudget(*reasoning_budget, vocab)
             constraint = limit if constraint is None else AllConstraints([constraint, limit])
         scorer = LogprobScorer(logprobs, vocab)
-        queue = self.batch_evals if batched else None
+        queue = self.batch_queue if batched else None
         steps = self._stream(list(prompt_tokens), budget, sampling, stats, eos, scorer, constraint, policy, queue)
         return steps if batched else serve_alone(self, steps)
 
     def _stream(self, prompt, budget, sampling, stats, eos, scorer, constraint, policy,
-                eval_queue: Optional[list] = None) -> Iterator[GenerationChunk]:
+                eval_queue: Optional[RoundQueue] = None) -> Iterator[GenerationChunk]:
         start = time.perf_counter()
         hit = self.prefix_cache.lookup(prompt, need_context=stats.speculative) if self.prefix_cache else None
         if hit is not None:
@@ -416,6 +428,7 @@ class Engine:
         logits = yield from self._prefill(prompt, state, (), hit)
         token = sampler.choose(logits, None, 0, constraint.masks() if constraint else None)
         scored = scorer.queue(logits, token)
+        read = state.read_later(token)
         index = 0
         while True:
             sampler.commit(token)
@@ -425,12 +438,12 @@ class Engine:
                 constraint.commit(token.tolist())
             # Queue the next step before reading this token: the device never waits for the host.
             next_token = choose(sampler, out, None, index + 1, constraint.masks() if constraint else None)
-            state.evaluate(next_token)
+            next_read = state.read_later(next_token)
             next_scored = scorer.queue(out.logits[0], next_token)
-            committed = token.tolist()
+            committed = read.tolist()
             state.fed += committed
             yield committed, scorer.read(scored, committed), 0
-            token, scored, index = next_token, next_scored, index + 1
+            token, read, scored, index = next_token, next_read, next_scored, index + 1
 
     def _speculative(self, prompt, sampler: Sampler, state: DecodeState, hit, scorer: LogprobScorer,
                      constraint: Optional[Constraint], policy: SpeculationPolicy):
@@ -445,6 +458,7 @@ class Engine:
         sampler.commit(token)
         index = 0  # generated-token index of `token`: committed, not yet fed to the target
         first = token.tolist()  # the first token goes out before the first step is queued
+        state.last = first[0]
         logprobs = scorer.read(scored, first)
         if constraint is not None:
             constraint.commit(first)
@@ -486,7 +500,8 @@ class Engine:
             out = yield TargetCall(ForwardRow(token[None], cache, record=True, undo=state.take_due()), tap_ids)
             choice = choose(sampler, out, None, index + 1, constraint.masks() if constraint else None)
             sampler.commit(choice)  # on the device: a step queued after this one samples after it
-            state.evaluate(choice, out.tapped_hidden)
+            read = state.read_later(choice)
+            state.evaluate(out.tapped_hidden)
             scored = scorer.queue(out.logits[0], choice)
             state.pending = out.rollback
 
@@ -494,8 +509,9 @@ class Engine:
                 if state.pending is out.rollback:
                     state.pending = None
                 state.untapped.append(out.tapped_hidden)
-                state.fed += token.tolist()  # known by now: the step before was read first
-                committed = choice.tolist()
+                state.fed.append(state.last)  # `token`: known by now, the step before was read first
+                committed = read.tolist()
+                state.last = committed[-1]
                 if constraint is not None:
                     constraint.commit(committed)
                 return committed, choice, scorer.read(scored, committed), 0
@@ -512,22 +528,23 @@ class Engine:
             mx.async_eval(verify.logits, verify.tapped_hidden)  # the verify runs while the host builds masks
             allowed = constraint.masks(drafts.tolist())
         choices = choose(sampler, verify, drafts, index + 1, allowed)
-        # What the host reads, joined on the device as part of this step (a read then copies, it
-        # launches nothing: batched rows each read their own without a launch and a wait apiece).
-        proposals_and_choices = mx.concatenate([drafts, choices])
-        state.evaluate(proposals_and_choices, verify.tapped_hidden)
+        # What the host reads, joined on the device as part of this step (in a batch, with the
+        # other rows' into one array: one read for the round, `host_reads`).
+        read = state.read_later(mx.concatenate([drafts, choices]))
+        state.evaluate(verify.tapped_hidden)
         state.pending = verify.rollback
         scored = scorer.queue(verify.logits[0], choices)
 
         def read_cycle():
-            host = proposals_and_choices.tolist()
+            host = read.tolist()
             proposed, picks = host[: width - 1], host[width - 1 :]
             accepted = accepted_length(proposed, picks)
             state.due = (verify.rollback, accepted + 1)  # applied with the next forward
             state.pending = None
             state.untapped.append(verify.tapped_hidden[:, : accepted + 1])
-            state.fed += token.tolist() + proposed[:accepted]
+            state.fed += [state.last] + proposed[:accepted]  # `token` and the accepted drafts
             committed = proposed[:accepted] + [picks[accepted]]
+            state.last = committed[-1]
             sampler.commit(mx.array(committed, dtype=mx.int32))
             if constraint is not None:
                 constraint.commit(committed)
