@@ -4,12 +4,13 @@
 
 For N generations whose caches hold --context tokens (random weights, `random_models`), times the
 parts of one cycle of all of them: the drafter's block (`propose_rows`), the target's verify of N
-blocks of 16 (`forward_rows`), each row's sampling of its 16 choices, each row's rollback to 6
-tokens (one by one, and all in one `rollback_rows`) and its drafter-context update (one
-`add_context` per row, and one `add_context_rows` for all, as the engine does), and the host
-read. Each part is timed twice: building its graph on the host (Python and MLX's graph, no device
-work) and building plus evaluating it, median of --repeat runs after a warm-up; a part whose build
-time is close to its total is host-bound.
+blocks of 16 (`forward_rows`), each row's sampling of its 16 choices (greedy: the batch's one
+argmax, as the engine takes it), each row's rollback to 6 tokens (one by one, and all in one
+`rollback_rows`) and its drafter-context update (one `add_context` per row, and one
+`add_context_rows` for all, as the engine does), and the host read (each row's, and joined into
+one as the engine reads a round). Each part is timed twice: building its graph on the host
+(Python and MLX's graph, no device work) and building plus evaluating it, median of --repeat runs
+after a warm-up; a part whose build time is close to its total is host-bound.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
     from dflash_core.adapters import ForwardRow
     from dflash_core.cache import cache_arrays
     from dflash_core.drafter import DraftRow
+    from dflash_core.engine import choose
+    from dflash_core.host_reads import RoundQueue
     from dflash_core.sampling import Sampler, SamplingParams
 
     block, taps = drafter.block_size, drafter.config.target_layer_ids
@@ -86,8 +89,8 @@ def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
     mx.eval([x.logits for x in outs])
     samplers = [Sampler(SamplingParams(), target.vocab_size) for _ in range(rows)]
 
-    def sample():
-        return [s.choose(o.logits[0], d, 1, None) for s, o, d in zip(samplers, outs, drafts)]
+    def sample():  # as the engine does: greedy rows take the batch's one argmax (engine.choose)
+        return [choose(s, o, d, 1, None) for s, o, d in zip(samplers, outs, drafts)]
 
     parts["sample"] = _timed(sample, repeat, evaluate)
     keep = 6
@@ -119,8 +122,16 @@ def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
     parts["context_rows"] = _timed(context_rows, repeat, ctx_eval)
     choices = sample()
     mx.eval(choices)
-    parts["host_read"] = _timed(lambda: [mx.concatenate([d, c]).tolist() for d, c in zip(drafts, choices)],
-                                repeat, lambda _: None)
+    parts["host_read_per_row"] = _timed(lambda: [mx.concatenate([d, c]).tolist() for d, c in zip(drafts, choices)],
+                                        repeat, lambda _: None)
+
+    def read_joined():  # as the engine does: the round's reads joined, read once (host_reads)
+        queue = RoundQueue()
+        reads = [queue.read_later(mx.concatenate([d, c])) for d, c in zip(drafts, choices)]
+        queue.join_reads()
+        return [r.tolist() for r in reads]
+
+    parts["host_read"] = _timed(read_joined, repeat, lambda _: None)
     # The LM head alone at the verify's and the draft's row counts: a matmul's share of the parts.
     hidden = mx.random.normal((1, rows * block, target.hidden_size)).astype(target.dtype)
     parts["lm_head_verify_rows"] = _timed(lambda: target.lm_head(hidden), repeat, evaluate)
