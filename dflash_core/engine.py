@@ -10,18 +10,19 @@ generation and frees its caches. A grammar (grammar.py) constrains both loops al
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .adapters import ForwardRow, RollbackRecord, TargetAdapter
+from .adapters import ForwardRow, TargetAdapter
 from .batching import DraftCall, TargetCall, serve_alone
 from .cache import cache_arrays
+from .decode_state import DecodeState, Launched
 from .detokenize import IncrementalDetokenizer, TokenBytes
 from .drafter import DFlashDrafter
 from .grammar import AllConstraints, CompiledGrammar, Constraint, GrammarSpec, ReasoningBudget, compile_grammar, tokenizer_info
-from .host_reads import PendingRead, RoundQueue
+from .host_reads import RoundQueue
 from .logprobs import MAX_TOP_LOGPROBS, LogprobScorer, TokenLogprob
 from .prefill import ChunkPacer, chunk_ends
 from .prefix_cache import PrefixCache
@@ -69,75 +70,6 @@ def accepted_length(drafts: Sequence[int], choices: Sequence[int]) -> int:
     while n < len(drafts) and drafts[n] == choices[n]:
         n += 1
     return n
-
-
-@dataclass
-class DecodeState:
-    """One generation's device state: the target's caches, the drafter's context, and the tokens
-    whose state they hold (what a prefix-cache snapshot of them would be keyed by)."""
-
-    cache: list
-    context: Optional[list]
-    fed: list[int]
-    pending: Optional[RollbackRecord] = None  # of a step queued ahead, not yet accepted or rolled back
-    # A verify's rollback (record, keep) decided when its cycle was read, applied with the next
-    # forward (`ForwardRow.undo`: batched generations roll back together) or before a snapshot.
-    due: Optional[tuple[RollbackRecord, int]] = None
-    # Taps not yet in the drafter's context (a cycle's accepted positions, plain steps'): added in
-    # one block with the next cycle's draft (or before a snapshot), not one drafter forward per
-    # token while cycles are off.
-    untapped: list = field(default_factory=list)
-    # The last committed token: the input of the step in flight, fed when that step is read.
-    last: Optional[int] = None
-    # A batched generation's arrays to evaluate and read go to its engine's queue
-    # (`Engine.batch_queue`), which `batching.step_together` starts once for all rows; None:
-    # evaluated at once, read alone.
-    eval_queue: Optional[RoundQueue] = None
-
-    def evaluate(self, *arrays: mx.array) -> None:
-        """Start evaluating `arrays` on the device without waiting for them."""
-        if self.eval_queue is None:
-            mx.async_eval(*arrays)
-        else:
-            self.eval_queue.evaluate(*arrays)
-
-    def read_later(self, tokens: mx.array) -> PendingRead:
-        """Start evaluating int32 `tokens`, to be read on the host with `.tolist()` (a batch's rows
-        in one read)."""
-        if self.eval_queue is None:
-            mx.async_eval(tokens)
-            return PendingRead(tokens)
-        return self.eval_queue.read_later(tokens)
-
-    def take_due(self) -> Optional[tuple[RollbackRecord, int]]:
-        due, self.due = self.due, None
-        return due
-
-    def settle(self, target) -> None:
-        """Apply the rollback still due (before the caches are read other than by a forward)."""
-        due = self.take_due()
-        if due is not None:
-            target.rollback(self.cache, *due)
-
-    def take_untapped(self) -> Optional[mx.array]:
-        """The taps not yet in the drafter's context, as one block (None: there are none)."""
-        if not self.untapped:
-            return None
-        taps, self.untapped = self.untapped, []
-        return taps[0] if len(taps) == 1 else mx.concatenate(taps, axis=1)
-
-    def catch_up(self, drafter) -> None:
-        taps = self.take_untapped()
-        if taps is not None:
-            drafter.add_context(taps, self.context)
-
-
-@dataclass
-class Launched:
-    """A queued step of a speculating generation (`Engine._launch`)."""
-
-    read: Any
-    choice: Optional[mx.array] = None  # a plain step's output token, on the device
 
 
 class Engine:
