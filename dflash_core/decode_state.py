@@ -42,12 +42,13 @@ class DecodeState:
         else:
             self.eval_queue.evaluate(*arrays)
 
-    def read_later(self, tokens: mx.array) -> PendingRead:
+    def read_later(self, tokens: mx.array, *also: mx.array) -> PendingRead:
         """Start evaluating int32 `tokens`, to be read on the host with `.tolist()` (a batch's rows
-        in one read)."""
+        in one read), and `also` with them (alone: in the same `mx.async_eval`)."""
         if self.eval_queue is None:
-            mx.async_eval(tokens)
+            mx.async_eval(tokens, *also)
             return PendingRead(tokens)
+        self.eval_queue.evaluate(*also)
         return self.eval_queue.read_later(tokens)
 
     def take_due(self) -> Optional[tuple[RollbackRecord, int]]:

@@ -432,8 +432,7 @@ class Engine:
             out = yield TargetCall(ForwardRow(token[None], cache, record=True, undo=state.take_due()), tap_ids)
             choice = choose(sampler, out, None, index + 1, constraint.masks() if constraint else None)
             sampler.commit(choice)  # on the device: a step queued after this one samples after it
-            read = state.read_later(choice)
-            state.evaluate(out.tapped_hidden)
+            read = state.read_later(choice, out.tapped_hidden)
             scored = scorer.queue(out.logits[0], choice)
             state.pending = out.rollback
 
@@ -462,8 +461,7 @@ class Engine:
         choices = choose(sampler, verify, drafts, index + 1, allowed)
         # What the host reads, joined on the device as part of this step (in a batch, with the
         # other rows' into one array: one read for the round, `host_reads`).
-        read = state.read_later(mx.concatenate([drafts, choices]))
-        state.evaluate(verify.tapped_hidden)
+        read = state.read_later(mx.concatenate([drafts, choices]), verify.tapped_hidden)
         state.pending = verify.rollback
         scored = scorer.queue(verify.logits[0], choices)
 
