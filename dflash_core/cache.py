@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 
 def ring_mask(starts: mx.array, n: int, window: int, capacity: int) -> mx.array:
@@ -198,6 +198,53 @@ class RowsKVCache(RowOfBatch, KVCache):
     def update_and_fetch(self, keys, values):
         self.writes += 1
         return super().update_and_fetch(keys, values)
+
+
+class RowsArraysCache(ArraysCache):
+    """mlx-lm's ArraysCache (a GatedDeltaNet layer's conv window and recurrent state) whose arrays
+    may be one row of a batched forward's or rollback's stacks, sliced out only when something
+    reads them, as `RowOfBatch` does for KV buffers. Slicing every row of every GatedDeltaNet layer
+    out of the batch after each verify and rollback was most of the host's work in a batched round
+    at 8 rows (docs/performance.md); the same rows' next forward starts from the stacks themselves
+    (`rows.StackedRows`)."""
+
+    _batch = None  # (stacked arrays, row) until sliced out; class attributes also for `from_state`
+    _origin = None  # the same, kept once sliced: what `batch_row` tells while the slices stay
+    _sliced = ()
+    _arrays = None
+
+    @property
+    def cache(self) -> list:
+        if self._batch is not None:
+            arrays, row = self._batch
+            self._batch = None
+            self._arrays = [None if a is None else a[row : row + 1] for a in arrays]
+            self._sliced = tuple(self._arrays)
+        return self._arrays
+
+    @cache.setter
+    def cache(self, value: list) -> None:
+        self._batch = self._origin = None
+        self._arrays = value
+
+    def hold_row(self, arrays: tuple, row: int) -> None:
+        """Hold row `row` of the stacked `arrays` (one per slot), sliced out when first read."""
+        self._batch = self._origin = (tuple(arrays), row)
+        self._arrays, self._sliced = None, ()
+
+    def unsliced(self) -> bool:
+        """Holds a batch's row not sliced out yet (tests and benchmarks tell the host work saved)."""
+        return self._batch is not None
+
+    def batch_row(self) -> Optional[tuple]:
+        """(stacked arrays, row) of the batch whose row this cache holds, sliced out or not; None once
+        a slot holds an array of its own."""
+        if self._batch is not None:
+            return self._batch
+        if self._origin is not None and len(self._arrays) == len(self._sliced) and all(
+                a is b for a, b in zip(self._arrays, self._sliced)):
+            return self._origin
+        return None
 
 
 def cache_arrays(cache: list) -> list[mx.array]:

@@ -202,7 +202,10 @@ def test_rows_carry_their_states_to_the_next_forward(setup, monkeypatch, step_st
     assert stacked.reused - before == len(adapter.layers)
     outs, alone = _round(adapter, taps, batched, solo, _tokens(adapter, [16] * 4, 12), [False] * 4)
     keeps = [3, 7, 1, 15]
+    gated = [i for i, layer in enumerate(adapter.layers) if layer.is_linear]
     adapter.rollback_rows([(b, out.rollback, keep) for b, out, keep in zip(batched, outs, keeps)])
+    # The rollback's gathers leave every GatedDeltaNet row in them, unsliced.
+    assert all(b[i].unsliced() for b in batched for i in gated) == step_states
     for s, ref, keep in zip(solo, alone, keeps):
         adapter.rollback(s, ref.rollback, keep)
     for b, s in zip(batched, solo):
@@ -212,3 +215,32 @@ def test_rows_carry_their_states_to_the_next_forward(setup, monkeypatch, step_st
     attention_layers = sum(not layer.is_linear for layer in adapter.layers)
     # Rolled back row by row (no step states), the GatedDeltaNet rows hold arrays of their own.
     assert stacked.reused - before == (len(adapter.layers) if step_states else attention_layers)
+
+
+def test_a_batched_forward_leaves_the_gated_delta_rows_in_their_batch(setup):
+    """After a batched forward each row's GatedDeltaNet caches hold their row of the stacked conv
+    windows and states with no slice made (four ops a row and layer every round); reading one makes
+    its slices, which are that row of the stacks, and the same rows' next forward still starts from
+    the stacks. A slot written since (a rollback of that row alone) makes the next forward stack
+    that layer's rows anew."""
+    adapter, taps, prompts = setup
+    caches = _world(adapter, prompts)
+    gated = [i for i, layer in enumerate(adapter.layers) if layer.is_linear]
+    step = lambda seed: mx.eval([o.logits for o in adapter.forward_rows(  # noqa: E731
+        [ForwardRow(t, c) for t, c in zip(_tokens(adapter, [1] * len(caches), seed), caches)])])
+    step(10)
+    assert all(c[i].unsliced() for c in caches for i in gated)
+    for row, cache in enumerate(caches):
+        (conv, state), index = cache[gated[0]].batch_row()
+        assert index == row
+        assert mx.array_equal(cache[gated[0]][0], conv[row : row + 1]).item()
+        assert mx.array_equal(cache[gated[0]][1], state[row : row + 1]).item()
+        assert not cache[gated[0]].unsliced() and cache[gated[0]].batch_row() is not None
+    before = adapter.stacked_rows.reused
+    step(20)
+    assert adapter.stacked_rows.reused - before == len(adapter.layers)
+    caches[1][gated[0]][1] = caches[1][gated[0]][1] + 0  # an array of its own now
+    assert caches[1][gated[0]].batch_row() is None
+    before = adapter.stacked_rows.reused
+    step(30)
+    assert adapter.stacked_rows.reused - before == len(adapter.layers) - 1

@@ -23,32 +23,58 @@ copy what they keep, cache.owned). With a matmul that rounds a row the same what
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from ..cache import RowsKVCache
+from ..cache import RowsArraysCache, RowsKVCache
 from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary
 
 
-class GatedDeltaRecord(NamedTuple):
-    """What a rollback of one GatedDeltaNet layer needs from the recorded forward."""
+def _row_of(x: Optional[mx.array], row: int) -> Optional[mx.array]:
+    """Row `row` of a batch [R, ...] as [1, ...]; a batch of one row is itself."""
+    return x if x is None or x.shape[0] == 1 else x[row : row + 1]
 
-    conv_input: mx.array  # the conv state before the forward, then its inputs
-    state: mx.array  # the recurrent state before the forward
-    steps: Optional[tuple]  # (q, k, v, g, beta), replayed up to `keep`; or
-    step_states: Optional[mx.array]  # the state after every step [B, T, Hv, Dv, Dk]
-    # With step states: the batch this row was part of (its conv inputs [R, T + K - 1, C] and
-    # states after each step [R, T, ...]) and its index there, so that the rows of one batch roll
-    # back in one gather per layer (`Qwen35Adapter.rollback_rows`).
-    batch: Optional[tuple] = None
+
+class GatedDeltaRecord:
+    """What a rollback of one GatedDeltaNet layer needs from the recorded forward, for one row. Its
+    arrays are those of the row's batch ([R, ...]), of which it is row `row`, sliced out only when
+    a rollback of this row alone reads them: the rows of one batch roll back in one gather per layer
+    (`Qwen35Adapter.rollback_rows`), and a record that is never rolled back is never sliced."""
+
+    __slots__ = ("_conv_input", "_state", "steps", "_step_states", "row")
+
+    def __init__(self, conv_input: mx.array, state: mx.array, steps: Optional[tuple] = None,
+                 step_states: Optional[mx.array] = None, row: int = 0):
+        self._conv_input = conv_input  # the conv state before the forward, then its inputs
+        self._state = state  # the recurrent state before the forward
+        self.steps = steps  # the row's own (q, k, v, g, beta), replayed up to `keep`; or
+        self._step_states = step_states  # the state after every step [R, T, Hv, Dv, Dk]
+        self.row = row
+
+    @property
+    def conv_input(self) -> mx.array:
+        return _row_of(self._conv_input, self.row)
+
+    @property
+    def state(self) -> mx.array:
+        return _row_of(self._state, self.row)
+
+    @property
+    def step_states(self) -> Optional[mx.array]:
+        return _row_of(self._step_states, self.row)
+
+    @property
+    def batch(self) -> Optional[tuple]:
+        """With step states: the batch's conv inputs [R, T + K - 1, C], its states after each step
+        [R, T, ...] and this row's index there."""
+        return None if self._step_states is None else (self._conv_input, self._step_states, self.row)
 
 
 def gated_delta_inputs(layer, groups: dict, kernels):
@@ -149,8 +175,11 @@ def _stack(x: mx.array, spans: list) -> mx.array:
 
 
 def gated_delta_states(cache) -> tuple:
-    """What a GatedDeltaNet layer's cache holds of its row in a batch: conv window, recurrent state."""
-    return cache[0], cache[1]
+    """What a GatedDeltaNet layer's cache holds of its row in a batch: the batch itself where it
+    holds a row of one (`cache.RowsArraysCache`, told without slicing it out), else its conv window
+    and recurrent state."""
+    row = cache.batch_row() if hasattr(cache, "batch_row") else None
+    return (row,) if row is not None else (cache[0], cache[1])
 
 
 def _row(x: mx.array, j: int, rows: list) -> mx.array:
@@ -173,7 +202,7 @@ class Qwen35Adapter(TargetAdapter):
     family = "qwen3_5"
 
     def make_cache(self, max_rollback: int) -> list:
-        return [ArraysCache(size=2) if layer.is_linear else RowsKVCache() for layer in self.layers]
+        return [RowsArraysCache(size=2) if layer.is_linear else RowsKVCache() for layer in self.layers]
 
     def layer_groups(self, layer):
         if layer.is_linear:
@@ -229,33 +258,36 @@ class Qwen35Adapter(TargetAdapter):
             # The rows' states as their last batched forward or rollback left them, stacked; else
             # each row's, stacked now.
             last = self.stacked_rows.take(group, tag="gdn") if len(rows) > 1 else None
-            conv_states, recurrent = [], []
-            for r in rows:
-                conv_state, state = caches[r][0], caches[r][1]
-                if conv_state is None:
-                    conv_state = mx.zeros((h.shape[0], m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
-                    state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-                conv_states.append(conv_state)
-                recurrent.append(state)
-            conv_before, state_before = last if last is not None else (join(conv_states, 0), join(recurrent, 0))
+            if last is None:
+                conv_states, recurrent = [], []
+                for r in rows:
+                    conv_state, state = caches[r][0], caches[r][1]
+                    if conv_state is None:
+                        conv_state = mx.zeros((h.shape[0], m.conv_kernel_size - 1, m.conv_dim), dtype=h.dtype)
+                        state = mx.zeros((h.shape[0], m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+                    conv_states.append(conv_state)
+                    recurrent.append(state)
+                last = join(conv_states, 0), join(recurrent, 0)
+            conv_before, state_before = last
             mix = block(("gdn_mix", step_states), lambda: gated_delta_mixer(m, step_states))
             y, conv_state, state, conv_input, kept = mix(_stack(qkv, spans), conv_before, state_before,
                                                          _stack(g, spans), _stack(beta, spans))
             for j, r in enumerate(rows):
                 layer_cache, (s, e) = caches[r], bounds[r]
-                layer_cache[0], layer_cache[1] = _row(conv_state, j, rows), _row(state, j, rows)
-                if states[r] is not None and e - s == 1:
-                    # A one-token step is only ever undone whole (keep 0): what the row held before
-                    # is its record, with nothing sliced out of the batch (that host work, for every
-                    # row of every layer, cost a batched plain step a third of its speed on the H200).
-                    states[r].append(GatedDeltaRecord(conv_states[j], recurrent[j], None, None))
-                elif states[r] is not None:
-                    batch = None
-                    if step_states:
-                        steps, after_each, batch = None, _row(kept, j, rows), (conv_input, kept, j)
-                    else:
-                        steps, after_each = (*(_row(x, j, rows) for x in kept), part(g, s, e), part(beta, s, e)), None
-                    states[r].append(GatedDeltaRecord(_row(conv_input, j, rows), recurrent[j], steps, after_each, batch))
+                if len(rows) > 1 and hasattr(layer_cache, "hold_row"):
+                    layer_cache.hold_row((conv_state, state), j)  # its slices made only if read
+                else:
+                    layer_cache[0], layer_cache[1] = _row(conv_state, j, rows), _row(state, j, rows)
+                if states[r] is None:
+                    continue
+                if e - s == 1:
+                    # A one-token step is only ever undone whole (keep 0): what the row held before.
+                    states[r].append(GatedDeltaRecord(conv_before, state_before, row=j))
+                elif step_states:
+                    states[r].append(GatedDeltaRecord(conv_input, state_before, None, kept, row=j))
+                else:
+                    steps = (*(_row(x, j, rows) for x in kept), part(g, s, e), part(beta, s, e))
+                    states[r].append(GatedDeltaRecord(conv_input, state_before, steps, None, row=j))
             if len(rows) > 1:
                 self.stacked_rows.keep(group, (conv_state, state), read=gated_delta_states, tag="gdn")
             for r, piece in _unstack(y, rows):
@@ -299,6 +331,7 @@ class Qwen35Adapter(TargetAdapter):
             if not any(cache is c for c, _, _ in together):
                 self.rollback(cache, record, keep)
         gated_layers = [i for i, layer in enumerate(self.layers) if layer.is_linear]
+        indices: dict = {}
         for i, layer in enumerate(self.layers):
             if not layer.is_linear:
                 for cache, record, keep in together:
@@ -310,12 +343,20 @@ class Qwen35Adapter(TargetAdapter):
                 batches.setdefault(id(record.states[n].batch[0]), []).append((cache, record.states[n], keep))
             for members in batches.values():
                 conv_input, kept, _ = members[0][1].batch
-                rows = mx.array([m.batch[2] for _, m, _ in members])
-                keeps = mx.array([keep for _, _, keep in members])
-                windows = conv_input[rows[:, None], keeps[:, None] + mx.arange(kernel - 1)[None]]
-                states = kept[rows, keeps - 1]
+                # The same rows and keeps in every layer: their index arrays are made once.
+                key = (kernel, *((m.row, keep) for _, m, keep in members))
+                if key not in indices:
+                    rows = mx.array([m.row for _, m, _ in members])
+                    keeps = mx.array([keep for _, _, keep in members])
+                    indices[key] = rows, keeps[:, None] + mx.arange(kernel - 1)[None], keeps - 1
+                rows, window_at, state_at = indices[key]
+                windows = conv_input[rows[:, None], window_at]
+                states = kept[rows, state_at]
                 for b, (cache, _, _) in enumerate(members):
-                    cache[i][0], cache[i][1] = windows[b : b + 1], states[b : b + 1]
+                    if hasattr(cache[i], "hold_row"):
+                        cache[i].hold_row((windows, states), b)  # its slices made only if read
+                    else:
+                        cache[i][0], cache[i][1] = windows[b : b + 1], states[b : b + 1]
                 # Already one batch: the rows' next forward starts from it, if they run in this order.
                 self.stacked_rows.keep([cache[i] for cache, _, _ in members], (windows, states),
                                        read=gated_delta_states, tag="gdn")
