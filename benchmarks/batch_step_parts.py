@@ -4,7 +4,8 @@
 
 For N generations whose caches hold --context tokens (random weights, `random_models`), times the
 parts of one cycle of all of them: the drafter's block (`propose_rows`), the target's verify of N
-blocks of 16 (`forward_rows`), each row's sampling of its 16 choices (greedy: the batch's one
+blocks of 16 (`forward_rows`; and again after the rows' batched rollback of the last one, as the
+engine runs it), each row's sampling of its 16 choices (greedy: the batch's one
 argmax, as the engine takes it), each row's rollback to 6 tokens (one by one, and all in one
 `rollback_rows`) and its drafter-context update (one `add_context` per row, and one
 `add_context_rows` for all, as the engine does), and the host read (each row's, and joined into
@@ -25,12 +26,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _timed(fn, repeat: int, evaluate):
-    """(median build seconds, median build+eval seconds) of `fn`; `evaluate(out)` evaluates its output."""
+def _timed(fn, repeat: int, evaluate, before=None):
+    """(median build seconds, median build+eval seconds) of `fn`; `evaluate(out)` evaluates its
+    output; `before()`, untimed, runs and is evaluated before each run."""
     import mlx.core as mx
 
     builds, totals = [], []
     for i in range(repeat + 1):
+        if before is not None:
+            before()
         mx.synchronize()
         t0 = time.perf_counter()
         out = fn()
@@ -85,6 +89,21 @@ def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
 
     parts["verify"] = _timed(verify, repeat, lambda o: mx.eval([(x.logits, x.tapped_hidden) for x in o[0]],
                                                                  cache_arrays([c for cs in o[1] for c in cs])))
+    # As the engine runs a round: each verify starts from the rows' batched rollback to 6 tokens
+    # of the last one (the caches then hold what the rollback's gathers left them).
+    last = list(verify()[0])
+
+    def roll_back_last():
+        target.rollback_rows([(c, o.rollback, 6) for c, o in zip(caches, last)])
+        mx.eval(cache_arrays([c for cs in caches for c in cs]))
+
+    def verify_after_rollback():
+        outs, verified = verify()
+        last[:] = outs
+        return outs, verified
+
+    parts["verify_after_rollback"] = _timed(verify_after_rollback, repeat, lambda o: mx.eval(
+        [(x.logits, x.tapped_hidden) for x in o[0]], cache_arrays([c for cs in o[1] for c in cs])), roll_back_last)
     outs, verified = verify()
     mx.eval([x.logits for x in outs])
     samplers = [Sampler(SamplingParams(), target.vocab_size) for _ in range(rows)]

@@ -102,7 +102,7 @@ def test_batch_step_parts_runs_on_tiny_shapes(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"1", "3"}
     for parts in rows.values():
-        assert {"draft", "verify", "sample", "rollback", "context_rows", "host_read"} <= set(parts)
+        assert {"draft", "verify", "verify_after_rollback", "sample", "rollback", "context_rows", "host_read"} <= set(parts)
         assert all(0 <= p["build_ms"] <= p["total_ms"] for p in parts.values())
 
 
