@@ -56,10 +56,11 @@ class RequestError(ValueError):
 
 def choose(sampler: Sampler, out, drafts: Optional[mx.array], first_index: int,
            allowed: Optional[mx.array] = None) -> mx.array:
-    """`sampler.choose` on a forward's logits rows; a plain greedy row of a batched forward takes
-    the batch's one argmax instead (`TargetOutput.choices`: the same tokens, without the row's own
-    slice, cast and reduction on the host's graph)."""
-    if out.choices is not None and allowed is None and sampler.plain_greedy:
+    """`sampler.choose` on a forward's logits rows; a greedy row of a batched forward with no
+    penalty or mask takes the batch's one argmax instead (`TargetOutput.choices`, taken after the
+    row's logit bias where it has one: the same tokens, without the row's own slice, cast, bias and
+    reduction on the host's graph)."""
+    if out.choices is not None and allowed is None and sampler.takes_batch_choice(out.choices_bias):
         return out.choices
     return sampler.choose(out.logits[0], drafts, first_index, allowed)
 
@@ -364,7 +365,7 @@ class Engine:
         index = 0
         while True:
             sampler.commit(token)
-            out = yield TargetCall(ForwardRow(token[None], state.cache))
+            out = yield TargetCall(ForwardRow(token[None], state.cache, logit_bias=sampler.batch_bias))
             if constraint is not None:  # the next mask needs this token: read it while the step runs
                 mx.async_eval(out.logits)
                 constraint.commit(token.tolist())
@@ -429,7 +430,8 @@ class Engine:
         drafter, cache, context = self.drafter, state.cache, state.context
         tap_ids = drafter.config.target_layer_ids
         if width == 0:
-            out = yield TargetCall(ForwardRow(token[None], cache, record=True, undo=state.take_due()), tap_ids)
+            row = ForwardRow(token[None], cache, record=True, undo=state.take_due(), logit_bias=sampler.batch_bias)
+            out = yield TargetCall(row, tap_ids)
             choice = choose(sampler, out, None, index + 1, constraint.masks() if constraint else None)
             sampler.commit(choice)  # on the device: a step queued after this one samples after it
             read = state.read_later(choice, out.tapped_hidden)
@@ -453,7 +455,7 @@ class Engine:
         drafts = yield DraftCall(token, context, width, state.take_untapped())
         state.evaluate(drafts)  # the draft runs while the verify graph is built
         verify = yield TargetCall(ForwardRow(mx.concatenate([token, drafts])[None], cache, record=True,
-                                             undo=state.take_due()), tap_ids)
+                                             undo=state.take_due(), logit_bias=sampler.batch_bias), tap_ids)
         allowed = None
         if constraint is not None:  # each row's mask follows the drafts before it: read them
             mx.async_eval(verify.logits, verify.tapped_hidden)  # the verify runs while the host builds masks

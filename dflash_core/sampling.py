@@ -90,6 +90,9 @@ class Sampler:
             ids = mx.array([int(t) for t in params.logit_bias], dtype=mx.int32)
             values = mx.array([float(b) for b in params.logit_bias.values()], dtype=mx.float32)
             self._bias = mx.zeros((vocab_size,), mx.float32).at[ids].add(values)
+            # The same bias as (ids, values) of its entries, for a batch's one argmax (batch_bias).
+            unique = sorted({int(t) for t in params.logit_bias})
+            self._bias_entries = (unique, self._bias[mx.array(unique, dtype=mx.int32)].tolist())
         self._seen = None  # prompt + output tokens, for the repetition penalty
         if params.repetition_penalty != 1.0:
             self._seen = mx.zeros((vocab_size,), mx.float32)
@@ -100,9 +103,19 @@ class Sampler:
             self._counts = mx.zeros((vocab_size,), mx.float32)
 
     @property
-    def plain_greedy(self) -> bool:
-        """Greedy with no bias or penalty: the choice is the argmax of the raw logits."""
-        return self.params.greedy and self._bias is None and self._seen is None and self._counts is None
+    def batch_bias(self) -> Optional[tuple[list[int], list[float]]]:
+        """For a greedy row with no penalty, its logit bias as (token ids, values), which a batched
+        forward adds before its one argmax (`ForwardRow.logit_bias`); None otherwise."""
+        if self.params.greedy and self._bias is not None and self._seen is None and self._counts is None:
+            return self._bias_entries
+        return None
+
+    def takes_batch_choice(self, bias) -> bool:
+        """Whether a batched forward's argmax taken after `bias` (`TargetOutput.choices_bias`) is
+        this sampler's greedy choice: greedy, no penalty, and that bias its own (or none)."""
+        if not self.params.greedy or self._seen is not None or self._counts is not None:
+            return False
+        return bias is None if self._bias is None else bias is self._bias_entries
 
     def commit(self, tokens: mx.array) -> None:
         """Record emitted tokens (int32 [n]) in the penalty histories."""

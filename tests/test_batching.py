@@ -24,6 +24,7 @@ from dflash_core.engine import Engine
 from dflash_core.sampling import SamplingParams
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+BIASED = SamplingParams(logit_bias={3: 0.5, 11: 0.5, 17: -1.0})
 
 
 @dataclass
@@ -92,6 +93,9 @@ def test_random_drafter_rows_are_each_exactly_alone(engines, family, monkeypatch
         Row(_prompt(engine, 12, 3), 26, speculation="off"),
         Row(_prompt(engine, 17, 4), 35, SamplingParams(temperature=0.7, seed=3), speculation="auto", join_at=4),
         Row(_prompt(engine, 9, 5), 50, join_at=2, cancel_at=9),
+        # Greedy rows with a logit bias take the batch's one argmax, taken after their bias.
+        Row(_prompt(engine, 14, 6), 33, BIASED, join_at=1),
+        Row(_prompt(engine, 8, 7), 20, BIASED, speculation="off"),
     ]
     together = _together(engine, rows)
     assert max(sizes) >= 4

@@ -156,10 +156,11 @@ def test_invalid_parameters_are_refused(params, param):
     assert err.value.param == param
 
 
-def test_only_plain_greedy_rows_take_the_batch_argmax():
+def test_only_greedy_rows_take_the_batch_argmax():
     """`engine.choose`: a batched forward's one argmax (`TargetOutput.choices`) stands for the
-    sampler only where greedy decoding applies nothing to the logits first; a bias, a penalty, a
-    grammar's mask or a temperature goes through the sampler, whose choice then differs here."""
+    sampler only where greedy decoding applies nothing to the logits first but the bias the argmax
+    was taken after; another bias, a penalty, a grammar's mask or a temperature goes through the
+    sampler, whose choice then differs here."""
     from dflash_core.adapters import TargetOutput
     from dflash_core.engine import choose
 
@@ -173,6 +174,33 @@ def test_only_plain_greedy_rows_take_the_batch_argmax():
     no_2 = mx.array([[True] * vocab, [True, True, False] + [True] * 5])
     assert choose(Sampler(SamplingParams(), vocab), out, drafts, 0, no_2).tolist() == [1, 1]
     assert choose(Sampler(SamplingParams(temperature=1.0, seed=1), vocab), out, drafts, 0) is not out.choices
+    biased = Sampler(SamplingParams(logit_bias={3: 10.0}), vocab)
+    taken_after = TargetOutput(logits, None, None, mx.array([3, 3], dtype=mx.int32), biased.batch_bias)
+    assert choose(biased, taken_after, drafts, 0) is taken_after.choices
+    other = Sampler(SamplingParams(logit_bias={3: 10.0}), vocab)  # an equal bias, but not this row's
+    assert choose(other, taken_after, drafts, 0) is not taken_after.choices
+    assert choose(Sampler(SamplingParams(), vocab), taken_after, drafts, 0).tolist() == [1, 2]
     # Without a batch's argmax (a forward alone), every row goes through the sampler.
     alone = TargetOutput(logits, None, None)
     assert choose(Sampler(SamplingParams(), vocab), alone, drafts, 0).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_batch_argmax_after_each_rows_bias_is_each_rows_own_choice(dtype):
+    """`batch_choices`: rows with and without a logit bias, of one and of several positions, in one
+    reduction give exactly what each row's own greedy sampler chooses from its logits (a bias
+    pushing a token to the top, one pulling the top token down, ties, a key given twice)."""
+    from dflash_core.adapters import ForwardRow
+    from dflash_core.adapters.base import batch_choices
+
+    vocab, rng = 64, np.random.default_rng(0)
+    biases = [None, {5: 30.0}, None, {"7": -2.5, 7: 1.25, 9: 100.0}, {0: -100.0}]
+    lengths = [1, 16, 3, 1, 16]
+    logits = mx.array(rng.normal(size=(1, sum(lengths), vocab)).round(1)).astype(dtype)  # (ties)
+    samplers = [Sampler(SamplingParams(logit_bias=b), vocab) for b in biases]
+    rows = [ForwardRow(mx.zeros((1, n), dtype=mx.int32), [], logit_bias=s.batch_bias) for n, s in zip(lengths, samplers)]
+    bounds = list(zip(np.cumsum([0] + lengths[:-1]).tolist(), np.cumsum(lengths).tolist()))
+    together = batch_choices(logits, rows, bounds).tolist()
+    for (s, e), sampler in zip(bounds, samplers):
+        assert together[s:e] == sampler.choose(logits[0, s:e], None, 0).tolist()
+    assert together[bounds[1][0]:bounds[1][1]] == [5] * 16 and together[bounds[3][0]] == 9

@@ -58,6 +58,8 @@ class TargetOutput:
     # of slicing, casting and reducing its own logits: a few graph nodes per row, which bound a
     # batch of hundreds of small rows on the host (`engine.choose`). None: not computed.
     choices: Optional[mx.array] = None
+    # The row's `ForwardRow.logit_bias` that `choices` were taken after (None: the raw logits').
+    choices_bias: Optional[tuple] = None
 
 
 @dataclass
@@ -72,6 +74,9 @@ class ForwardRow:
     # A rollback of the row's caches decided since its last forward and applied before this one
     # (record, keep), by whoever runs the forward (`batching.serve`, `step_together`: all rows' at once).
     undo: Optional[tuple[RollbackRecord, int]] = None
+    # A greedy row's logit bias (token ids, float32 values, `Sampler.batch_bias`): the batch's one
+    # argmax (`TargetOutput.choices`) is then taken after adding it to the row's logits.
+    logit_bias: Optional[tuple[Sequence[int], Sequence[float]]] = None
 
 
 # Decode and verify forwards (at most this many tokens) run each layer as a few compiled
@@ -220,6 +225,25 @@ def entry_point(block):
 
     _ENTRY_POINTS.append(call)
     return call
+
+
+def batch_choices(logits: mx.array, rows: Sequence[ForwardRow], picks: Sequence[tuple[int, int]]) -> mx.array:
+    """Each logits position's argmax, int32 [sum of picks]: one reduction for the batch. Rows with a
+    logit bias get it added first, as one scatter into float32 logits at their positions and
+    tokens (x + b where the row's own sampler adds a dense bias: the same sums; elsewhere x)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    if any(r.logit_bias is not None for r in rows):
+        positions, tokens, values, at = [], [], [], 0
+        for r, (s, e) in zip(rows, picks):
+            if r.logit_bias is not None:
+                ids, biases = r.logit_bias
+                for p in range(at, at + e - s):
+                    positions += [p] * len(ids)
+                    tokens += ids
+                    values += biases
+            at += e - s
+        x = x.astype(mx.float32).at[mx.array(positions), mx.array(tokens)].add(mx.array(values, dtype=mx.float32))
+    return mx.argmax(x, axis=-1).astype(mx.int32)
 
 
 class TargetAdapter:
@@ -434,14 +458,14 @@ class TargetAdapter:
         picks = [(e - 1, e) if r.last_logits_only else (s, e) for r, (s, e) in zip(rows, bounds)]
         # (Where every row wants all its positions, as in decode steps and verifies, that is h itself.)
         logits = self.logits(h if picks == bounds else join([part(h, s, e) for s, e in picks]))
-        choices = mx.argmax(logits, axis=-1).reshape(-1).astype(mx.int32)  # (lazy, see TargetOutput)
+        choices = batch_choices(logits, rows, picks)  # (lazy, see TargetOutput)
         # The tapped layers side by side once for all rows; each row then takes its tokens' part.
         taps = join([tapped[i] for i in tap_ids], axis=-1) if tap_ids else None
         outputs, at = [], 0
         for (s, e), (ps, pe), record in zip(bounds, picks, state.records):
             n = pe - ps
             outputs.append(TargetOutput(part(logits, at, at + n), part(taps, s, e) if taps is not None else None, record,
-                                        part(choices, at, at + n, axis=0)))
+                                        part(choices, at, at + n, axis=0), r.logit_bias))
             at += n
         return outputs
 
