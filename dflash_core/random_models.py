@@ -16,7 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .adapters import TargetAdapter, adapter_for
-from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from .drafter import DFlashDrafter
+from .drafter_config import DrafterConfig, default_target_layer_ids
 from .loading import quantizable
 from .shapes import REAL_SHAPES, random_model, target_config
 

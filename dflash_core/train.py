@@ -26,7 +26,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
+from .drafter import DFlashDrafter, load_drafter
+from .drafter_config import DrafterConfig, default_target_layer_ids
 from .engine import Engine
 from .hub import TARGET_FILES, resolve
 from .loading import load_target

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import save_config, save_model
 
-from dflash_core.drafter import default_target_layer_ids
+from dflash_core.drafter_config import default_target_layer_ids
 from dflash_core.shapes import REAL_IDS, TINY_VOCAB, check_family, merge, random_model, target_config
 
 # ----------------------------------------------------------------- tokenizers

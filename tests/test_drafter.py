@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_core.drafter import CheckpointError, DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
+from dflash_core.drafter import DFlashDrafter, load_drafter
+from dflash_core.drafter_config import CheckpointError, DrafterConfig, default_target_layer_ids
 from dflash_core.loading import load_checked_drafter, load_target
 
 H, HEADS, KV, HD, V = 64, 4, 2, 16, 97

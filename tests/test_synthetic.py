@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from synthetic import build_drafter, build_target, drafter_tensor_shapes, train_tokenizer
 
-from dflash_core.drafter import default_target_layer_ids
+from dflash_core.drafter_config import default_target_layer_ids
 from dflash_core.loading import parameter_bytes
 from dflash_core.shapes import FAMILIES, REAL_SHAPES, TINY_VOCAB, random_model, target_config
 
