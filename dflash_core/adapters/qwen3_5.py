@@ -276,8 +276,8 @@ class Qwen35Adapter(TargetAdapter):
                 layer_cache, (s, e) = caches[r], bounds[r]
                 if len(rows) > 1 and hasattr(layer_cache, "hold_row"):
                     layer_cache.hold_row((conv_state, state), j)  # its slices made only if read
-                else:
-                    layer_cache[0], layer_cache[1] = _row(conv_state, j, rows), _row(state, j, rows)
+                else:  # (both slots at once: a row of an earlier batch is not sliced out first)
+                    layer_cache.cache = [_row(conv_state, j, rows), _row(state, j, rows)]
                 if states[r] is None:
                     continue
                 if e - s == 1:
