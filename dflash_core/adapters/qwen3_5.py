@@ -372,13 +372,14 @@ class Qwen35Adapter(TargetAdapter):
             layer_record = next(states)
             # Conv state after `keep` tokens: the K-1 inputs ending at the last kept token.
             kernel = layer.linear_attn.conv_kernel_size
-            layer_cache[0] = mx.contiguous(layer_record.conv_input[:, keep : keep + kernel - 1])
+            conv_state = mx.contiguous(layer_record.conv_input[:, keep : keep + kernel - 1])
             if keep == 0:
-                layer_cache[1] = layer_record.state
+                state = layer_record.state
             elif layer_record.step_states is not None:
                 # A copy (MLX copies a view much smaller than its buffer), so that the cache and
                 # prefix-cache snapshots of it do not pin all T states.
-                layer_cache[1] = mx.contiguous(layer_record.step_states[:, keep - 1])
+                state = mx.contiguous(layer_record.step_states[:, keep - 1])
             else:
                 q, k, v, g, beta = (x[:, :keep] for x in layer_record.steps)
-                _, layer_cache[1] = gated_delta(q, k, v, g, beta, layer_record.state)
+                _, state = gated_delta(q, k, v, g, beta, layer_record.state)
+            layer_cache.cache = [conv_state, state]  # (both at once: a batch's row is not sliced out first)
