@@ -212,8 +212,10 @@ def test_without_matplotlib_the_plots_are_skipped_with_a_hint(tmp_path, capsys, 
 
 def test_server_mode_reports_latencies(qwen3_pair, tmp_path, capsys):
     target, drafter = qwen3_pair
+    # Speculation on: every request runs cycles, whose pooled tokens per cycle the report gives
+    # (auto may keep a CPU on plain steps for all 12 tokens, as it did once in a loaded full run).
     settings = Settings(server=ServerSettings(max_active=2),
-                        models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter))])
+                        models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter), speculation="on")])
     out = tmp_path / "server.json"
     with LiveServer(settings) as server:
         code = _bench("--server", server.url, "--concurrency", "2", "--requests", "4", "--max-tokens", "12",
