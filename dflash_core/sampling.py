@@ -103,19 +103,19 @@ class Sampler:
             self._counts = mx.zeros((vocab_size,), mx.float32)
 
     @property
+    def _greedy_unpenalized(self) -> bool:
+        return self.params.greedy and self._seen is None and self._counts is None
+
+    @property
     def batch_bias(self) -> Optional[tuple[list[int], list[float]]]:
         """For a greedy row with no penalty, its logit bias as (token ids, values), which a batched
         forward adds before its one argmax (`ForwardRow.logit_bias`); None otherwise."""
-        if self.params.greedy and self._bias is not None and self._seen is None and self._counts is None:
-            return self._bias_entries
-        return None
+        return self._bias_entries if self._bias is not None and self._greedy_unpenalized else None
 
     def takes_batch_choice(self, bias) -> bool:
         """Whether a batched forward's argmax taken after `bias` (`TargetOutput.choices_bias`) is
         this sampler's greedy choice: greedy, no penalty, and that bias its own (or none)."""
-        if not self.params.greedy or self._seen is not None or self._counts is not None:
-            return False
-        return bias is None if self._bias is None else bias is self._bias_entries
+        return self._greedy_unpenalized and bias is self.batch_bias
 
     def commit(self, tokens: mx.array) -> None:
         """Record emitted tokens (int32 [n]) in the penalty histories."""

@@ -178,7 +178,7 @@ def gated_delta_states(cache) -> tuple:
     """What a GatedDeltaNet layer's cache holds of its row in a batch: the batch itself where it
     holds a row of one (`cache.RowsArraysCache`, told without slicing it out), else its conv window
     and recurrent state."""
-    row = cache.batch_row() if hasattr(cache, "batch_row") else None
+    row = cache.batch_row()
     return (row,) if row is not None else (cache[0], cache[1])
 
 
@@ -274,7 +274,7 @@ class Qwen35Adapter(TargetAdapter):
                                                          _stack(g, spans), _stack(beta, spans))
             for j, r in enumerate(rows):
                 layer_cache, (s, e) = caches[r], bounds[r]
-                if len(rows) > 1 and hasattr(layer_cache, "hold_row"):
+                if len(rows) > 1:
                     layer_cache.hold_row((conv_state, state), j)  # its slices made only if read
                 else:  # (both slots at once: a row of an earlier batch is not sliced out first)
                     layer_cache.cache = [_row(conv_state, j, rows), _row(state, j, rows)]
@@ -353,10 +353,7 @@ class Qwen35Adapter(TargetAdapter):
                 windows = conv_input[rows[:, None], window_at]
                 states = kept[rows, state_at]
                 for b, (cache, _, _) in enumerate(members):
-                    if hasattr(cache[i], "hold_row"):
-                        cache[i].hold_row((windows, states), b)  # its slices made only if read
-                    else:
-                        cache[i][0], cache[i][1] = windows[b : b + 1], states[b : b + 1]
+                    cache[i].hold_row((windows, states), b)  # its slices made only if read
                 # Already one batch: the rows' next forward starts from it, if they run in this order.
                 self.stacked_rows.keep([cache[i] for cache, _, _ in members], (windows, states),
                                        read=gated_delta_states, tag="gdn")
