@@ -66,13 +66,18 @@ class RowOfBatch:
 
     def batch_row(self) -> Optional[tuple]:
         """(stacked keys, stacked values, row) of the batch whose row this cache holds, sliced out
-        or not; None once a buffer of its own replaced it (a write in place is told by a count of
-        writes, where the class keeps one)."""
+        or not; None once a buffer of its own replaced it or something was written into its slices
+        (in place, by slice assignment: `_written`)."""
         if self._batch is not None:
             return self._batch
         if self._origin is not None and self._keys is self._sliced[0] and self._values is self._sliced[1]:
             return self._origin
         return None
+
+    def _written(self) -> None:
+        """Its slices are about to be written into in place: no longer the batch's row, which the
+        same rows' next forward would otherwise start from (`rows.StackedRows`)."""
+        self._origin = None
 
     def _unbatch(self) -> None:
         keys, values, row = self._batch
@@ -143,6 +148,7 @@ class SlidingWindowCache(RowOfBatch):
 
     def _write(self, keys: mx.array, values: mx.array, first_position: int) -> None:
         self.writes += 1
+        self._written()
         n = keys.shape[2]
         slot = first_position % self.capacity
         head = min(n, self.capacity - slot)
@@ -197,6 +203,7 @@ class RowsKVCache(RowOfBatch, KVCache):
 
     def update_and_fetch(self, keys, values):
         self.writes += 1
+        self._written()
         return super().update_and_fetch(keys, values)
 
 

@@ -64,15 +64,16 @@ KV_STEP = 256
 
 
 def kv_buffers(cache) -> Optional[tuple]:
-    """What a KV cache holds of its row in a stacked batch, and its count of writes since; None for
-    a cache that does not count its writes (anything but `cache.RowsKVCache`), whose stack is
-    then never reused. For a `cache.RowOfBatch` the batch is its (stacked keys, stacked values,
-    row) tuple itself, so that telling whether it still holds it is one identity check."""
+    """What a KV cache holds: for a `cache.RowOfBatch` still holding its row of a stacked batch
+    (not written into since: a write ends that), the batch's (stacked keys, stacked values, row)
+    tuple itself, so that telling whether it still holds it is one identity check; else its
+    buffers and count of writes; None for a cache that does not count its writes (anything but
+    `cache.RowsKVCache` and `cache.SlidingWindowCache`), whose stack is then never reused."""
     writes = getattr(cache, "writes", None)
     if writes is None:
         return None
     row = cache.batch_row() if hasattr(cache, "batch_row") else None  # (cache.RowOfBatch: not sliced out)
-    return (row, writes) if row is not None else (cache.keys, cache.values, writes)
+    return row if row is not None else (cache.keys, cache.values, writes)
 
 
 def _same(a, b) -> bool:
@@ -98,6 +99,8 @@ class _Stacked:
             if cache is None:
                 return False
             held = read(cache)
+            if held is given:  # (a row of a batch: the very tuple it was given)
+                continue
             if held is None or len(held) != len(given):
                 return False
             for a, b in zip(held, given):

@@ -190,6 +190,8 @@ def test_rows_carry_their_stacked_buffers_to_the_next_forward(adapters, family):
     """A batched forward starts from the buffers the same rows' last one stacked (no copy of every
     row's cache per layer), also where they must grow past a 256-position buffer; a row whose cache
     moved on in between (it ran alone) makes its rows stack anew. Each round is exact against solo."""
+    from dflash_core.cache import RowOfBatch
+
     adapter = adapters[family]
     stacked = adapter.stacked_rows
     prompts = [240, 30, 241]
@@ -203,6 +205,9 @@ def test_rows_carry_their_stacked_buffers_to_the_next_forward(adapters, family):
     # Row 1 steps alone in both worlds: its caches hold buffers of their own now.
     token = _tokens(adapter, 1, seed=600)
     mx.eval(adapter.forward(token, solo_caches[1]).logits, adapter.forward(token, batched_caches[1]).logits)
+    # Its writes (in place, into the slices of the stack it held) end its hold on the batch.
+    written = [c for c in batched_caches[1] if isinstance(c, RowOfBatch)]
+    assert written and all(c.batch_row() is None for c in written)
     before = stacked.reused
     _round(adapter, solo_caches, batched_caches, [1, 16, 16], seed=700)
     assert stacked.reused == before, "buffers were reused although a row's cache had changed"

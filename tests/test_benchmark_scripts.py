@@ -52,6 +52,24 @@ def test_gpu_profile_alternations_run_on_tiny_shapes(tmp_path, flag, model, quan
     assert all(row[f"{label}_{what}"] > 0 for label in labels for what in ("decode_ms", "verify16_ms"))
 
 
+def test_batch_verify_profile_times_and_summarizes(tmp_path):
+    """The loop runs on the tiny shape; --summarize reads py-spy's raw format (frames joined by ';',
+    then a count) and gives each frame's share of the samples inside the loop's iterations."""
+    done = _run("benchmarks/batch_verify_profile.py", "--tiny", "--rows", "3", "--context", "48", "--iterations", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("rows 3: build ") and " ms, total " in done.stdout
+    raw = tmp_path / "raw.txt"
+    raw.write_text("<module> (x.py:1);iteration (x.py:9);forward_rows (b.py:4) 3\n"
+                   "<module> (x.py:1);iteration (x.py:9);eval (libmlx.so) 1\n"
+                   "<module> (x.py:1);setup (x.py:2) 6\n")
+    done = _run("benchmarks/batch_verify_profile.py", "--summarize", str(raw))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "4 samples in the loop's iterations"
+    assert " 75.0%  forward_rows (b.py:4)" in lines and " 25.0%  eval (libmlx.so)" in lines
+    assert not any("setup" in line for line in lines)
+
+
 def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
     target, drafter = qwen3_pair
     out = tmp_path / "demo.json"

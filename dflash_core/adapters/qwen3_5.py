@@ -23,7 +23,7 @@ copy what they keep, cache.owned). With a matmul that rounds a row the same what
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -158,19 +158,40 @@ def gated_attention_output_and_mlp(layer, groups: dict, kernels):
     return post
 
 
-def _consecutive(spans: list) -> bool:
-    return all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+class GatedDeltaGroup(NamedTuple):
+    """Rows of a forward whose GatedDeltaNet conv and recurrence run as one batch: of one length and
+    one way of recording (`step_states`), the same in every layer, so planned once per forward."""
+
+    step_states: bool
+    rows: list  # their indices in the forward
+    spans: list  # their tokens on the token axis
+    run: Optional[tuple]  # (start, end) where the rows' tokens sit one after another, else None
+    in_order: bool  # the rows are consecutive indices: their outputs go back as one run
 
 
-def _stack(x: mx.array, spans: list) -> mx.array:
-    """The rows of `x` [1, T, ...] at `spans` (all of one length L) as a batch [R, L, ...]: a
-    reshape of one block where the rows sit one after another, else their slices stacked. One row
-    is its own slice, as it was before rows were grouped."""
+def gated_delta_groups(bounds, states, records_steps: bool) -> list[GatedDeltaGroup]:
+    """The rows' groups (`GatedDeltaGroup`): a verify (recorded, more than one token) keeps per-step
+    states where `records_steps`."""
+    members: dict = {}
+    for r, ((s, e), row_states) in enumerate(zip(bounds, states)):
+        members.setdefault((e - s, row_states is not None and e - s > 1 and records_steps), []).append(r)
+    groups = []
+    for (_, step_states), rows in members.items():
+        spans = [bounds[r] for r in rows]
+        run = (spans[0][0], spans[-1][1]) if all(a[1] == b[0] for a, b in zip(spans, spans[1:])) else None
+        groups.append(GatedDeltaGroup(step_states, rows, spans, run, rows == list(range(rows[0], rows[0] + len(rows)))))
+    return groups
+
+
+def _stack(x: mx.array, group: GatedDeltaGroup) -> mx.array:
+    """The group's rows of `x` [1, T, ...] (all of one length L) as a batch [R, L, ...]: a reshape
+    of one block where the rows sit one after another, else their slices stacked. One row is its
+    own slice, as it was before rows were grouped."""
+    spans = group.spans
     if len(spans) == 1:
         return part(x, *spans[0])
-    length = spans[0][1] - spans[0][0]
-    if _consecutive(spans):
-        return part(x, spans[0][0], spans[-1][1]).reshape(len(spans), length, *x.shape[2:])
+    if group.run is not None:
+        return part(x, *group.run).reshape(len(spans), spans[0][1] - spans[0][0], *x.shape[2:])
     return mx.concatenate([part(x, s, e) for s, e in spans], axis=0)
 
 
@@ -179,7 +200,7 @@ def gated_delta_states(cache) -> tuple:
     holds a row of one (`cache.RowsArraysCache`, told without slicing it out), else its conv window
     and recurrent state."""
     row = cache.batch_row()
-    return (row,) if row is not None else (cache[0], cache[1])
+    return row if row is not None else (cache[0], cache[1])
 
 
 def _row(x: mx.array, j: int, rows: list) -> mx.array:
@@ -187,13 +208,14 @@ def _row(x: mx.array, j: int, rows: list) -> mx.array:
     return x if len(rows) == 1 else x[j : j + 1]
 
 
-def _unstack(y: mx.array, rows: list) -> list:
+def _unstack(y: mx.array, group: GatedDeltaGroup) -> list:
     """A group's output [R, L, ...] back on the token axis: (row, [1, L, ...]) per row, or, for rows
     that sit one after another, the first row with the whole run [1, R * L, ...] and the others
     with nothing (their tokens are in it)."""
+    rows = group.rows
     if len(rows) == 1:
         return [(rows[0], y)]
-    if rows == list(range(rows[0], rows[0] + len(rows))):
+    if group.in_order:
         return [(rows[0], y.reshape(1, -1, *y.shape[2:]))]
     return [(r, y[j : j + 1]) for j, r in enumerate(rows)]
 
@@ -221,10 +243,11 @@ class Qwen35Adapter(TargetAdapter):
         # blocks again (a row's own blocks trace once per row length).
         h = self.embed(tokens)
         states = [None if record is None else record.states for record in rows.records]
+        plan = gated_delta_groups(rows.bounds, states, self.kernels.step_states and records_step_states())
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             if layer.is_linear:
-                h = self._gated_delta(i, layer, groups, h, rows.bounds, rows.caches(i), states, compiled=True)
+                h = self._gated_delta(i, layer, groups, h, rows.bounds, rows.caches(i), states, plan, compiled=True)
             else:
                 h = self._attention_rows(i, layer, groups, h, rows)
             self.queue_layers(i, h, rows)
@@ -232,12 +255,12 @@ class Qwen35Adapter(TargetAdapter):
                 tapped[i] = h
         return h, tapped
 
-    def _gated_delta(self, i, layer, groups, h, bounds, caches, states, compiled: bool, kernels=None):
+    def _gated_delta(self, i, layer, groups, h, bounds, caches, states, plan: list, compiled: bool, kernels=None):
         """A GatedDeltaNet layer over rows: projections and MLP on all of h; the conv and the
-        recurrence once per group of rows of one length (and one way of recording), the rows'
-        states stacked along the batch axis (every op there is independent per batch row, so a
-        row gets exactly what it gets alone) and split back into each row's cache. `states[r]`
-        (recorded rows) gets the row's GatedDeltaRecord."""
+        recurrence once per group of rows of one length (and one way of recording: `plan`, from
+        `gated_delta_groups`), the rows' states stacked along the batch axis (every op there is
+        independent per batch row, so a row gets exactly what it gets alone) and split back into
+        each row's cache. `states[r]` (recorded rows) gets the row's GatedDeltaRecord."""
         m = layer.linear_attn
         kernels = kernels or self.kernels
 
@@ -245,15 +268,9 @@ class Qwen35Adapter(TargetAdapter):
             return self.compiled((key, i), make) if compiled else make()
 
         qkv, z, g, beta = block("gdn_in", lambda: gated_delta_inputs(layer, groups, kernels))(h)
-        # A verify (recorded, more than one token) keeps per-step states where that is cheap.
-        records_steps = self.kernels.step_states and records_step_states()
-        kinds = [row_states is not None and e - s > 1 and records_steps for (s, e), row_states in zip(bounds, states)]
-        members: dict = {}
-        for r, ((s, e), step_states) in enumerate(zip(bounds, kinds)):
-            members.setdefault((e - s, step_states), []).append(r)
         ys = [None] * len(bounds)
-        for (_, step_states), rows in members.items():
-            spans = [bounds[r] for r in rows]
+        for planned in plan:
+            step_states, rows = planned.step_states, planned.rows
             group = [caches[r] for r in rows]
             # The rows' states as their last batched forward or rollback left them, stacked; else
             # each row's, stacked now.
@@ -270,12 +287,13 @@ class Qwen35Adapter(TargetAdapter):
                 last = join(conv_states, 0), join(recurrent, 0)
             conv_before, state_before = last
             mix = block(("gdn_mix", step_states), lambda: gated_delta_mixer(m, step_states))
-            y, conv_state, state, conv_input, kept = mix(_stack(qkv, spans), conv_before, state_before,
-                                                         _stack(g, spans), _stack(beta, spans))
+            y, conv_state, state, conv_input, kept = mix(_stack(qkv, planned), conv_before, state_before,
+                                                         _stack(g, planned), _stack(beta, planned))
+            batch = (conv_state, state)
             for j, r in enumerate(rows):
                 layer_cache, (s, e) = caches[r], bounds[r]
                 if len(rows) > 1:
-                    layer_cache.hold_row((conv_state, state), j)  # its slices made only if read
+                    layer_cache.hold_row(batch, j)  # its slices made only if read
                 else:  # (both slots at once: a row of an earlier batch is not sliced out first)
                     layer_cache.cache = [_row(conv_state, j, rows), _row(state, j, rows)]
                 if states[r] is None:
@@ -289,8 +307,8 @@ class Qwen35Adapter(TargetAdapter):
                     steps = (*(_row(x, j, rows) for x in kept), part(g, s, e), part(beta, s, e))
                     states[r].append(GatedDeltaRecord(conv_input, state_before, steps, None, row=j))
             if len(rows) > 1:
-                self.stacked_rows.keep(group, (conv_state, state), read=gated_delta_states, tag="gdn")
-            for r, piece in _unstack(y, rows):
+                self.stacked_rows.keep(group, batch, read=gated_delta_states, tag="gdn")
+            for r, piece in _unstack(y, planned):
                 ys[r] = piece
         ys = [y for y in ys if y is not None]
         return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, kernels))(h, join(ys), z)
@@ -312,7 +330,9 @@ class Qwen35Adapter(TargetAdapter):
         tapped = {}
         for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
             if layer.is_linear:
-                h = self._gated_delta(i, layer, groups, h, [(0, tokens.shape[1])], [layer_cache], [states],
+                bounds = [(0, tokens.shape[1])]
+                plan = gated_delta_groups(bounds, [states], self.kernels.step_states and records_step_states())
+                h = self._gated_delta(i, layer, groups, h, bounds, [layer_cache], [states], plan,
                                       compiled=False, kernels=self.prefill_kernels)
             else:
                 h = layer(h, mask, layer_cache)
