@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 
 class SamplingError(ValueError):
@@ -91,8 +92,7 @@ class Sampler:
             values = mx.array([float(b) for b in params.logit_bias.values()], dtype=mx.float32)
             self._bias = mx.zeros((vocab_size,), mx.float32).at[ids].add(values)
             # The same bias as (ids, values) of its entries, for a batch's one argmax (batch_bias).
-            unique = sorted({int(t) for t in params.logit_bias})
-            self._bias_entries = (unique, self._bias[mx.array(unique, dtype=mx.int32)].tolist())
+            self._bias_entries = self._entries(params.logit_bias)
         self._seen = None  # prompt + output tokens, for the repetition penalty
         if params.repetition_penalty != 1.0:
             self._seen = mx.zeros((vocab_size,), mx.float32)
@@ -101,6 +101,20 @@ class Sampler:
         self._counts = None  # output tokens, for presence and frequency penalties
         if params.presence_penalty or params.frequency_penalty:
             self._counts = mx.zeros((vocab_size,), mx.float32)
+
+    def _entries(self, logit_bias: dict) -> tuple[list[int], list[float]]:
+        """The dense bias's entries as (sorted ids, float32 values). Where every id is given once
+        each is its value rounded to float32, which is what the dense add left there (0 + v), so it
+        is found on the host; reading them back from the device would wait for every forward
+        queued before this generation started (other rows of a batch included). An id given under
+        two spellings ("5", "05") is read back, so that its sum is the dense add's own."""
+        ids = [int(t) for t in logit_bias]
+        if len(set(ids)) == len(ids):
+            order = sorted(range(len(ids)), key=ids.__getitem__)
+            values = list(logit_bias.values())
+            return [ids[i] for i in order], [float(np.float32(values[i])) for i in order]
+        unique = sorted(set(ids))
+        return unique, self._bias[mx.array(unique, dtype=mx.int32)].tolist()
 
     @property
     def _greedy_unpenalized(self) -> bool:

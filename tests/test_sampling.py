@@ -204,3 +204,16 @@ def test_a_batch_argmax_after_each_rows_bias_is_each_rows_own_choice(dtype):
     for (s, e), sampler in zip(bounds, samplers):
         assert together[s:e] == sampler.choose(logits[0, s:e], None, 0).tolist()
     assert together[bounds[1][0]:bounds[1][1]] == [5] * 16 and together[bounds[3][0]] == 9
+
+
+def test_a_bias_entries_are_the_dense_bias_entries():
+    """`Sampler.batch_bias` finds its values on the host where every id is given once (reading them
+    back would wait for the forwards queued before the generation started): each is what the dense
+    float32 add left at its id, rounding included, ids sorted; an id under two spellings is read
+    back, summed as the dense add sums it."""
+    vocab = 64
+    for bias in ({9: 0.1, 3: -2.5e-8, 40: 100.0, 0: -1 / 3}, {"7": 0.1, 7: 0.2, 2: 1.0}):
+        sampler = Sampler(SamplingParams(logit_bias=bias), vocab)
+        ids, values = sampler.batch_bias
+        assert ids == sorted({int(t) for t in bias})
+        assert values == sampler._bias[mx.array(ids)].tolist()
