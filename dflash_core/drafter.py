@@ -37,7 +37,7 @@ from .drafter_config import CheckpointError, DrafterConfig
 from .kernels import DEFAULT_KERNELS, KernelOptions
 from .kernels.attention import attention
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
-from .rows import StackedRows, from_batch, stack_buffers, to_batch, write_rows
+from .rows import StackedRows, batch_index, from_batch, stack_buffers, to_batch, unbatch_index, write_rows
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,10 @@ class DrafterAttention(nn.Module):
         [rows, Hkv, T, D] and their blocks."""
         B, L, _ = x.shape
         k, v = self._token_keys_values(x, kernels)
-        q, k, v = (to_batch(a, batch.bounds, batch.width).transpose(0, 2, 1, 3) for a in (self._queries(x, kernels), k, v))
+        q, k, v = (batch.batched(a).transpose(0, 2, 1, 3) for a in (self._queries(x, kernels), k, v))
         q, k = self.rope(q, offset=batch.offsets), self.rope(k, offset=batch.offsets)
         out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
-        out = from_batch(out.transpose(0, 2, 1, 3), batch.bounds)
+        out = batch.unbatched(out.transpose(0, 2, 1, 3))
         return linear(self.o_proj, out.reshape(B, L, -1), kernels)
 
 
@@ -122,6 +122,20 @@ class BlockBatch:
         self.offsets = mx.array(list(starts))
         self._widths = mx.array(list(widths))
         self._masks: dict = {}
+        self._gather: Optional[mx.array] = None  # (rows of different widths: rows.batch_index)
+        self._ungather: Optional[tuple] = None
+
+    def batched(self, x: mx.array) -> mx.array:
+        """x [1, sum widths, ...] as [rows, width, ...] (`rows.to_batch`, its gather made once)."""
+        if self._gather is None and any(e - s != self.width for s, e in self.bounds):
+            self._gather = batch_index(self.bounds, self.width)
+        return to_batch(x, self.bounds, self.width, self._gather)
+
+    def unbatched(self, y: mx.array) -> mx.array:
+        """`batched` undone (`rows.from_batch`)."""
+        if self._ungather is None and any(e - s != self.width for s, e in self.bounds):
+            self._ungather = unbatch_index(self.bounds)
+        return from_batch(y, self.bounds, self._ungather)
 
     def context(self, caches: Sequence[KVCache], attn: "DrafterAttention", dtype,
                 stacked: Optional[StackedRows] = None) -> tuple[mx.array, mx.array]:
@@ -242,13 +256,14 @@ class DFlashDrafter(nn.Module):
             bounds = [(e - w, e) for w, e in zip(widths, itertools.accumulate(widths))]
             starts = [cache[0].offset for _, cache in rows]
             offsets = mx.array(starts)
+            gather = batch_index(bounds, max(widths)) if len(set(widths)) > 1 else None  # (once for all layers)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.unrotated_keys_values(c, self.kernels)
             if len(rows) == 1:
                 cache = rows[0][1][i]
                 cache.update_and_fetch(layer.self_attn.rope(k, offset=cache.offset), v)
                 continue
-            k, v = (to_batch(a.transpose(0, 2, 1, 3), bounds, max(widths)).transpose(0, 2, 1, 3) for a in (k, v))
+            k, v = (to_batch(a.transpose(0, 2, 1, 3), bounds, max(widths), gather).transpose(0, 2, 1, 3) for a in (k, v))
             write_rows([cache[i] for _, cache in rows], starts, widths, layer.self_attn.rope(k, offset=offsets), v,
                        stacked=self.stacked_rows)
         if len(rows) > 1:

@@ -25,21 +25,38 @@ def part(x: mx.array, start: int, end: int, axis: int = 1) -> mx.array:
     return x[(slice(None),) * axis + (slice(start, end),)]
 
 
-def to_batch(x: mx.array, bounds: Bounds, length: int) -> mx.array:
+def batch_index(bounds: Bounds, length: int) -> mx.array:
+    """Where each place of the batch layout [rows, length] takes its token from the token axis: the
+    row's own tokens, then its last one again as padding. (Padding is never read as a row's own:
+    its queries are dropped and its keys masked, and a finite value times a masked weight of
+    exactly 0 adds 0, as the zeros it replaced did.)"""
+    return mx.array([[min(s + j, e - 1) for j in range(length)] for s, e in bounds])
+
+
+def unbatch_index(bounds: Bounds) -> tuple[mx.array, mx.array]:
+    """The (row, position) of each real token in the batch layout, in token-axis order."""
+    return (mx.array([b for b, (s, e) in enumerate(bounds) for _ in range(e - s)]),
+            mx.array([j for s, e in bounds for j in range(e - s)]))
+
+
+def to_batch(x: mx.array, bounds: Bounds, length: int, index: Optional[mx.array] = None) -> mx.array:
     """The rows' tokens [1, sum L, ...] as a batch [rows, length, ...], each row padded at its end:
-    a reshape where every row has `length` tokens."""
+    a reshape where every row has `length` tokens, else one gather (`index`: `batch_index`'s, where
+    the caller made it once for several arrays)."""
     if all(e - s == length for s, e in bounds):
         return x.reshape(len(bounds), length, *x.shape[2:])
-    pad = [(0, 0)] * (x.ndim - 2)
-    return mx.concatenate([mx.pad(part(x, s, e), [(0, 0), (0, length - (e - s))] + pad) for s, e in bounds], axis=0)
+    index = batch_index(bounds, length) if index is None else index
+    return x[:, index].reshape(len(bounds), length, *x.shape[2:])
 
 
-def from_batch(y: mx.array, bounds: Bounds) -> mx.array:
-    """`to_batch` undone: [rows, length, ...] -> [1, sum L, ...] without the padding."""
+def from_batch(y: mx.array, bounds: Bounds, index: Optional[tuple] = None) -> mx.array:
+    """`to_batch` undone: [rows, length, ...] -> [1, sum L, ...] without the padding (one gather;
+    `index`: `unbatch_index`'s)."""
     length = y.shape[1]
     if all(e - s == length for s, e in bounds):
         return y.reshape(1, -1, *y.shape[2:])
-    return mx.concatenate([y[b : b + 1, : e - s] for b, (s, e) in enumerate(bounds)], axis=1)
+    rows, positions = unbatch_index(bounds) if index is None else index
+    return y[rows, positions][None]
 
 
 def stack_buffers(buffers: Sequence[Optional[mx.array]], size: int, like: mx.array) -> mx.array:

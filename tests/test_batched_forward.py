@@ -259,3 +259,21 @@ def test_a_batched_forward_slices_no_row_out_until_it_is_read(adapters, family):
     before = adapter.stacked_rows.reused
     step(20)
     assert adapter.stacked_rows.reused - before == len({id(c) for _, c in held}) // 3
+
+
+def test_rows_of_different_lengths_change_layout_in_one_gather_each_way():
+    """`rows.to_batch` lays rows of different lengths out as [rows, longest, ...] by one gather
+    (each row's tokens, then its last one again as padding) and `from_batch` takes exactly the real
+    tokens back, in order; rows of one length are a reshape both ways."""
+    from dflash_core.rows import batch_index, from_batch, to_batch, unbatch_index
+
+    bounds = [(0, 3), (3, 4), (4, 8)]
+    x = mx.arange(8 * 2).reshape(1, 8, 2)
+    batched = to_batch(x, bounds, 4)
+    assert batched.shape == (3, 4, 2)
+    assert batched[:, :, 0].tolist() == [[0, 2, 4, 4], [6, 6, 6, 6], [8, 10, 12, 14]]
+    assert mx.array_equal(to_batch(x, bounds, 4, batch_index(bounds, 4)), batched)
+    assert mx.array_equal(from_batch(batched, bounds), x)
+    assert mx.array_equal(from_batch(batched, bounds, unbatch_index(bounds)), x)
+    even = [(0, 4), (4, 8)]
+    assert mx.array_equal(from_batch(to_batch(x, even, 4), even), x)

@@ -22,7 +22,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
 from ..kernels.attention import attention
 from ..kernels.matmul import gated_mlp, linear
-from ..rows import ring_slots, to_batch, write_ring_rows
+from ..rows import ring_slots, write_ring_rows
 from .base import Rows, TargetAdapter, attend_batch, attend_rows, gated_mlp_group, heads_first, join, part, rotary
 from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
@@ -116,10 +116,9 @@ def window_batch_keys(q, k, v, rows: Rows, caches, rope, layout: tuple) -> tuple
     scattered into the rows' rings stacked as one (`rows.write_ring_rows`), as `window_rows_layout`
     says; the queries, the stacked rings and their mask. A row sees exactly the slots it sees
     alone, in the same order."""
-    length = rows.longest
     slots, mask = layout
-    q_b, k_b = rope(rows.batch_offsets, to_batch(q, rows.bounds, length), to_batch(k, rows.bounds, length))
-    v_b = heads_first(to_batch(v, rows.bounds, length))
+    q_b, k_b = rope(rows.batch_offsets, rows.batched(q), rows.batched(k))
+    v_b = heads_first(rows.batched(v))
     keys, values = write_ring_rows(caches, rows.starts, [e - s for s, e in rows.bounds], k_b, v_b, slots, rows.stacked)
     return q_b, keys, values, mask
 

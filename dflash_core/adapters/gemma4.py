@@ -21,7 +21,6 @@ from mlx_lm.models.gemma4_text import geglu
 from ..cache import RowsKVCache, SlidingWindowCache
 from ..kernels.attention import attention, buffer_mask
 from ..kernels.matmul import gated_mlp, linear, linears
-from ..rows import to_batch
 from .base import TargetAdapter, attend_batch, batch_keys, gated_mlp_group, heads_first, join, part, rotary
 from .gemma3 import window_batch_keys, window_rows_layout
 
@@ -201,7 +200,7 @@ class Gemma4Adapter(TargetAdapter):
             else:
                 shared[i] = batch_keys(*inputs, rows, caches, rope)
             return attend_batch(*shared[i], rows, attn.scale, self.kernels)
-        (q_b,) = rope(rows.batch_offsets, to_batch(inputs[0], rows.bounds, rows.longest))
+        (q_b,) = rope(rows.batch_offsets, rows.batched(inputs[0]))
         _, keys, values, mask = shared[i] = shared[self.inner.previous_kvs[i]]
         return attend_batch(q_b, keys, values, mask, rows, attn.scale, self.kernels)
 
