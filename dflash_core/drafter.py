@@ -37,7 +37,7 @@ from .drafter_config import CheckpointError, DrafterConfig
 from .kernels import DEFAULT_KERNELS, KernelOptions
 from .kernels.attention import attention
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
-from .rows import StackedRows, batch_index, from_batch, stack_buffers, to_batch, unbatch_index, write_rows
+from .rows import RaggedLayout, StackedRows, batch_index, stack_buffers, to_batch, write_rows
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,10 @@ class DrafterAttention(nn.Module):
         [rows, Hkv, T, D] and their blocks."""
         B, L, _ = x.shape
         k, v = self._token_keys_values(x, kernels)
-        q, k, v = (batch.batched(a).transpose(0, 2, 1, 3) for a in (self._queries(x, kernels), k, v))
+        q, k, v = (batch.layout.batched(a).transpose(0, 2, 1, 3) for a in (self._queries(x, kernels), k, v))
         q, k = self.rope(q, offset=batch.offsets), self.rope(k, offset=batch.offsets)
         out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
-        out = batch.unbatched(out.transpose(0, 2, 1, 3))
+        out = batch.layout.unbatched(out.transpose(0, 2, 1, 3))
         return linear(self.o_proj, out.reshape(B, L, -1), kernels)
 
 
@@ -122,20 +122,7 @@ class BlockBatch:
         self.offsets = mx.array(list(starts))
         self._widths = mx.array(list(widths))
         self._masks: dict = {}
-        self._gather: Optional[mx.array] = None  # (rows of different widths: rows.batch_index)
-        self._ungather: Optional[tuple] = None
-
-    def batched(self, x: mx.array) -> mx.array:
-        """x [1, sum widths, ...] as [rows, width, ...] (`rows.to_batch`, its gather made once)."""
-        if self._gather is None and any(e - s != self.width for s, e in self.bounds):
-            self._gather = batch_index(self.bounds, self.width)
-        return to_batch(x, self.bounds, self.width, self._gather)
-
-    def unbatched(self, y: mx.array) -> mx.array:
-        """`batched` undone (`rows.from_batch`)."""
-        if self._ungather is None and any(e - s != self.width for s, e in self.bounds):
-            self._ungather = unbatch_index(self.bounds)
-        return from_batch(y, self.bounds, self._ungather)
+        self.layout = RaggedLayout(self.bounds, self.width)
 
     def context(self, caches: Sequence[KVCache], attn: "DrafterAttention", dtype,
                 stacked: Optional[StackedRows] = None) -> tuple[mx.array, mx.array]:

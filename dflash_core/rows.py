@@ -59,6 +59,28 @@ def from_batch(y: mx.array, bounds: Bounds, index: Optional[tuple] = None) -> mx
     return y[rows, positions][None]
 
 
+class RaggedLayout:
+    """Rows laid end to end on the token axis, [1, sum L, ...], and as a batch padded to `length`,
+    [rows, length, ...]: `to_batch` and `from_batch` for these rows, their gathers (rows of
+    different lengths) made once and kept for every array and layer of a forward."""
+
+    def __init__(self, bounds: Bounds, length: int):
+        self.bounds, self.length = bounds, length
+        self.even = all(e - s == length for s, e in bounds)
+        self._gather: Optional[mx.array] = None
+        self._ungather: Optional[tuple] = None
+
+    def batched(self, x: mx.array) -> mx.array:
+        if not self.even and self._gather is None:
+            self._gather = batch_index(self.bounds, self.length)
+        return to_batch(x, self.bounds, self.length, self._gather)
+
+    def unbatched(self, y: mx.array) -> mx.array:
+        if not self.even and self._ungather is None:
+            self._ungather = unbatch_index(self.bounds)
+        return from_batch(y, self.bounds, self._ungather)
+
+
 def stack_buffers(buffers: Sequence[Optional[mx.array]], size: int, like: mx.array) -> mx.array:
     """Cache buffers [1, heads, T_i, D] (None: nothing yet) as one batch [rows, heads, size, D],
     each padded with zeros at its end (`like`: an array of the heads, D and dtype, for None). A

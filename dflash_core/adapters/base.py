@@ -33,7 +33,7 @@ from ..kernels import DEFAULT_KERNELS, KernelOptions, cpu_linear
 from ..kernels.attention import attention, buffer_mask
 from ..kernels.cpu_head import MIN_PARAMETERS, half_head_for
 from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
-from ..rows import StackedRows, batch_index, from_batch, part, to_batch, unbatch_index, write_rows
+from ..rows import RaggedLayout, StackedRows, part, write_rows
 
 
 @dataclass
@@ -106,11 +106,7 @@ class Rows:
     batch_offsets: mx.array = field(init=False)
     write_positions: Optional[mx.array] = field(init=False, default=None)
     batch_masks: dict = field(init=False)
-    # Rows of different lengths: the gathers between the two layouts (`rows.batch_index`,
-    # `rows.unbatch_index`), made by the first layer that needs them.
-    _gather: Optional[mx.array] = field(init=False, default=None)
-    _ungather: Optional[tuple] = field(init=False, default=None)
-
+    layout: RaggedLayout = field(init=False)  # the token axis and the batch of `longest`
     def __post_init__(self):
         self.offsets = [mx.array(s) for s in self.starts]
         self.masks = [{} for _ in self.rows]
@@ -118,22 +114,11 @@ class Rows:
         self.longest = max(e - s for s, e in self.bounds)
         self.batch_offsets = mx.array(self.starts)
         self.batch_masks = {}
+        self.layout = RaggedLayout(self.bounds, self.longest)
 
     def caches(self, i: int) -> list:
         """Layer `i`'s cache of every row."""
         return [r.cache[i] for r in self.rows]
-
-    def batched(self, x: mx.array) -> mx.array:
-        """x [1, sum L, ...] in the batch layout [rows, longest, ...] (`rows.to_batch`)."""
-        if self._gather is None and any(e - s != self.longest for s, e in self.bounds):
-            self._gather = batch_index(self.bounds, self.longest)
-        return to_batch(x, self.bounds, self.longest, self._gather)
-
-    def unbatched(self, y: mx.array) -> mx.array:
-        """`batched` undone: [rows, longest, ...] -> [1, sum L, ...] (`rows.from_batch`)."""
-        if self._ungather is None and any(e - s != self.longest for s, e in self.bounds):
-            self._ungather = unbatch_index(self.bounds)
-        return from_batch(y, self.bounds, self._ungather)
 
 
 def join(parts: Sequence[mx.array], axis: int = 1) -> mx.array:
@@ -192,8 +177,8 @@ def batch_keys(q, k, v, rows: Rows, caches: Sequence, rope) -> tuple[mx.array, .
     buffer's extra masked positions only add zeros to its softmax and its product with the values).
     What a layer that reuses another's keys and values (Gemma 4) attends over too."""
     length = rows.longest
-    q_b, k_b = rope(rows.batch_offsets, rows.batched(q), rows.batched(k))
-    v_b = heads_first(rows.batched(v))
+    q_b, k_b = rope(rows.batch_offsets, rows.layout.batched(q), rows.layout.batched(k))
+    v_b = heads_first(rows.layout.batched(v))
     if rows.write_positions is None:
         positions = rows.batch_offsets[:, None] + mx.arange(length)[None]
         rows.write_positions = positions.reshape(len(rows.rows), 1, length, 1)
@@ -211,7 +196,7 @@ def attend_batch(q_b, keys, values, mask, rows: Rows, scale: float, kernels: Ker
     """One attention for all rows from `batch_keys` (or a sliding layer's like it), back on the
     token axis: [1, Hq, sum L, D]."""
     out = attention(q_b, [keys], [values], scale, mask, kernels)
-    return heads_first(rows.unbatched(heads_first(out)))
+    return heads_first(rows.layout.unbatched(heads_first(out)))
 
 
 def gated_mlp_group(mlp: nn.Module) -> dict[str, list[nn.Module]]:

@@ -117,8 +117,8 @@ def window_batch_keys(q, k, v, rows: Rows, caches, rope, layout: tuple) -> tuple
     says; the queries, the stacked rings and their mask. A row sees exactly the slots it sees
     alone, in the same order."""
     slots, mask = layout
-    q_b, k_b = rope(rows.batch_offsets, rows.batched(q), rows.batched(k))
-    v_b = heads_first(rows.batched(v))
+    q_b, k_b = rope(rows.batch_offsets, rows.layout.batched(q), rows.layout.batched(k))
+    v_b = heads_first(rows.layout.batched(v))
     keys, values = write_ring_rows(caches, rows.starts, [e - s for s, e in rows.bounds], k_b, v_b, slots, rows.stacked)
     return q_b, keys, values, mask
 

@@ -200,7 +200,7 @@ class Gemma4Adapter(TargetAdapter):
             else:
                 shared[i] = batch_keys(*inputs, rows, caches, rope)
             return attend_batch(*shared[i], rows, attn.scale, self.kernels)
-        (q_b,) = rope(rows.batch_offsets, rows.batched(inputs[0]))
+        (q_b,) = rope(rows.batch_offsets, rows.layout.batched(inputs[0]))
         _, keys, values, mask = shared[i] = shared[self.inner.previous_kvs[i]]
         return attend_batch(q_b, keys, values, mask, rows, attn.scale, self.kernels)
 
