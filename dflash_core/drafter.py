@@ -37,7 +37,7 @@ from .drafter_config import CheckpointError, DrafterConfig
 from .kernels import DEFAULT_KERNELS, KernelOptions
 from .kernels.attention import attention
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
-from .rows import RaggedLayout, StackedRows, batch_index, stack_buffers, to_batch, write_rows
+from .rows import RaggedLayout, StackedRows, stack_buffers, write_rows
 
 log = logging.getLogger(__name__)
 
@@ -243,14 +243,14 @@ class DFlashDrafter(nn.Module):
             bounds = [(e - w, e) for w, e in zip(widths, itertools.accumulate(widths))]
             starts = [cache[0].offset for _, cache in rows]
             offsets = mx.array(starts)
-            gather = batch_index(bounds, max(widths)) if len(set(widths)) > 1 else None  # (once for all layers)
+            layout = RaggedLayout(bounds, max(widths))  # (its gather made once for all layers)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.unrotated_keys_values(c, self.kernels)
             if len(rows) == 1:
                 cache = rows[0][1][i]
                 cache.update_and_fetch(layer.self_attn.rope(k, offset=cache.offset), v)
                 continue
-            k, v = (to_batch(a.transpose(0, 2, 1, 3), bounds, max(widths), gather).transpose(0, 2, 1, 3) for a in (k, v))
+            k, v = (layout.batched(a.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for a in (k, v))
             write_rows([cache[i] for _, cache in rows], starts, widths, layer.self_attn.rope(k, offset=offsets), v,
                        stacked=self.stacked_rows)
         if len(rows) > 1:

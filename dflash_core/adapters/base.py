@@ -107,6 +107,7 @@ class Rows:
     write_positions: Optional[mx.array] = field(init=False, default=None)
     batch_masks: dict = field(init=False)
     layout: RaggedLayout = field(init=False)  # the token axis and the batch of `longest`
+
     def __post_init__(self):
         self.offsets = [mx.array(s) for s in self.starts]
         self.masks = [{} for _ in self.rows]

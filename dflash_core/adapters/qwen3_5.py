@@ -327,11 +327,11 @@ class Qwen35Adapter(TargetAdapter):
         h = self.embed(tokens)
         attention_cache = next(c for c, layer in zip(cache, self.layers) if not layer.is_linear)
         mask = create_attention_mask(h, attention_cache)
+        bounds = [(0, tokens.shape[1])]
+        plan = gated_delta_groups(bounds, [states], self.kernels.step_states and records_step_states())
         tapped = {}
         for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
             if layer.is_linear:
-                bounds = [(0, tokens.shape[1])]
-                plan = gated_delta_groups(bounds, [states], self.kernels.step_states and records_step_states())
                 h = self._gated_delta(i, layer, groups, h, bounds, [layer_cache], [states], plan,
                                       compiled=False, kernels=self.prefill_kernels)
             else:
