@@ -27,10 +27,10 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import gather_last_axis, scaled_dot_product_attention
+from mlx_lm.models.base import gather_last_axis
 
 from ..kernels import DEFAULT_KERNELS, KernelOptions, cpu_linear
-from ..kernels.attention import attention, buffer_mask
+from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.cpu_head import MIN_PARAMETERS, half_head_for
 from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
 from ..rows import RaggedLayout, StackedRows, part, write_rows
@@ -150,7 +150,7 @@ def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict, kern
     k, v = cache.update_and_fetch(k, v)
     queries = q.shape[2]
     if queries == 1:
-        return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=None)
+        return single_query(q, k, v, cache, scale, None, kernels)
     k, v = cache.keys, cache.values
     length = k.shape[2]
     if length not in masks:

@@ -17,10 +17,9 @@ import math
 from functools import partial
 
 import mlx.core as mx
-from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
-from ..kernels.attention import attention
+from ..kernels.attention import attention, single_query
 from ..kernels.matmul import gated_mlp, linear
 from ..rows import ring_slots, write_ring_rows
 from .base import Rows, TargetAdapter, attend_batch, attend_rows, gated_mlp_group, heads_first, join, part, rotary
@@ -87,7 +86,7 @@ def window_attention(q, k, v, cache: SlidingWindowCache, scale: float, mask: mx.
     through mlx-lm's attention, a block through the block attention."""
     k, v = cache.update_and_fetch(k, v)
     if q.shape[2] == 1:
-        return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)
+        return single_query(q, k, v, cache, scale, mask, kernels)
     return attention(q, [k], [v], scale, mask, kernels)
 
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import geglu
 
 from ..cache import RowsKVCache, SlidingWindowCache
-from ..kernels.attention import attention, buffer_mask
+from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, attend_batch, batch_keys, gated_mlp_group, heads_first, join, part, rotary
 from .gemma3 import window_batch_keys, window_rows_layout
@@ -225,7 +224,7 @@ class Gemma4Adapter(TargetAdapter):
             k, v = shared[i] = shared[self.inner.previous_kvs[i]]
         mask = masks[layer.layer_type]
         if n == 1:
-            return scaled_dot_product_attention(q, k, v, cache=cache[i], scale=attn.scale, mask=mask)
+            return single_query(q, k, v, cache[i], attn.scale, mask, self.kernels)
         if not isinstance(mask, mx.array):  # a global layer ("causal"): the buffer's mask
             length = k.shape[2]
             if length not in rows.masks[r]:

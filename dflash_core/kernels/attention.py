@@ -9,7 +9,12 @@ into one matrix (4 x 16 rows for Qwen3), so every key is read once and the GEMM 
 The keys may come in segments (a drafter's context buffer and its block): scores are computed per
 segment, so the cache is never copied to concatenate it.
 
-Elsewhere (Metal, CPU, one query, no mask) it is MLX's fused attention over the concatenated keys.
+On the CPU (float32) every attention of a decode, verify or draft forward, one query or a block,
+is MLX's own unfused sequence of ops (what its fused attention runs on the CPU) with the softmax in
+our primitive (cpu_softmax.cpp): MLX's CPU `exp` made a long cache's attention mostly exps. Decode
+steps (`single_query`) take the same path as blocks, so a query gets the same bits either way.
+
+Elsewhere (Metal, one query on CUDA, no mask) it is MLX's fused attention over the concatenated keys.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention
 
-from . import DEFAULT_KERNELS, KernelOptions, backend
+from . import DEFAULT_KERNELS, KernelOptions, backend, cpu_extension
+from .cpu_head import default_threads
 
 MAX_QUERIES = 16
 # Above 128 as well: MLX runs head_dim 129..512 on its unfused path (scores as a bf16 GEMM, as here,
@@ -36,10 +43,14 @@ def buffer_mask(length: int, start: int, queries: int) -> mx.array:
 
 
 def path_for(q: mx.array, mask, kernels: KernelOptions = DEFAULT_KERNELS) -> str:
+    """'stacked' (CUDA blocks), 'cpu' (the CPU, float32, our softmax) or 'fused' (MLX's own)."""
     L, D = q.shape[2], q.shape[3]
     boolean_mask = isinstance(mask, mx.array) and mask.dtype == mx.bool_  # not an additive one
     if kernels.block_attention and backend() == "cuda" and 1 < L <= MAX_QUERIES and boolean_mask and D <= MAX_HEAD_DIM:
         return "stacked"
+    if (kernels.cpu_softmax and backend() == "cpu" and q.dtype == mx.float32 and not isinstance(mask, str)
+            and cpu_extension.extension() is not None):
+        return "cpu"
     return "fused"
 
 
@@ -48,11 +59,47 @@ def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
     """Softmax attention of q [B, Hq, L, D] over the concatenation of key/value segments
     [B, Hkv, T_i, D]; `mask` (bool, [L, T], or [B, 1 or Hq, L, T] with T = sum T_i) says which
     keys a query sees."""
-    if path_for(q, mask, kernels) == "stacked":
+    path = path_for(q, mask, kernels)
+    if path == "stacked":
         return stacked(q, keys, values, scale, mask)
     k = keys[0] if len(keys) == 1 else mx.concatenate(list(keys), axis=2)
     v = values[0] if len(values) == 1 else mx.concatenate(list(values), axis=2)
+    if path == "cpu":
+        return unfused_cpu(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def single_query(q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mask,
+                 kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
+    """A decode step's attention, one query over the keys it has: mlx-lm's own call, or on the CPU
+    the path blocks take there. A "causal" mask shows one query every key, as no mask does."""
+    mask = None if isinstance(mask, str) else mask
+    if path_for(q, mask, kernels) == "cpu":
+        return unfused_cpu(q, k, v, scale, mask)
+    return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)
+
+
+def unfused_cpu(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    """The ops MLX's fused attention runs on the CPU (the same products, scale and masking, query
+    heads grouped by KV head), with the softmax in our primitive (cpu_softmax.cpp)."""
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    repeats = Hq // Hkv
+    q = mx.array(scale, q.dtype) * q
+    if repeats > 1:
+        q = q.reshape(B, Hkv, repeats, L, D)
+        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+    scores = q @ k.swapaxes(-1, -2)
+    if mask is not None:
+        if repeats > 1 and mask.ndim >= 3:
+            mask = (mx.expand_dims(mask, -3) if mask.shape[-3] == 1
+                    else mask.reshape(*mask.shape[:-3], Hkv, repeats, *mask.shape[-2:]))
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    out = cpu_extension.extension().softmax(scores, default_threads()) @ v
+    return out.reshape(B, Hq, L, -1) if repeats > 1 else out
 
 
 def stacked(q, keys, values, scale, mask) -> mx.array:
@@ -84,4 +131,6 @@ def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """Which implementation a verify or draft block's attention uses here (for `dflash doctor`)."""
     if backend() == "cuda" and kernels.block_attention:
         return f"stacked GEMMs for 2-{MAX_QUERIES} queries with a mask (head_dim <= {MAX_HEAD_DIM}); MLX fused otherwise"
+    if backend() == "cpu" and kernels.cpu_softmax and cpu_extension.extension() is not None:
+        return "MLX's unfused ops with our CPU softmax (float32, decode and blocks)"
     return "MLX fused attention"

@@ -13,27 +13,16 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <future>
-#include <thread>
 #include <vector>
 
-#include <nanobind/nanobind.h>
+#include "cpu_kernels.h"
 
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/mlx.h"
 #include "mlx/primitives.h"
-#include "mlx/threadpool.h"
 
-namespace nb = nanobind;
-using namespace mlx::core;
+namespace dflash {
 
 namespace {
-
-inline float lanes_sum(__m256 a) {
-  alignas(32) float l[8];
-  _mm256_store_ps(l, a);
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
 
 // y[m, r] for r in [r0, r1): a weight chunk is converted once and used for up to four rows of x.
 void half_rows(const uint16_t* w, const float* x, float* y, int64_t M, int64_t K, int64_t N, int64_t r0,
@@ -109,35 +98,6 @@ void int8_rows(const int8_t* q, const float* scales, const float* biases, const 
 // Weight rows per thread below which another thread costs more than it saves.
 constexpr int64_t MIN_ROWS_PER_THREAD = 128;
 
-struct Pool {
-  int threads;
-  ThreadPool pool;
-  explicit Pool(int n) : threads(n), pool(std::max(1, n - 1)) {}
-};
-
-Pool& pool(int threads) {
-  static Pool p(threads);
-  return p;
-}
-
-// rows(r0, r1) over [0, N), split among up to `threads` threads (this one and the pool's).
-template <class Rows>
-void split_rows(int64_t N, int threads, Rows rows) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, N / MIN_ROWS_PER_THREAD));
-  if (parts == 1) {
-    rows(0, N);
-    return;
-  }
-  Pool& p = pool(threads);
-  std::vector<std::future<void>> done;
-  for (int64_t i = 1; i < parts; i++) {
-    const int64_t r0 = N * i / parts, r1 = N * (i + 1) / parts;
-    done.push_back(p.pool.enqueue([=] { rows(r0, r1); }));
-  }
-  rows(0, N / parts);
-  for (auto& f : done) f.get();
-}
-
 // Each row's sums of x over blocks of 32, in a fixed order: xsums [M, K / 32].
 void block_sums(const float* x, float* xsums, int64_t M, int64_t K) {
   const int64_t blocks = K / 32;
@@ -170,11 +130,11 @@ class NarrowLinear : public Primitive {
     float* yp = out.data<float>();
     if (inputs.size() == 2) {
       encoder.dispatch([=, wp = w.data<uint16_t>(), threads = threads_]() {
-        split_rows(N, threads, [=](int64_t r0, int64_t r1) { half_rows(wp, xp, yp, M, K, N, r0, r1); });
+        split_rows(N, threads, MIN_ROWS_PER_THREAD, [=](int64_t r0, int64_t r1) { half_rows(wp, xp, yp, M, K, N, r0, r1); });
       });
     } else if (inputs.size() == 3) {
       encoder.dispatch([=, qp = w.data<int8_t>(), sp = inputs[2].data<float>(), threads = threads_]() {
-        split_rows(N, threads, [=](int64_t r0, int64_t r1) { int8_rows(qp, sp, nullptr, nullptr, xp, yp, M, K, N, r0, r1); });
+        split_rows(N, threads, MIN_ROWS_PER_THREAD, [=](int64_t r0, int64_t r1) { int8_rows(qp, sp, nullptr, nullptr, xp, yp, M, K, N, r0, r1); });
       });
     } else {
       encoder.dispatch([=, qp = w.data<int8_t>(), sp = inputs[2].data<float>(), bp = inputs[3].data<float>(),
@@ -182,7 +142,7 @@ class NarrowLinear : public Primitive {
         std::vector<float> xsums(M * (K / 32));
         block_sums(xp, xsums.data(), M, K);
         const float* xs = xsums.data();
-        split_rows(N, threads, [=](int64_t r0, int64_t r1) { int8_rows(qp, sp, bp, xs, xp, yp, M, K, N, r0, r1); });
+        split_rows(N, threads, MIN_ROWS_PER_THREAD, [=](int64_t r0, int64_t r1) { int8_rows(qp, sp, bp, xs, xp, yp, M, K, N, r0, r1); });
       });
     }
   }
@@ -273,8 +233,7 @@ array affine_linear(const array& x, const array& q, const array& scales, const a
 
 }  // namespace
 
-NB_MODULE(MODULE_NAME, m) {
-  nb::module_::import_("mlx.core");
+void add_linear(nb::module_& m) {
   m.def("half_linear", &half_linear, nb::arg("x"), nb::arg("w"), nb::arg("threads"),
         "x @ w.T for float32 x [..., K] and float16 w [N, K], row-invariant, on the CPU.");
   m.def("int8_linear", &int8_linear, nb::arg("x"), nb::arg("q"), nb::arg("scales"), nb::arg("threads"),
@@ -282,3 +241,5 @@ NB_MODULE(MODULE_NAME, m) {
   m.def("affine_linear", &affine_linear, nb::arg("x"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("threads"), "x @ (q * scales + biases, per 32 along K).T: int8_linear with a bias per block.");
 }
+
+}  // namespace dflash

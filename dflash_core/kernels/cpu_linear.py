@@ -19,139 +19,25 @@ and a 1-token step give a token the same result to the bit, and speculative outp
 the target-alone output (tests/test_cpu_linear.py). The copies take memory besides the float32
 weights (the demo's: 126 MB).
 
-The primitive is a C++ MLX extension, compiled on first use (about 20 s) by CMake with nanobind
-(MLX's binding library, at the ABI MLX's Python module was built with) into the cache. Where it
-cannot run (not the CPU backend, not x86-64 Linux with AVX2/FMA/F16C, no C++ compiler or CMake,
+The primitive is part of this project's C++ MLX extension (cpu_extension.py), compiled on first
+use. Where it cannot run (not the CPU backend, not x86-64 Linux with AVX2/FMA/F16C, no C++ compiler or CMake,
 `KernelOptions.cpu_narrow_linears` off) MLX multiplies the float32 weights.
 """
 
 from __future__ import annotations
 
-import fcntl
-import functools
-import hashlib
-import importlib.util
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-from types import ModuleType
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import backend
+from .cpu_extension import extension
 from .cpu_head import affine_blocks, cpu_supports, default_threads, int8_blocks
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_linear.cpp")
-MODULE = "dflash_cpu_linear"
 # Below this a projection's bytes are not what a step costs (and the tests' tiny models keep MLX's).
 MIN_PARAMETERS = 1 << 16
 FLOAT16_MAX = 65504.0
-
-CMAKE_LISTS = f"""
-cmake_minimum_required(VERSION 3.24)
-project({MODULE} LANGUAGES CXX)
-set(CMAKE_CXX_STANDARD 20)
-set(CMAKE_CXX_STANDARD_REQUIRED ON)
-set(CMAKE_BUILD_TYPE Release)
-find_package(Python 3.10 COMPONENTS Interpreter Development.Module REQUIRED)
-find_package(nanobind CONFIG REQUIRED)
-find_package(MLX CONFIG REQUIRED)
-# NB_DOMAIN mlx: the domain MLX's Python module registers its array type in.
-nanobind_add_module({MODULE} NB_STATIC NOMINSIZE NB_DOMAIN mlx cpu_linear.cpp)
-target_compile_definitions({MODULE} PRIVATE MODULE_NAME={MODULE})
-target_compile_options({MODULE} PRIVATE -O3 -mavx2 -mfma -mf16c)
-target_link_libraries({MODULE} PRIVATE mlx)
-"""
-
-
-def _cmake() -> Optional[str]:
-    found = shutil.which("cmake")
-    if found:
-        return found
-    try:  # PyPI's cmake package (a dependency on Linux) puts its binary beside the interpreter
-        import cmake
-
-        return str(Path(cmake.CMAKE_BIN_DIR) / "cmake")
-    except ImportError:
-        return None
-
-
-def _mlx_dir() -> Path:
-    """The installed mlx package (its headers, library and CMake files), from the loaded module."""
-    return Path(mx.__file__).parent
-
-
-def _digest() -> str:
-    import nanobind
-
-    key = "\n".join([SOURCE.read_text(), CMAKE_LISTS, str(_mlx_dir()), mx.__version__,
-                     nanobind.__version__, sys.version, platform.platform()])
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def _build(out: Path, cmake: str) -> None:
-    import nanobind
-
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        work = Path(tmp)
-        (work / "CMakeLists.txt").write_text(CMAKE_LISTS)
-        shutil.copy(SOURCE, work / "cpu_linear.cpp")
-        configure = [cmake, "-S", str(work), "-B", str(work / "build"), f"-DPython_EXECUTABLE={sys.executable}",
-                     f"-Dnanobind_DIR={nanobind.cmake_dir()}",
-                     f"-DMLX_DIR={_mlx_dir() / 'share' / 'cmake' / 'MLX'}"]
-        for command in (configure, [cmake, "--build", str(work / "build"), "-j", str(os.cpu_count() or 1)]):
-            subprocess.run(command, check=True, capture_output=True, timeout=600)
-        built = next((work / "build").glob(f"{MODULE}*.so"))
-        built.replace(out)  # atomic: another process sees the whole file or none
-
-
-@functools.cache
-def extension() -> Optional[ModuleType]:
-    """The compiled primitive (built once per source, MLX and Python into the cache), or None where
-    it cannot be. Processes starting together build it once (a file lock)."""
-    if not cpu_supports():
-        return None
-    cmake = _cmake()
-    try:
-        import nanobind  # noqa: F401
-    except ImportError:
-        cmake = None
-    if cmake is None:
-        log.info("no CMake or nanobind: decode on the CPU keeps MLX's float32 product")
-        return None
-    from ..demo import cache_root
-
-    root = cache_root() / "kernels"
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / f"cpu_linear-{_digest()}.so"
-    with open(root / "cpu_linear.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            log.info("compiling the CPU decode kernel (once, about 20 s) into %s", path)
-            try:
-                _build(path, cmake)
-            except (OSError, subprocess.SubprocessError, StopIteration) as e:
-                log.info("the CPU decode kernel did not compile (%s): MLX's float32 product instead", e)
-                return None
-    spec = importlib.util.spec_from_file_location(MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-        # A nanobind of another ABI than MLX's module loads, but cannot take MLX's arrays.
-        module.half_linear(mx.zeros((1, 16)), mx.zeros((1, 16), dtype=mx.float16), 1)
-    except (ImportError, TypeError) as e:
-        log.info("the CPU decode kernel did not load (%s): MLX's float32 product instead", e)
-        return None
-    return module
 
 
 NARROW_WEIGHT = "_cpu_weight"  # a layer's copy; the leading "_" keeps it out of parameters() and saves

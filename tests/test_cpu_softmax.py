@@ -1,0 +1,117 @@
+"""Attention's softmax on the CPU in our primitive (dflash_core/kernels/cpu_softmax.cpp) and the
+attention path around it (kernels/attention.py: `unfused_cpu`, `single_query`): close to MLX's
+softmax and fused attention, exact zeros for masked scores, a row's bits independent of its masked
+tail and of the rows beside it, MLX's gradient, and a 16-token verify giving every family's tokens
+the logits 16 one-token steps give them, to the bit (the test_lossless suites run on this path)."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from families import ENGINE_FAMILIES, sample_prompt
+
+from dflash_core.kernels import KernelOptions, backend, cpu_extension
+from dflash_core.kernels import attention as attn
+from dflash_core.loading import load_engine
+
+LOWEST = float(np.finfo(np.float32).min)  # what MLX's masking writes over a masked score
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module():
+    """The compiled extension; CI must build it (a skip there would hide a broken build)."""
+    if cpu_extension.extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the CPU kernels did not build in CI (a C++ compiler, CMake and nanobind are needed)")
+        pytest.skip("no x86-64 Linux with AVX2/FMA/F16C, C++ compiler, CMake or nanobind here")
+    return cpu_extension.extension()
+
+
+def _scores(shape, seed=0, scale=4.0):
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale)
+
+
+def test_softmax_is_mlx_within_rounding_with_exact_zeros_and_tail_blind_rows(module):
+    x = _scores((3, 5, 300))
+    masked = mx.where(mx.arange(300) < 230, x, LOWEST)
+    got = module.softmax(masked, 2)
+    np.testing.assert_allclose(np.array(got), np.array(mx.softmax(masked, axis=-1, precise=True)), rtol=2e-5,
+                               atol=1e-9)
+    assert (np.array(got)[..., 230:] == 0).all()  # exactly zero, as a masked key must weigh
+    np.testing.assert_allclose(np.array(got).sum(-1), 1.0, rtol=1e-5)
+    # A query's keys alone (decode) or in a longer buffer with the tail masked (verify): same bits,
+    # at every length around the vectors' 8 lanes.
+    for n in (1, 5, 7, 8, 9, 16, 17, 229):
+        alone = module.softmax(x[..., :n], 1)
+        padded = mx.concatenate([x[..., :n], mx.full(x[..., :13].shape, LOWEST)], axis=-1)
+        assert mx.array_equal(module.softmax(padded, 2)[..., :n], alone)
+    # A row's bits do not depend on the other rows of the call (nor on the threads splitting them).
+    many = _scores((64, 16, 300), seed=1)
+    together = module.softmax(many, 2)
+    for i in (0, 17, 63):
+        assert mx.array_equal(module.softmax(many[i : i + 1, 3:4], 1)[0, 0], together[i, 3])
+    # Far below the row's maximum the exp is 0; no NaN from MLX's lowest float.
+    extreme = mx.array([[0.0, -87.0, -88.0, -1e30, LOWEST]])
+    probs = np.array(module.softmax(extreme, 1))[0]
+    assert probs[0] > 0.99 and probs[1] > 0 and (probs[2:] == 0).all()
+
+
+def test_softmax_has_mlx_gradient(module):
+    x = _scores((4, 37), seed=2)
+    weights = _scores((4, 37), seed=3)
+    got = mx.grad(lambda x: (module.softmax(x, 1) * weights).sum())(x)
+    expected = mx.grad(lambda x: (mx.softmax(x, axis=-1, precise=True) * weights).sum())(x)
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (4, 1)])
+def test_cpu_attention_is_mlx_fused_attention(heads, kv_heads):
+    B, L, T, D = 2, 16, 300, 64
+    rng = np.random.default_rng(4)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in
+               ((B, heads, L, D), (B, kv_heads, T, D), (B, kv_heads, T, D)))
+    start = 250
+    boolean = mx.arange(T)[None] <= mx.arange(start, start + L)[:, None]
+    for mask in (boolean, mx.broadcast_to(boolean, (B, 1, L, T)), mx.broadcast_to(boolean, (B, heads, L, T)),
+                 mx.where(boolean, 0.0, -1e9), None):
+        expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+        got = attn.unfused_cpu(q, k, v, D**-0.5, mask)
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-5)
+    # Decode (one query over the keys it has) gives a block's query the same bits.
+    block = attn.attention(q, [k], [v], D**-0.5, boolean)
+    for i in (0, 5, 15):
+        alone = attn.single_query(q[:, :, i : i + 1], k[:, :, : start + i + 1], v[:, :, : start + i + 1], None,
+                                  D**-0.5, "causal")
+        assert mx.array_equal(alone[:, :, 0], block[:, :, i])
+
+
+def test_gate():
+    q = mx.zeros((1, 8, 16, 64))
+    mask = mx.ones((16, 64), mx.bool_)
+    expected = "cpu" if backend() == "cpu" else attn.path_for(q, mask)
+    assert attn.path_for(q, mask) == expected
+    assert attn.path_for(q[:, :, :1], None) == expected  # decode takes it too
+    assert attn.path_for(q, mask, KernelOptions(cpu_softmax=False)) == "fused"
+    assert attn.path_for(q.astype(mx.bfloat16), mask) != "cpu"  # float32 only
+    assert attn.path_for(q, "causal") != "cpu"  # a prefill's causal mask: MLX's own
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_a_verify_gives_its_tokens_the_logits_of_single_steps(request, family):
+    """Every family's 16-token verify (through our softmax) and 16 one-token steps give each token
+    the same logits to the bit, contexts past Gemma's sliding windows included."""
+    target_dir, drafter_dir = request.getfixturevalue(f"{family}_pair")
+    engine = load_engine(str(target_dir), str(drafter_dir), prefill_chunk=16)
+    target = engine.target
+    assert attn.path_for(mx.zeros((1, 2, 16, 8)), mx.ones((16, 8), mx.bool_), target.kernels) == "cpu"
+    prompt = (sample_prompt(engine) * 8)[:100]
+    block = mx.array([prompt[:16]])
+    caches = [target.make_cache(16), target.make_cache(16)]
+    for cache in caches:
+        mx.eval(target.forward(mx.array([prompt]), cache).logits)
+    verify = target.forward(block, caches[0]).logits
+    steps = mx.concatenate([target.forward(block[:, i : i + 1], caches[1]).logits for i in range(16)], axis=1)
+    assert np.array_equal(np.array(verify), np.array(steps))
