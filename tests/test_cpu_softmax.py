@@ -1,7 +1,7 @@
 """Attention's softmax on the CPU in our primitive (dflash_core/kernels/cpu_softmax.cpp) and the
 attention path around it (kernels/attention.py: `unfused_cpu`, `single_query`): close to MLX's
-softmax and fused attention, exact zeros for masked scores, a row's bits independent of its masked
-tail and of the rows beside it, MLX's gradient, and a 16-token verify giving every family's tokens
+softmax and fused attention, exact zeros for masked scores, a row's bits independent of masked
+scores wherever they sit and of the rows beside it, MLX's gradient, and a 16-token verify giving every family's tokens
 the logits 16 one-token steps give them, to the bit (the test_lossless suites run on this path)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _scores(shape, seed=0, scale=4.0):
     return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale)
 
 
-def test_softmax_is_mlx_within_rounding_with_exact_zeros_and_tail_blind_rows(module):
+def test_softmax_is_mlx_within_rounding_with_exact_zeros_and_mask_blind_rows(module):
     x = _scores((3, 5, 300))
     masked = mx.where(mx.arange(300) < 230, x, LOWEST)
     got = module.softmax(masked, 2)
@@ -48,6 +48,13 @@ def test_softmax_is_mlx_within_rounding_with_exact_zeros_and_tail_blind_rows(mod
         alone = module.softmax(x[..., :n], 1)
         padded = mx.concatenate([x[..., :n], mx.full(x[..., :13].shape, LOWEST)], axis=-1)
         assert mx.array_equal(module.softmax(padded, 2)[..., :n], alone)
+    # Masked scores between a row's own (a batched row's padding between its context and its
+    # block) change nothing either.
+    for at, gap in ((3, 5), (8, 8), (100, 13)):
+        row = x[..., :150]
+        gapped = mx.concatenate([row[..., :at], mx.full(row[..., :gap].shape, LOWEST), row[..., at:]], axis=-1)
+        probs = module.softmax(gapped, 1)
+        assert mx.array_equal(mx.concatenate([probs[..., :at], probs[..., at + gap :]], axis=-1), module.softmax(row, 1))
     # A row's bits do not depend on the other rows of the call (nor on the threads splitting them).
     many = _scores((64, 16, 300), seed=1)
     together = module.softmax(many, 2)

@@ -70,7 +70,9 @@ def test_a_step_of_sequences_trains_as_each_alone(qwen3_pair):
 def test_taps_of_sequences_together_are_each_alone(request, family):
     """target_taps runs a step's sequences through the target as one padded batch: each one's
     hidden states are what it gets alone (sequences past the Gemma fixtures' sliding window of 8,
-    Qwen3.5's recurrent layers running over the padding after a sequence)."""
+    Qwen3.5's recurrent layers running over the padding after a sequence). Within float32
+    rounding, not to the bit: a batch of sequences runs mlx-lm's layers (MLX's attention), one
+    sequence the adapter's rows (on the CPU, our softmax; kernels/attention.py)."""
     from dflash_core.train import target_taps
 
     target, _, _ = load_target(request.getfixturevalue(f"{family}_pair")[0])
@@ -80,7 +82,7 @@ def test_taps_of_sequences_together_are_each_alone(request, family):
     for seq, taps in zip(sequences, together):
         (alone,) = target_taps(target, [seq], [0, 1])
         assert taps.shape == alone.shape == (1, len(seq), alone.shape[-1])
-        np.testing.assert_allclose(np.array(taps), np.array(alone), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.array(taps), np.array(alone), rtol=1e-4, atol=1e-4)
 
 
 def test_train_lowers_loss_and_writes_a_servable_drafter(qwen3_pair, tmp_path, capsys):

@@ -3,11 +3,13 @@
 // 20 ns a value on this project's machines (a multiply 0.4), so a verify's attention over a long
 // cache was mostly its exps; here exp is a vectorized polynomial (AVX2, FMA).
 //
-// Row-invariant, and blind to masked tails: a row's result depends on its own values only, each
-// value's exp goes to lane (its position % 8) of the sum whatever the row's length, and a masked
-// score (MLX's lowest float, or anything more than 87 below the row's maximum) has an exp of exactly
-// zero. So a query's probabilities are the same bits whether it attends alone over the keys it has
-// (decode) or in a block over the cache's whole buffer with the tail masked (verify).
+// Row-invariant, and blind to masked scores wherever they sit: a row's result depends on its own
+// values only, a masked score (MLX's lowest float, or anything more than 87 below the row's maximum)
+// has an exp of exactly zero, and the exps are summed one after another in the row's order, so
+// zeros anywhere (a cache's masked tail, the padding between a batched row's context and its block)
+// add nothing. So a query's probabilities are the same bits whether it attends alone over the keys
+// it has (decode) or in a block over a longer, masked buffer (verify, batched rows). A sum over
+// vector lanes would be faster but would change with the positions of the zeros.
 
 #include <cmath>
 #include <limits>
@@ -50,10 +52,10 @@ inline __m256i first_lanes(int64_t count) {
 void softmax_rows(const float* x, float* y, int64_t n, int64_t r0, int64_t r1) {
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t full = n - n % 8;
+  const __m256i tail = first_lanes(n - full);
   for (int64_t r = r0; r < r1; r++) {
     const float* xr = x + r * n;
     float* yr = y + r * n;
-    const __m256i tail = first_lanes(n - full);
     // The tail's missing lanes read as -inf: no effect on the maximum, an exp of exactly 0.
     const __m256 last = full < n ? _mm256_blendv_ps(minus_inf, _mm256_maskload_ps(xr + full, tail),
                                                     _mm256_castsi256_ps(tail))
@@ -62,22 +64,14 @@ void softmax_rows(const float* x, float* y, int64_t n, int64_t r0, int64_t r1) {
     for (int64_t j = 0; j < full; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(xr + j));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, top);
-    const float peak = *std::max_element(lanes, lanes + 8);
-    const __m256 shift = _mm256_set1_ps(peak);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < full; j += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(xr + j), shift));
-      _mm256_storeu_ps(yr + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    __m256 e_last = _mm256_setzero_ps();
-    if (full < n) {
-      e_last = exp_nonpositive(_mm256_sub_ps(last, shift));
-      sum = _mm256_add_ps(sum, e_last);
-    }
-    const __m256 inverse = _mm256_set1_ps(1.0f / lanes_sum(sum));
+    const __m256 shift = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    for (int64_t j = 0; j < full; j += 8) _mm256_storeu_ps(yr + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(xr + j), shift)));
+    if (full < n) _mm256_maskstore_ps(yr + full, tail, exp_nonpositive(_mm256_sub_ps(last, shift)));
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) sum += yr[j];  // in order: see the top of the file
+    const __m256 inverse = _mm256_set1_ps(1.0f / sum);
     for (int64_t j = 0; j < full; j += 8) _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_loadu_ps(yr + j), inverse));
-    if (full < n) _mm256_maskstore_ps(yr + full, tail, _mm256_mul_ps(e_last, inverse));
+    if (full < n) _mm256_maskstore_ps(yr + full, tail, _mm256_mul_ps(_mm256_maskload_ps(yr + full, tail), inverse));
   }
 }
 

@@ -1,0 +1,113 @@
+"""Attention's softmax on the CPU: our primitive (dflash_core/kernels/cpu_softmax.cpp) against MLX's
+own attention, in one process, on the offline demo pair (Gemma 3 270M, float32, and its drafter).
+
+    python benchmarks/cpu_attention.py --contexts 512,2048 --repeats 5 --out cpu_attention.json
+
+For each context length, alternating the two paths `--repeats` times (`ours`: the default;
+`mlx`: `KernelOptions(cpu_softmax=False)`, MLX's fused attention, as before): prefill tok/s of the
+context in the engine's chunks, the ms of a decode step and of a 16-token verify right after it,
+and a DFlash generation's tok/s (`--max-tokens` greedy tokens after the context, the drafter
+speculating on every cycle). Medians, and ours over MLX's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.blas import preload  # noqa: E402
+
+preload()  # before MLX, as `dflash` does
+
+import mlx.core as mx  # noqa: E402
+
+from dflash_core.bench_prompts import select_prompts  # noqa: E402
+from dflash_core.demo import DEMO_DRAFTER, demo_target_dir  # noqa: E402
+from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.kernels import KernelOptions  # noqa: E402
+from dflash_core.loading import load_engine  # noqa: E402
+from dflash_core.prefill import chunk_ends  # noqa: E402
+
+
+def context_tokens(engine, length: int) -> list[int]:
+    text = "\n\n".join(m["content"] for p in select_prompts() for m in p.messages if isinstance(m.get("content"), str))
+    tokens = engine.tokenizer.encode(text)
+    while len(tokens) < length:
+        tokens = tokens + tokens
+    return tokens[:length]
+
+
+def forwards(target, tokens: list[int], chunk: int) -> dict:
+    """Prefill in the engine's chunks, then a decode step and a 16-token verify after it."""
+    cache = target.make_cache(len(tokens) + 32)
+    ids = mx.array(tokens, dtype=mx.int32)[None]
+    began = time.perf_counter()
+    begin = 0
+    for end in chunk_ends(0, len(tokens), set(), chunk, None):
+        out = target.forward(ids[:, begin:end], cache, (), last_logits_only=True)
+        mx.eval(out.logits)
+        begin = end
+    prefill = time.perf_counter() - began
+    began = time.perf_counter()
+    mx.eval(target.forward(ids[:, -1:], cache).logits)
+    step = time.perf_counter() - began
+    began = time.perf_counter()
+    mx.eval(target.forward(ids[:, -16:], cache).logits)
+    verify = time.perf_counter() - began
+    return {"prefill_tok_s": len(tokens) / prefill, "decode_step_ms": step * 1e3, "verify16_ms": verify * 1e3}
+
+
+def generation(engine, target, tokens: list[int], max_tokens: int) -> float:
+    run = Engine(target, engine.tokenizer, engine.drafter, prefill_chunk=engine.prefill_chunk)
+    began = None
+    count = 0
+    for chunk in run.generate(tokens, max_tokens=max_tokens, speculation="on", stop_token_ids=set()):
+        if began is None:  # from the first token: prefill is measured above
+            began, count = time.perf_counter(), len(chunk.token_ids)
+            continue
+        count += len(chunk.token_ids)
+    return (count - 1) / (time.perf_counter() - began) if began else 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="512,2048")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--target", default=None, help="a converted target (default: the demo's, from the cache)")
+    parser.add_argument("--drafter", default=str(DEMO_DRAFTER))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    engine = load_engine(args.target or str(demo_target_dir()), args.drafter)
+    arms = {"ours": engine.target, "mlx": engine.target.with_kernels(KernelOptions(cpu_softmax=False))}
+    report = {"machine": platform.processor() or platform.machine(), "mlx": mx.__version__,
+              "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/cpu_attention.py " + " ".join(sys.argv[1:]),
+              "rows": []}
+    for length in (int(c) for c in args.contexts.split(",")):
+        tokens = context_tokens(engine, length)
+        runs = {name: [] for name in arms}
+        for _ in range(args.repeats):
+            for name, target in arms.items():
+                result = forwards(target, tokens, engine.prefill_chunk)
+                result["dflash_tok_s"] = generation(engine, target, tokens, args.max_tokens)
+                runs[name].append(result)
+        row = {"context": length}
+        for name, results in runs.items():
+            row[name] = {key: statistics.median(r[key] for r in results) for key in results[0]}
+        row["ours_over_mlx"] = {key: row["ours"][key] / row["mlx"][key] for key in row["ours"]}
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
