@@ -29,6 +29,7 @@ preload()  # before MLX, as `dflash` does
 import mlx.core as mx  # noqa: E402
 
 from dflash_core.bench_prompts import select_prompts  # noqa: E402
+from dflash_core.cache import cache_arrays  # noqa: E402
 from dflash_core.demo import DEMO_DRAFTER, demo_target_dir  # noqa: E402
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.kernels import KernelOptions  # noqa: E402
@@ -44,23 +45,26 @@ def context_tokens(engine, length: int) -> list[int]:
     return tokens[:length]
 
 
-def forwards(target, tokens: list[int], chunk: int) -> dict:
-    """Prefill in the engine's chunks, then a decode step and a 16-token verify after it."""
-    cache = target.make_cache(len(tokens) + 32)
+def forwards(target, tokens: list[int], chunk: int, steps: int = 8, verifies: int = 3) -> dict:
+    """Prefill in the engine's chunks, then `steps` decode steps and `verifies` 16-token verifies
+    after it (means: the cache grows by each)."""
+    cache = target.make_cache(len(tokens) + steps + 16 * verifies)
     ids = mx.array(tokens, dtype=mx.int32)[None]
     began = time.perf_counter()
     begin = 0
     for end in chunk_ends(0, len(tokens), set(), chunk, None):
         out = target.forward(ids[:, begin:end], cache, (), last_logits_only=True)
-        mx.eval(out.logits)
+        mx.eval(out.logits, cache_arrays(cache))
         begin = end
     prefill = time.perf_counter() - began
     began = time.perf_counter()
-    mx.eval(target.forward(ids[:, -1:], cache).logits)
-    step = time.perf_counter() - began
+    for i in range(steps):
+        mx.eval(target.forward(ids[:, i : i + 1], cache).logits, cache_arrays(cache))
+    step = (time.perf_counter() - began) / steps
     began = time.perf_counter()
-    mx.eval(target.forward(ids[:, -16:], cache).logits)
-    verify = time.perf_counter() - began
+    for i in range(verifies):
+        mx.eval(target.forward(ids[:, 16 * i : 16 * i + 16], cache).logits, cache_arrays(cache))
+    verify = (time.perf_counter() - began) / verifies
     return {"prefill_tok_s": len(tokens) / prefill, "decode_step_ms": step * 1e3, "verify16_ms": verify * 1e3}
 
 
