@@ -44,6 +44,9 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_kernels import bench  # noqa: E402
 
 from dflash_core.kernels import bf16_matmul_cuda  # noqa: E402
 from dflash_core.kernels.quantized_matmul_cuda import MMA_BF16_16816  # noqa: E402
@@ -74,13 +77,7 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src) {
 _SOURCE = """
     constexpr int ROWS = 16;
     constexpr int MP = NT * 8;  // token slots staged
-    const int M = x_shape[0];
-    const int K = x_shape[1];
-    const int N = w_shape[0];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int g = lane >> 2;
-    const int t = lane & 3;
+""" + bf16_matmul_cuda.SHAPES_AND_LANES + """
     const int slice = blockIdx.x % NW;
     constexpr int NTW = NT / TH;  // token tiles per warp: TH warps share a weight tile
     const int tg = warp % TH;  // this warp's group of token tiles
@@ -299,15 +296,6 @@ SHAPES = {"gdn in_proj (stacked)": (12352, 4096, 16), "attention qkv (stacked)":
           "lm head": (248320, 4096, 1)}  # N, K, copies
 
 
-def seconds_per_call(fn, warmup=3, iters=15) -> float:
-    for _ in range(warmup):
-        mx.eval(fn())
-    start = time.perf_counter()
-    for _ in range(iters):
-        mx.eval(fn())
-    return (time.perf_counter() - start) / iters
-
-
 def sweep_rows(variants: list[tuple[int, ...]], shapes: list[str], row_counts: list[int]) -> list[dict]:
     rows = []
     for label in shapes:
@@ -318,11 +306,11 @@ def sweep_rows(variants: list[tuple[int, ...]], shapes: list[str], row_counts: l
         for M in row_counts:
             x = mx.random.normal((M, K)).astype(mx.bfloat16)
             stream = bf16_matmul_cuda.matmul_stream(x[:16], weights[0])
-            mlx = seconds_per_call(lambda: [x @ w.T for w in weights])
+            mlx = bench(lambda: [x @ w.T for w in weights])
             row = {"weights": label, "N": N, "K": K, "M": M, "mlx_tb_s": round(nbytes / mlx / 1e12, 2)}
             for variant in variants:
                 exact = mx.array_equal(matmul_batch(x, weights[0], *variant)[:16], stream).item()
-                t = seconds_per_call(lambda: [matmul_batch(x, w, *variant) for w in weights])
+                t = bench(lambda: [matmul_batch(x, w, *variant) for w in weights])
                 row["x".join(map(str, variant))] = round(nbytes / t / 1e12, 2) if exact else "WRONG"
             rows.append(row)
             print(json.dumps(row), flush=True)

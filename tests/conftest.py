@@ -77,3 +77,16 @@ def stack_lookups(monkeypatch):
 
     monkeypatch.setattr(matmul, "_stacked_products", recorded)
     return found
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """This project's compiled CPU extension (dflash_core/kernels/cpu_extension.py); CI must build
+    it (a skip there would hide a broken build)."""
+    from dflash_core.kernels import cpu_extension
+
+    if cpu_extension.extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the CPU kernels did not build in CI (a C++ compiler, CMake and nanobind are needed)")
+        pytest.skip("no x86-64 Linux with AVX2/FMA/F16C, C++ compiler, CMake or nanobind here")
+    return cpu_extension.extension()

@@ -6,28 +6,23 @@ the logits 16 one-token steps give them, to the bit (the test_lossless suites ru
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from families import ENGINE_FAMILIES, sample_prompt
 
-from dflash_core.kernels import KernelOptions, backend, cpu_extension
+from dflash_core.kernels import KernelOptions, backend
 from dflash_core.kernels import attention as attn
 from dflash_core.loading import load_engine
 
 LOWEST = float(np.finfo(np.float32).min)  # what MLX's masking writes over a masked score
 
+pytestmark = pytest.mark.skipif(backend() != "cpu", reason="the path of MLX's CPU backend")
+
 
 @pytest.fixture(scope="module", autouse=True)
-def module():
-    """The compiled extension; CI must build it (a skip there would hide a broken build)."""
-    if cpu_extension.extension() is None:
-        if os.environ.get("CI"):
-            pytest.fail("the CPU kernels did not build in CI (a C++ compiler, CMake and nanobind are needed)")
-        pytest.skip("no x86-64 Linux with AVX2/FMA/F16C, C++ compiler, CMake or nanobind here")
-    return cpu_extension.extension()
+def module(cpu_kernels):
+    return cpu_kernels
 
 
 def _scores(shape, seed=0, scale=4.0):
@@ -98,9 +93,8 @@ def test_cpu_attention_is_mlx_fused_attention(heads, kv_heads):
 def test_gate():
     q = mx.zeros((1, 8, 16, 64))
     mask = mx.ones((16, 64), mx.bool_)
-    expected = "cpu" if backend() == "cpu" else attn.path_for(q, mask)
-    assert attn.path_for(q, mask) == expected
-    assert attn.path_for(q[:, :, :1], None) == expected  # decode takes it too
+    assert attn.path_for(q, mask) == "cpu"
+    assert attn.path_for(q[:, :, :1], None) == "cpu"  # decode takes it too
     assert attn.path_for(q, mask, KernelOptions(cpu_softmax=False)) == "fused"
     assert attn.path_for(q.astype(mx.bfloat16), mask) != "cpu"  # float32 only
     assert attn.path_for(q, "causal") != "cpu"  # a prefill's causal mask: MLX's own

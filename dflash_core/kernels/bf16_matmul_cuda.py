@@ -51,9 +51,8 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
 }
 """
 
-_SOURCE = """
-    constexpr int MT = 1;
-    constexpr int ROWS = 16;
+# x [M, K] and w [N, K]; a lane's place in the MMA fragments: group g (row or token), thread t (k).
+SHAPES_AND_LANES = """
     const int M = x_shape[0];
     const int K = x_shape[1];
     const int N = w_shape[0];
@@ -61,6 +60,12 @@ _SOURCE = """
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
+"""
+
+_SOURCE = """
+    constexpr int MT = 1;
+    constexpr int ROWS = 16;
+""" + SHAPES_AND_LANES + """
     const int row0 = blockIdx.x * ROWS;
     const uint4 zero = make_uint4(0, 0, 0, 0);
 
