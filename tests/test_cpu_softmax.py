@@ -55,6 +55,10 @@ def test_softmax_is_mlx_within_rounding_with_exact_zeros_and_mask_blind_rows(mod
     together = module.softmax(many, 2)
     for i in (0, 17, 63):
         assert mx.array_equal(module.softmax(many[i : i + 1, 3:4], 1)[0, 0], together[i, 3])
+    # A NaN score, or a row of -inf only, gives NaN throughout, as MLX's softmax does.
+    odd = mx.array([[0.0, float("nan")] + [1.0] * 20, [-float("inf")] * 22, [1.0] * 21 + [float("nan")]])
+    assert np.isnan(np.array(module.softmax(odd, 1))).all()
+    assert np.isnan(np.array(mx.softmax(odd, axis=-1, precise=True))).all()
     # Far below the row's maximum the exp is 0; no NaN from MLX's lowest float.
     extreme = mx.array([[0.0, -87.0, -88.0, -1e30, LOWEST]])
     probs = np.array(module.softmax(extreme, 1))[0]

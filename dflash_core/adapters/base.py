@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
 
-from ..kernels import DEFAULT_KERNELS, KernelOptions, cpu_linear
+from ..kernels import DEFAULT_KERNELS, KernelOptions, backend, cpu_extension, cpu_linear
 from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.cpu_head import MIN_PARAMETERS, half_head_for
 from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
@@ -266,6 +266,8 @@ class TargetAdapter:
         self.narrow_linears = 0  # projections with an int8/float16 copy for our CPU primitive (kernels/cpu_linear.py)
         if kernels.cpu_narrow_linears:
             self.use_narrow_linears()
+        if kernels.cpu_softmax and backend() == "cpu":
+            cpu_extension.extension()  # built (once, into the cache) at load, not in the first forward
         # Per decoder layer, its groups by name (`layer_groups`), stacked here where that pays.
         self.shared_inputs: list[dict[str, SharedInput]] = [
             {name: SharedInput(group, kernels) for name, group in self.layer_groups(layer).items()}

@@ -112,17 +112,19 @@ def extension() -> Optional[ModuleType]:
     from ..demo import cache_root
 
     root = cache_root() / "kernels"
-    root.mkdir(parents=True, exist_ok=True)
     path = root / f"cpu_kernels-{_digest()}.so"
-    with open(root / "cpu_kernels.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            log.info("compiling the CPU kernels (once, about 30 s) into %s", path)
-            try:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / "cpu_kernels.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                log.info("compiling the CPU kernels (once, about 30 s) into %s", path)
                 _build(path, cmake)
-            except (OSError, subprocess.SubprocessError, StopIteration) as e:
-                log.info("the CPU kernels did not compile (%s): MLX's own products and softmax instead", e)
-                return None
+    except (OSError, subprocess.SubprocessError, StopIteration) as e:
+        output = getattr(e, "stderr", None) or getattr(e, "stdout", None) or b""
+        log.warning("the CPU kernels did not compile (%s): MLX's own products and softmax instead%s", e,
+                    "\n" + output.decode(errors="replace")[-4000:] if output else "")
+        return None
     spec = importlib.util.spec_from_file_location(MODULE, path)
     module = importlib.util.module_from_spec(spec)
     try:

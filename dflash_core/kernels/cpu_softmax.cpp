@@ -61,15 +61,26 @@ void softmax_rows(const float* x, float* y, int64_t n, int64_t r0, int64_t r1) {
                                                     _mm256_castsi256_ps(tail))
                                  : minus_inf;
     __m256 top = last;
-    for (int64_t j = 0; j < full; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(xr + j));
+    __m256 nan = _mm256_cmp_ps(last, last, _CMP_UNORD_Q);
+    for (int64_t j = 0; j < full; j += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + j);
+      top = _mm256_max_ps(top, v);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, top);
-    const __m256 shift = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    const float peak = *std::max_element(lanes, lanes + 8);
+    if (_mm256_movemask_ps(nan) || peak == -std::numeric_limits<float>::infinity()) {
+      // A NaN score, or no score above -inf: NaN throughout, as MLX's softmax gives.
+      std::fill(yr, yr + n, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    const __m256 shift = _mm256_set1_ps(peak);
     for (int64_t j = 0; j < full; j += 8) _mm256_storeu_ps(yr + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(xr + j), shift)));
     if (full < n) _mm256_maskstore_ps(yr + full, tail, exp_nonpositive(_mm256_sub_ps(last, shift)));
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) sum += yr[j];  // in order: see the top of the file
-    const __m256 inverse = _mm256_set1_ps(1.0f / sum);
+    double sum = 0.0;  // in order (see the top of the file); in double, for rows of many keys
+    for (int64_t j = 0; j < n; j++) sum += yr[j];
+    const __m256 inverse = _mm256_set1_ps(static_cast<float>(1.0 / sum));
     for (int64_t j = 0; j < full; j += 8) _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_loadu_ps(yr + j), inverse));
     if (full < n) _mm256_maskstore_ps(yr + full, tail, _mm256_mul_ps(_mm256_maskload_ps(yr + full, tail), inverse));
   }
