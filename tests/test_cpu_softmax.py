@@ -120,3 +120,21 @@ def test_a_verify_gives_its_tokens_the_logits_of_single_steps(request, family):
     verify = target.forward(block, caches[0]).logits
     steps = mx.concatenate([target.forward(block[:, i : i + 1], caches[1]).logits for i in range(16)], axis=1)
     assert np.array_equal(np.array(verify), np.array(steps))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_prefill_attends_through_our_softmax_within_rounding_of_mlx(request, family, monkeypatch):
+    """Qwen3's and Gemma 3's prefill chunks (mlx-lm's layers) attend through our softmax on the CPU
+    (`adapters/base.py: prefill_attention`), within float32 rounding of MLX's own attention."""
+    from dflash_core.adapters import base
+
+    calls = []
+    real = base.unfused_cpu
+    monkeypatch.setattr(base, "unfused_cpu", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    target_dir, drafter_dir = request.getfixturevalue(f"{family}_pair")
+    target = load_engine(str(target_dir), str(drafter_dir)).target
+    prompt = mx.array([(list(range(3, 40)) * 3)[:100]])
+    ours = target.forward(prompt, target.make_cache(16)).logits
+    assert 100 in calls  # the 100-token chunk took it
+    mlx = target.with_kernels(KernelOptions(cpu_softmax=False)).forward(prompt, target.make_cache(16)).logits
+    np.testing.assert_allclose(np.array(ours), np.array(mlx), rtol=1e-4, atol=1e-4)

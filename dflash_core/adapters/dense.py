@@ -10,7 +10,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..cache import RowsKVCache
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, attend_rows, gated_mlp_group, rotary
+from .base import TargetAdapter, attend_rows, gated_mlp_group, prefill_attention, rotary
 
 
 def attention_inputs(layer, groups: dict, kernels):
@@ -53,7 +53,9 @@ class DenseAdapter(TargetAdapter):
         mask = create_attention_mask(h, cache[0])
         tapped = {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = layer(h, mask, layer_cache)
+            # mlx-lm's TransformerBlock, its attention on the CPU through our softmax
+            h = h + prefill_attention(layer.self_attn, layer.input_layernorm(h), mask, layer_cache, self.prefill_kernels)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped

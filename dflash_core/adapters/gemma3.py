@@ -22,7 +22,18 @@ from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
 from ..kernels.attention import attention, single_query
 from ..kernels.matmul import gated_mlp, linear
 from ..rows import ring_slots, write_ring_rows
-from .base import Rows, TargetAdapter, attend_batch, attend_rows, gated_mlp_group, heads_first, join, part, rotary
+from .base import (
+    Rows,
+    TargetAdapter,
+    attend_batch,
+    attend_rows,
+    gated_mlp_group,
+    heads_first,
+    join,
+    part,
+    prefill_attention,
+    rotary,
+)
 from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
 # tanh(x) ~ x P(x^2) / Q(x^2) for |x| <= 9 (beyond, float32's tanh is +-1): a rational least-squares
@@ -61,7 +72,7 @@ def block(layer, h: mx.array, mask, cache, kernels) -> mx.array:
     `gelu_approx_gate` in the MLP: a prefill computes what decode and verify do."""
     from mlx_lm.models.gemma3_text import clip_residual
 
-    r = layer.self_attn(layer.input_layernorm(h), mask, cache)
+    r = prefill_attention(layer.self_attn, layer.input_layernorm(h), mask, cache, kernels)
     h = clip_residual(h, layer.post_attention_layernorm(r))
     r = gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), gelu_approx_gate, kernels)
     return clip_residual(h, layer.post_feedforward_layernorm(r))
