@@ -7,7 +7,8 @@ For each context length, alternating the two paths `--repeats` times (`ours`: th
 `mlx`: `KernelOptions(cpu_softmax=False)`, MLX's fused attention, as before): prefill tok/s of the
 context in the engine's chunks, the ms of a decode step and of a 16-token verify right after it,
 and a DFlash generation's tok/s (`--max-tokens` greedy tokens after the context, the drafter
-speculating on every cycle). Medians, and ours over MLX's.
+speculating on every cycle). Medians, and ours over MLX's. `--kernels-only`: the attention alone at the demo's shape, and the
+softmax alone.
 """
 
 from __future__ import annotations
@@ -80,6 +81,41 @@ def generation(engine, target, tokens: list[int], max_tokens: int) -> float:
     return (count - 1) / (time.perf_counter() - began) if began else 0.0
 
 
+def kernel_rows(repeats: int) -> list[dict]:
+    """The attention alone at the demo's shape (4 query heads over 1 KV head, head_dim 256): ms of
+    ours (`unfused_cpu`) and MLX's fused attention, and of the softmax alone over [64, 16, 2300]."""
+    from dflash_core.kernels.attention import unfused_cpu
+    from dflash_core.kernels.cpu_extension import extension
+    from dflash_core.kernels.cpu_head import default_threads
+
+    def ms(fn) -> float:
+        mx.eval(fn())
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            mx.eval(fn())
+            times.append(time.perf_counter() - began)
+        return statistics.median(times) * 1e3
+
+    rows = []
+    for queries, keys in ((1, 2304), (16, 528), (16, 2304), (512, 2048), (2048, 2048)):
+        q = mx.random.normal((1, 4, queries, 256))
+        k, v = mx.random.normal((1, 1, keys, 256)), mx.random.normal((1, 1, keys, 256))
+        mask = mx.arange(keys)[None] <= mx.arange(keys - queries, keys)[:, None]
+        mx.eval(q, k, v, mask)
+        row = {"queries": queries, "keys": keys, "ours_ms": ms(lambda: unfused_cpu(q, k, v, 0.0625, mask)),
+               "mlx_ms": ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.0625, mask=mask))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    scores = mx.random.normal((64, 16, 2300)) * 3
+    mx.eval(scores)
+    row = {"softmax": [64, 16, 2300], "ours_ms": ms(lambda: extension().softmax(scores, default_threads())),
+           "mlx_ms": ms(lambda: mx.softmax(scores, axis=-1, precise=True))}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="512,2048")
@@ -87,8 +123,16 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--target", default=None, help="a converted target (default: the demo's, from the cache)")
     parser.add_argument("--drafter", default=str(DEMO_DRAFTER))
+    parser.add_argument("--kernels-only", action="store_true", help="the attention alone at the demo's shape")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.kernels_only:
+        report = {"machine": platform.processor() or platform.machine(), "mlx": mx.__version__,
+                  "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/cpu_attention.py " + " ".join(sys.argv[1:]),
+                  "kernels": kernel_rows(max(args.repeats, 3))}
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+        return 0
     engine = load_engine(args.target or str(demo_target_dir()), args.drafter)
     arms = {"ours": engine.target, "mlx": engine.target.with_kernels(KernelOptions(cpu_softmax=False))}
     report = {"machine": platform.processor() or platform.machine(), "mlx": mx.__version__,
