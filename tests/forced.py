@@ -90,3 +90,20 @@ def assert_batched_rows_are_as_alone(engine, prompt: list[int], max_tokens: int)
         alone = tokens(engine.generate(request["prompt_tokens"], max_tokens=max_tokens, speculative=False,
                                         stop_token_ids=set()))
         assert tokens(chunks) == alone
+
+
+def assert_verify_is_single_steps(target, prompt: list[int], block: list[int]) -> None:
+    """After `prompt`, a verify of `block` (16 tokens) gives each token the logits 16 one-token
+    steps give it, to the bit (what the token checks rest on; a last-bit difference would rarely
+    change a token)."""
+    import mlx.core as mx
+    import numpy as np
+
+    tokens_block = mx.array([block])
+    caches = [target.make_cache(16), target.make_cache(16)]
+    for cache in caches:
+        mx.eval(target.forward(mx.array([prompt]), cache).logits)
+    verify = target.forward(tokens_block, caches[0]).logits
+    steps = mx.concatenate([target.forward(tokens_block[:, i : i + 1], caches[1]).logits
+                            for i in range(len(block))], axis=1)
+    assert np.array_equal(np.array(verify), np.array(steps))

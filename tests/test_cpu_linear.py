@@ -12,7 +12,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from families import ENGINE_FAMILIES, sample_prompt
-from forced import assert_batched_rows_are_as_alone, assert_every_acceptance_length_is_lossless, tokens
+from forced import (
+    assert_batched_rows_are_as_alone,
+    assert_every_acceptance_length_is_lossless,
+    assert_verify_is_single_steps,
+    tokens,
+)
 
 from dflash_core.engine import Engine
 from dflash_core.kernels import KernelOptions, cpu_linear, matmul
@@ -163,15 +168,7 @@ def test_speculation_with_the_primitive_is_lossless(request, family, make_copy):
     prompt = sample_prompt(engine)
     proj = next(m for _, m in engine.target.layers[-1].named_modules() if cpu_linear.NARROW_WEIGHT in m)
     assert matmul.path_for(proj, mx.zeros((1, 1, proj.weight.shape[1])), engine.target.kernels) == "cpu"
-    # A 16-token verify gives each token the logits 16 one-token steps give it, to the bit (what
-    # the token checks below rest on; a last-bit difference would rarely change a token).
-    target, block = engine.target, mx.array([sample_prompt(engine)[:16]])
-    caches = [target.make_cache(16), target.make_cache(16)]
-    for cache in caches:
-        mx.eval(target.forward(mx.array([prompt]), cache).logits)
-    verify = target.forward(block, caches[0]).logits
-    steps = mx.concatenate([target.forward(block[:, i : i + 1], caches[1]).logits for i in range(16)], axis=1)
-    assert np.array_equal(np.array(verify), np.array(steps))
+    assert_verify_is_single_steps(engine.target, prompt, sample_prompt(engine)[:16])
     for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=7)):
         alone = tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculative=False, stop_token_ids=set()))
         spec = tokens(engine.generate(prompt, max_tokens=64, sampling=sampling, speculation="on", stop_token_ids=set()))

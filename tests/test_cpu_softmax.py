@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from families import ENGINE_FAMILIES, sample_prompt
+from forced import assert_verify_is_single_steps
 
 from dflash_core.kernels import KernelOptions, backend
 from dflash_core.kernels import attention as attn
@@ -113,13 +114,7 @@ def test_a_verify_gives_its_tokens_the_logits_of_single_steps(request, family):
     target = engine.target
     assert attn.path_for(mx.zeros((1, 2, 16, 8)), mx.ones((16, 8), mx.bool_), target.kernels) == "cpu"
     prompt = (sample_prompt(engine) * 8)[:100]
-    block = mx.array([prompt[:16]])
-    caches = [target.make_cache(16), target.make_cache(16)]
-    for cache in caches:
-        mx.eval(target.forward(mx.array([prompt]), cache).logits)
-    verify = target.forward(block, caches[0]).logits
-    steps = mx.concatenate([target.forward(block[:, i : i + 1], caches[1]).logits for i in range(16)], axis=1)
-    assert np.array_equal(np.array(verify), np.array(steps))
+    assert_verify_is_single_steps(target, prompt, prompt[:16])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
