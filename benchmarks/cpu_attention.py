@@ -8,7 +8,8 @@ For each context length, alternating the two paths `--repeats` times (`ours`: th
 context in the engine's chunks, the ms of a decode step and of a 16-token verify right after it,
 and a DFlash generation's tok/s (`--max-tokens` greedy tokens after the context, the drafter
 speculating on every cycle). Medians, and ours over MLX's. `--kernels-only`: the attention alone at the demo's shape, and the
-softmax alone.
+softmax alone. `--exactness N`: a 16-token verify against 16 single steps after N tokens, per
+path, with the BLAS this process has (`DFLASH_BLAS=reference` for MLX's bundled one).
 """
 
 from __future__ import annotations
@@ -116,6 +117,29 @@ def kernel_rows(repeats: int) -> list[dict]:
     return rows
 
 
+def exactness(engine, length: int) -> list[dict]:
+    """After `length` - 16 tokens of code, a 16-token verify against 16 single steps, per attention
+    path: whether the logits are the same to the bit (what lossless speculation rests on), their
+    largest difference, and whether every position's argmax agrees."""
+    text = ("def moving_average(values, window):\n"
+            "    return [sum(values[i:i+window]) / window for i in range(len(values))]\n") * 40
+    tokens = engine.tokenizer.encode(text)[:length]
+    rows = []
+    for name, target in (("ours", engine.target), ("mlx", engine.target.with_kernels(KernelOptions(cpu_softmax=False)))):
+        caches = [target.make_cache(16), target.make_cache(16)]
+        for cache in caches:
+            mx.eval(target.forward(mx.array([tokens[:-16]]), cache).logits)
+        block = mx.array([tokens[-16:]])
+        verify = target.forward(block, caches[0]).logits
+        steps = mx.concatenate([target.forward(block[:, i : i + 1], caches[1]).logits for i in range(16)], axis=1)
+        row = {"path": name, "bit_identical": mx.array_equal(verify, steps).item(),
+               "max_difference": mx.abs(verify - steps).max().item(),
+               "argmax_agrees": mx.array_equal(verify.argmax(-1), steps.argmax(-1)).item()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="512,2048")
@@ -124,6 +148,8 @@ def main() -> int:
     parser.add_argument("--target", default=None, help="a converted target (default: the demo's, from the cache)")
     parser.add_argument("--drafter", default=str(DEMO_DRAFTER))
     parser.add_argument("--kernels-only", action="store_true", help="the attention alone at the demo's shape")
+    parser.add_argument("--exactness", type=int, default=0, metavar="TOKENS",
+                        help="only a verify against single steps after TOKENS tokens, per path, with this BLAS")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.kernels_only:
@@ -134,6 +160,15 @@ def main() -> int:
             args.out.write_text(json.dumps(report, indent=1))
         return 0
     engine = load_engine(args.target or str(demo_target_dir()), args.drafter)
+    if args.exactness:
+        from dflash_core.blas import provider
+
+        report = {"blas": provider(), "date": time.strftime("%Y-%m-%d"), "mlx": mx.__version__,
+                  "command": "python benchmarks/cpu_attention.py " + " ".join(sys.argv[1:]),
+                  "exactness": exactness(engine, args.exactness)}
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+        return 0
     arms = {"ours": engine.target, "mlx": engine.target.with_kernels(KernelOptions(cpu_softmax=False))}
     report = {"machine": platform.processor() or platform.machine(), "mlx": mx.__version__,
               "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/cpu_attention.py " + " ".join(sys.argv[1:]),
