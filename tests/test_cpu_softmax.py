@@ -120,12 +120,12 @@ def test_a_verify_gives_its_tokens_the_logits_of_single_steps(request, family):
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
 def test_prefill_attends_through_our_softmax_within_rounding_of_mlx(request, family, monkeypatch):
     """Qwen3's and Gemma 3's prefill chunks (mlx-lm's layers) attend through our softmax on the CPU
-    (`adapters/base.py: prefill_attention`), within float32 rounding of MLX's own attention."""
-    from dflash_core.adapters import base
+    (`adapters/dense.py: prefill_attention`), within float32 rounding of MLX's own attention."""
+    from dflash_core.adapters import dense
 
     calls = []
-    real = base.unfused_cpu
-    monkeypatch.setattr(base, "unfused_cpu", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    real = dense.unfused_cpu
+    monkeypatch.setattr(dense, "unfused_cpu", lambda *a: calls.append(a[0].shape[2]) or real(*a))
     target_dir, drafter_dir = request.getfixturevalue(f"{family}_pair")
     target = load_engine(str(target_dir), str(drafter_dir)).target
     prompt = mx.array([(list(range(3, 40)) * 3)[:100]])

@@ -30,7 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
 
 from ..kernels import DEFAULT_KERNELS, KernelOptions, backend, cpu_extension, cpu_linear
-from ..kernels.attention import attention, buffer_mask, path_for, single_query, unfused_cpu
+from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.cpu_head import MIN_PARAMETERS, half_head_for
 from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
 from ..rows import RaggedLayout, StackedRows, part, write_rows
@@ -156,26 +156,6 @@ def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict, kern
     if length not in masks:
         masks[length] = buffer_mask(length, start, queries)
     return attention(q, [k], [v], scale, masks[length], kernels)
-
-
-def prefill_attention(attn, x: mx.array, mask, cache, kernels: KernelOptions) -> mx.array:
-    """mlx-lm's `Attention.__call__` of Qwen3 and Gemma 3 (per-head q/k norms, RoPE at the cache's
-    offset) for a prefill chunk, its attention on the CPU through our softmax as decode and verify
-    have it (kernels/attention.py; a "causal" mask made boolean, the mask MLX makes of it): a long
-    prompt's attention was most of its prefill there. Elsewhere mlx-lm's own call."""
-    if path_for(x[:, None], None, kernels) != "cpu":
-        return attn(x, mask, cache)
-    B, L, _ = x.shape
-    q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-    k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-    v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
-    k, v = cache.update_and_fetch(k, v)
-    if isinstance(mask, str):  # "causal": the chunk's queries are the last L of the keys
-        length = k.shape[2]
-        mask = mx.arange(length)[None] <= mx.arange(length - L, length)[:, None]
-    out = unfused_cpu(q, k, v, attn.scale, mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 def attend_rows(q, k, v, rows: Rows, caches: Sequence, scale: float, rope, kernels: KernelOptions) -> mx.array:

@@ -1,16 +1,19 @@
 """Plain pre-norm decoders whose layers are called as `layer(h, mask, cache)`: Qwen3 (dense and
-MoE). Every cache is a trimmable KV cache, so rollback is a trim. Prefill calls mlx-lm's layers;
-decode and verify run as rows (`TargetAdapter.run_rows`), each layer as compiled blocks for all
-rows around one batched RoPE, cache update and attention (`attend_rows`)."""
+MoE). Every cache is a trimmable KV cache, so rollback is a trim. Prefill calls mlx-lm's layers
+(their attention on the CPU through our softmax, `prefill_attention`); decode and verify run as
+rows (`TargetAdapter.run_rows`), each layer as compiled blocks for all rows around one batched
+RoPE, cache update and attention (`attend_rows`)."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
 
 from ..cache import RowsKVCache
+from ..kernels.attention import buffer_mask, path_for, unfused_cpu
 from ..kernels.matmul import gated_mlp, linear, linears
-from .base import TargetAdapter, attend_rows, gated_mlp_group, prefill_attention, rotary
+from .base import TargetAdapter, attend_rows, gated_mlp_group, heads_first, rotary
 
 
 def attention_inputs(layer, groups: dict, kernels):
@@ -26,6 +29,24 @@ def attention_inputs(layer, groups: dict, kernels):
         return q, k, v.reshape(B, L, attn.n_kv_heads, -1)
 
     return pre
+
+
+def prefill_attention(layer, groups: dict, h: mx.array, mask, cache, kernels) -> mx.array:
+    """A prefill chunk's attention block (mlx-lm's `layer.self_attn(layer.input_layernorm(h), ...)`
+    for Qwen3 and Gemma 3), on the CPU through our softmax as decode and verify have it
+    (kernels/attention.py; a "causal" mask made the boolean mask MLX makes of it): a long prompt's
+    attention was most of its prefill there. Elsewhere mlx-lm's own call."""
+    attn = layer.self_attn
+    if path_for(h[:, None], None, kernels) != "cpu":
+        return attn(layer.input_layernorm(h), mask, cache)
+    B, L, _ = h.shape
+    q, k, v = attention_inputs(layer, groups, kernels)(h)
+    q, k = rotary(attn)(cache.offset, q, k)
+    k, v = cache.update_and_fetch(k, heads_first(v))
+    if isinstance(mask, str):  # "causal": the chunk's queries are the last L of the keys
+        mask = buffer_mask(k.shape[2], k.shape[2] - L, L)
+    out = unfused_cpu(q, k, v, attn.scale, mask)
+    return linear(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
 
 
 def attention_output_and_mlp(layer, groups: dict, kernels):
@@ -52,9 +73,9 @@ class DenseAdapter(TargetAdapter):
         h = self.embed(tokens)
         mask = create_attention_mask(h, cache[0])
         tapped = {}
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+        for i, (layer, groups, layer_cache) in enumerate(zip(self.layers, self.shared_inputs, cache)):
             # mlx-lm's TransformerBlock, its attention on the CPU through our softmax
-            h = h + prefill_attention(layer.self_attn, layer.input_layernorm(h), mask, layer_cache, self.prefill_kernels)
+            h = h + prefill_attention(layer, groups, h, mask, layer_cache, self.prefill_kernels)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in tap_ids:
                 tapped[i] = h

@@ -31,10 +31,9 @@ from .base import (
     heads_first,
     join,
     part,
-    prefill_attention,
     rotary,
 )
-from .dense import attention_inputs  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
+from .dense import attention_inputs, prefill_attention  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
 # tanh(x) ~ x P(x^2) / Q(x^2) for |x| <= 9 (beyond, float32's tanh is +-1): a rational least-squares
 # fit made for this file. Largest error against float64 tanh: 3.5e-7 in float32 arithmetic, under
@@ -67,12 +66,12 @@ def gelu_approx_gate(gate: mx.array, up: mx.array) -> mx.array:
     return 0.5 * gate * (1 + rational_tanh(inner)) * up
 
 
-def block(layer, h: mx.array, mask, cache, kernels) -> mx.array:
+def block(layer, groups: dict, h: mx.array, mask, cache, kernels) -> mx.array:
     """mlx-lm's Gemma 3 TransformerBlock (its float16 residual clip included) with
     `gelu_approx_gate` in the MLP: a prefill computes what decode and verify do."""
     from mlx_lm.models.gemma3_text import clip_residual
 
-    r = prefill_attention(layer.self_attn, layer.input_layernorm(h), mask, cache, kernels)
+    r = prefill_attention(layer, groups, h, mask, cache, kernels)
     h = clip_residual(h, layer.post_attention_layernorm(r))
     r = gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), gelu_approx_gate, kernels)
     return clip_residual(h, layer.post_feedforward_layernorm(r))
@@ -164,8 +163,9 @@ class Gemma3Adapter(TargetAdapter):
         sliding = next((c for c in cache if isinstance(c, SlidingWindowCache)), None)
         sliding_mask = sliding.mask(tokens.shape[1]) if sliding is not None else None
         tapped = {}
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = block(layer, h, "causal" if self._is_global(i) else sliding_mask, layer_cache, self.prefill_kernels)
+        for i, (layer, groups, layer_cache) in enumerate(zip(self.layers, self.shared_inputs, cache)):
+            h = block(layer, groups, h, "causal" if self._is_global(i) else sliding_mask, layer_cache,
+                      self.prefill_kernels)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped
