@@ -17,6 +17,7 @@ Nothing here imports MLX. `dflash doctor` says which library answers, with a mea
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import sys
@@ -71,6 +72,15 @@ def provider() -> Optional[str]:
     if not process.dladdr(address, ctypes.byref(info)) or not info.dli_fname:
         return None
     return info.dli_fname.decode()
+
+
+@functools.cache
+def rounds_by_rows() -> bool:
+    """Whether MLX's float32 products in this process go to a BLAS whose rounding of a row may
+    depend on the other rows: any but the reference BLAS MLX bundles (a fast one picks its kernels
+    and its order of summation by the matrices' shapes, so a 16-row verify and a 1-row decode step
+    would round a token's product differently). Fixed once MLX is loaded."""
+    return provider() is not None
 
 
 def describe() -> str:

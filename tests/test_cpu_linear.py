@@ -125,6 +125,25 @@ def test_a_row_gets_the_same_result_to_the_bit_whatever_rows_share_the_call(make
             assert np.array_equal(alone, together[i])
 
 
+def test_float32_weights_in_a_fixed_order(monkeypatch):
+    """`fixed_order_weight`: a float32 weight itself in the primitive (where the process's BLAS would
+    round by the row count), within float32 rounding of MLX's product and the same bits for a row
+    whatever rows share the call; used by plain linear layers only where that BLAS is loaded."""
+    weight = _random((37, 100), 8)  # K = 100: a tail past the 16-wide chunks
+    copy = cpu_linear.fixed_order_weight(weight) or (weight,)
+    rows = _random((16, 100), 9)
+    together = cpu_linear.narrow_linear(rows, copy)
+    np.testing.assert_allclose(np.array(together), np.array(rows @ weight.T), rtol=1e-5, atol=1e-5)
+    for i in (0, 9, 15):
+        assert mx.array_equal(cpu_linear.narrow_linear(rows[i : i + 1], copy)[0], together[i])
+    layer = nn.Linear(100, 37, bias=False)
+    monkeypatch.setattr(cpu_linear, "rounds_by_rows", lambda: False)  # the reference BLAS: MLX's own
+    assert cpu_linear.cpu_weight(layer, rows) is None
+    monkeypatch.setattr(cpu_linear, "rounds_by_rows", lambda: True)  # MKL: ours
+    assert cpu_linear.cpu_weight(layer, rows)[0] is layer.weight
+    assert cpu_linear.cpu_weight(layer, rows.astype(mx.float16)) is None
+
+
 def test_the_primitive_runs_in_compiled_functions_and_has_the_inputs_gradient():
     weight, affine = _int8_exact(_random((256, 64), 6, 0.1)), _affine_exact(_random((256, 64), 6, 0.1))
     for copy, wide in ((cpu_linear.narrow_copy(weight), weight), (cpu_linear.narrow_copy(affine), affine),

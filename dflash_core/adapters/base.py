@@ -287,9 +287,14 @@ class TargetAdapter:
         float16 copy our CPU primitive multiplies in decode and verify forwards (kernels/cpu_linear.py;
         done at load with the default size, and by tests for tiny models); blocks compiled before
         are traced again."""
-        self.narrow_linears += cpu_linear.add_narrow_copies(list(self.layers), min_parameters)
+        self.narrow_linears += cpu_linear.add_narrow_copies(self.per_token_modules(), min_parameters)
         self._compiled_fns.clear()
         return self.narrow_linears
+
+    def per_token_modules(self) -> list[nn.Module]:
+        """The modules whose linear layers a decode or verify forward runs for every token through
+        `linear` (the decoder layers; a family adds its own, as Gemma 4's per-layer projection)."""
+        return list(self.layers)
 
     def with_kernels(self, kernels: KernelOptions) -> "TargetAdapter":
         """This adapter over the same model with other kernel options (benchmarks measure one path
@@ -339,10 +344,14 @@ class TargetAdapter:
 
     def decode_lm_head(self, hidden: mx.array) -> mx.array:
         """The LM head of decoding, verifying and drafting: `lm_head`, or on the CPU its float16 copy
-        in our kernel where that applies (kernels/cpu_head.py). Not differentiable: training uses
-        `lm_head`."""
+        in our kernel where that applies (kernels/cpu_head.py), or a smaller float32 head in our
+        primitive's fixed order where the BLAS would round it by the row count
+        (`cpu_linear.fixed_order_weight`). Not differentiable: training uses `lm_head`."""
         head = self._half_head() if self.kernels.cpu_half_head else None
-        return head(hidden) if head is not None else self.lm_head(hidden)
+        if head is not None:
+            return head(hidden)
+        weight = cpu_linear.fixed_order_weight(self._dense_head_weight()) if self.kernels.cpu_narrow_linears else None
+        return cpu_linear.narrow_linear(hidden, weight) if weight is not None else self.lm_head(hidden)
 
     def _half_head(self):
         if self._cpu_head is _UNSET:

@@ -71,6 +71,15 @@ def attention_output_and_feed_forward(layer, groups: dict, kernels):
     return post
 
 
+def project_per_layer_inputs(inner, h, per_layer_inputs, kernels):
+    """mlx-lm's `_project_per_layer_inputs` with its projection through `linear`, so that on the CPU
+    a verify gives a token the bits a decode step does (kernels/cpu_linear.py)."""
+    projected = linear(inner.per_layer_model_projection, h, kernels) * inner.per_layer_projection_scale
+    projected = mx.unflatten(projected, -1, (inner.config.num_hidden_layers, inner.hidden_size_per_layer_input))
+    projected = inner.per_layer_projection_norm(projected)
+    return projected if per_layer_inputs is None else (projected + per_layer_inputs) * inner.per_layer_input_scale
+
+
 class Gemma4Adapter(TargetAdapter):
     family = "gemma4"
 
@@ -111,21 +120,25 @@ class Gemma4Adapter(TargetAdapter):
                 masks[kind] = None if n == 1 else "causal"
         return masks
 
-    def _embed(self, tokens):
+    def per_token_modules(self):
+        extra = [self.inner.per_layer_model_projection] if self.inner.hidden_size_per_layer_input else []
+        return super().per_token_modules() + extra
+
+    def _embed(self, tokens, kernels):
         """h and each layer's per-layer input (None where the model has none), per token."""
         inner = self.inner
         embeddings = inner.embed_tokens(tokens)
         h = embeddings * inner.embed_scale
         per_layer = [None] * len(self.layers)
         if inner.hidden_size_per_layer_input:
-            projected = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens, embeddings))
+            projected = project_per_layer_inputs(inner, h, inner._get_per_layer_inputs(tokens, embeddings), kernels)
             per_layer = [projected[:, :, i, :] for i in range(len(self.layers))]
         return h, per_layer
 
     def run_layers(self, tokens, cache, tap_ids, states):
         """Prefill: mlx-lm's layers."""
         inner = self.inner
-        h, per_layer = self._embed(tokens)
+        h, per_layer = self._embed(tokens, self.prefill_kernels)
         masks = self._masks(tokens.shape[1], cache)
         cache = cache + [None] * (len(self.layers) - len(cache))
         shared = [(None, None)] * len(self.layers)
@@ -149,7 +162,7 @@ class Gemma4Adapter(TargetAdapter):
         """Decode and verify: each layer as compiled functions for all rows around attention, which
         runs for all rows as one batch where they allow (`_attend_batch`), else row by row
         (`_attend_row`)."""
-        h, per_layer = self._embed(tokens)
+        h, per_layer = self._embed(tokens, self.kernels)
         layout = self._batch_layout(rows)
         if layout is None:
             caches = [r.cache + [None] * (len(self.layers) - len(r.cache)) for r in rows.rows]

@@ -11,8 +11,10 @@ segment, so the cache is never copied to concatenate it.
 
 On the CPU (float32) every attention of a decode, verify or draft forward, one query or a block,
 is MLX's own unfused sequence of ops (what its fused attention runs on the CPU) with the softmax in
-our primitive (cpu_softmax.cpp): MLX's CPU `exp` made a long cache's attention mostly exps. Decode
-steps (`single_query`) take the same path as blocks, so a query gets the same bits either way.
+our primitive (cpu_softmax.cpp; MLX's CPU `exp` made a long cache's attention mostly exps) and the
+two products in ours too (cpu_attention.cpp; a fast BLAS rounds them by the number of rows). Decode
+steps (`single_query`) take the same path as blocks, so a query gets the same bits either way,
+whichever BLAS the process has.
 
 Elsewhere (Metal, one query on CUDA, no mask) it is MLX's fused attention over the concatenated keys.
 """
@@ -81,25 +83,34 @@ def single_query(q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mas
 
 def unfused_cpu(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
     """The ops MLX's fused attention runs on the CPU (the same products, scale and masking, query
-    heads grouped by KV head), with the softmax in our primitive (cpu_softmax.cpp)."""
+    heads grouped by KV head), with the softmax in our primitive (cpu_softmax.cpp) and, for up to
+    MAX_QUERIES queries (decode, verify and draft blocks), the two products too (cpu_attention.cpp):
+    each score and output one sum in a fixed order, where the BLAS's rounding depends on the number
+    of rows. A prefill's hundreds of queries keep the BLAS's products (faster there; a prompt is
+    prefilled the same way whether the generation speculates or not)."""
     B, Hq, L, D = q.shape
     Hkv = k.shape[1]
     repeats = Hq // Hkv
-    q = mx.array(scale, q.dtype) * q
-    if repeats > 1:
-        q = q.reshape(B, Hkv, repeats, L, D)
-        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
-    scores = q @ k.swapaxes(-1, -2)
+    module = cpu_extension.extension()
+    fixed_order = L <= MAX_QUERIES
+    rows = (mx.array(scale, q.dtype) * q).reshape(B, Hkv, repeats * L, D)  # a KV head's query heads
+    if fixed_order and k.shape[0] != B:
+        k, v = mx.broadcast_to(k, (B, *k.shape[1:])), mx.broadcast_to(v, (B, *v.shape[1:]))
+    scores = (module.attention_scores(rows, k, default_threads()) if fixed_order
+              else rows @ k.swapaxes(-1, -2))
     if mask is not None:
-        if repeats > 1 and mask.ndim >= 3:
-            mask = (mx.expand_dims(mask, -3) if mask.shape[-3] == 1
-                    else mask.reshape(*mask.shape[:-3], Hkv, repeats, *mask.shape[-2:]))
+        if repeats > 1:
+            scores = scores.reshape(B, Hkv, repeats, L, -1)
+            if mask.ndim >= 3:
+                mask = (mx.expand_dims(mask, -3) if mask.shape[-3] == 1
+                        else mask.reshape(*mask.shape[:-3], Hkv, repeats, *mask.shape[-2:]))
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
             scores = scores + mask
-    out = cpu_extension.extension().softmax(scores, default_threads()) @ v
-    return out.reshape(B, Hq, L, -1) if repeats > 1 else out
+    probs = module.softmax(scores, default_threads()).reshape(B, Hkv, repeats * L, -1)
+    out = module.attention_values(probs, v, default_threads()) if fixed_order else probs @ v
+    return out.reshape(B, Hq, L, -1)
 
 
 def stacked(q, keys, values, scale, mask) -> mx.array:
@@ -132,5 +143,5 @@ def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     if backend() == "cuda" and kernels.block_attention:
         return f"stacked GEMMs for 2-{MAX_QUERIES} queries with a mask (head_dim <= {MAX_HEAD_DIM}); MLX fused otherwise"
     if backend() == "cpu" and kernels.cpu_softmax and cpu_extension.extension() is not None:
-        return "MLX's unfused ops with our CPU softmax (float32, decode and blocks)"
+        return "MLX's unfused ops with our CPU softmax and products (float32, decode and blocks)"
     return "MLX fused attention"

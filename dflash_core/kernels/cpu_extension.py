@@ -1,8 +1,9 @@
 """This project's CPU primitives as one C++ MLX extension, compiled on first use.
 
 The sources beside this file (`cpu_module.cpp`, the module; `cpu_linear.cpp`, products with narrow
-weights; `cpu_softmax.cpp`, attention's softmax; `cpu_kernels.h`, what they share) are built by
-CMake with nanobind (MLX's binding library, at the ABI MLX's Python module was built with) into the
+weights; `cpu_softmax.cpp`, attention's softmax; `cpu_attention.cpp`, attention's two products;
+`cpu_kernels.h`, what they share) are built by CMake with nanobind (MLX's binding library, at the
+ABI MLX's Python module was built with) into the
 cache, once per sources, MLX and Python (about 30 s). The primitives run inside MLX's graphs
 (compiled blocks included) like any op. Where the module cannot be had (not x86-64 Linux with AVX2,
 FMA and F16C, no C++ compiler or CMake) `extension()` is None and callers keep MLX's own ops.
@@ -32,7 +33,7 @@ from .cpu_head import cpu_supports
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = ("cpu_module.cpp", "cpu_linear.cpp", "cpu_softmax.cpp")
+SOURCES = ("cpu_module.cpp", "cpu_linear.cpp", "cpu_softmax.cpp", "cpu_attention.cpp")
 HEADERS = ("cpu_kernels.h",)
 MODULE = "dflash_cpu_kernels"
 
@@ -126,8 +127,8 @@ def extension() -> Optional[ModuleType]:
                     "\n" + output.decode(errors="replace")[-4000:] if output else "")
         return None
     spec = importlib.util.spec_from_file_location(MODULE, path)
-    module = importlib.util.module_from_spec(spec)
     try:
+        module = importlib.util.module_from_spec(spec)  # (an unresolved symbol fails here)
         spec.loader.exec_module(module)
         # A nanobind of another ABI than MLX's module loads, but cannot take MLX's arrays.
         module.half_linear(mx.zeros((1, 16)), mx.zeros((1, 16), dtype=mx.float16), 1)

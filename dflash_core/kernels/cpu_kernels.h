@@ -1,4 +1,5 @@
-// What this project's CPU primitives share (cpu_linear.cpp, cpu_softmax.cpp; one extension module,
+// What this project's CPU primitives share (cpu_linear.cpp, cpu_softmax.cpp, cpu_attention.cpp; one
+// extension module,
 // cpu_module.cpp): a fixed-order sum of a vector's lanes and a split of rows among threads.
 
 #pragma once
@@ -25,6 +26,18 @@ inline float lanes_sum(__m256 a) {
   alignas(32) float l[8];
   _mm256_store_ps(l, a);
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// lanes_sum of eight vectors at once, lane i of the result for a[i]: the same additions in the
+// same order (pairs, then pairs of pairs, then the two halves), so the same bits.
+inline __m256 lanes_sums8(const __m256* a) {
+  const __m256 pairs01 = _mm256_hadd_ps(a[0], a[1]), pairs23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 pairs45 = _mm256_hadd_ps(a[4], a[5]), pairs67 = _mm256_hadd_ps(a[6], a[7]);
+  // lanes: [a0 (0+1)+(2+3), a1 .., a2 .., a3 .. | the same of lanes 4-7]
+  const __m256 quads0123 = _mm256_hadd_ps(pairs01, pairs23), quads4567 = _mm256_hadd_ps(pairs45, pairs67);
+  const __m256 low = _mm256_permute2f128_ps(quads0123, quads4567, 0x20);
+  const __m256 high = _mm256_permute2f128_ps(quads0123, quads4567, 0x31);
+  return _mm256_add_ps(low, high);
 }
 
 struct Pool {
@@ -60,5 +73,6 @@ void split_rows(int64_t N, int threads, int64_t min_rows, Rows rows) {
 
 void add_linear(nb::module_& m);
 void add_softmax(nb::module_& m);
+void add_attention(nb::module_& m);
 
 }  // namespace dflash

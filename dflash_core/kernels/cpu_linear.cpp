@@ -1,7 +1,8 @@
 // `x @ w.T` on MLX's CPU backend for float32 rows x [M, K] and narrow weights w [N, K], as MLX
 // primitives: they sit inside MLX's graphs (compiled blocks included) like any op, so a decode step
 // multiplies its weights at a half or a quarter of float32's bytes without leaving the graph
-// (cpu_linear.py). Weights: float16 (`half_linear`), or int8 in blocks of 32 along K with a float32
+// (cpu_linear.py). Weights: float32 (`float_linear`: a small layer's own weights, for the fixed
+// order alone), float16 (`half_linear`), or int8 in blocks of 32 along K with a float32
 // scale each (`int8_linear`) and a float32 bias each (`affine_linear`), for weights that are exactly
 // that.
 //
@@ -24,11 +25,18 @@ namespace dflash {
 
 namespace {
 
-// y[m, r] for r in [r0, r1): a weight chunk is converted once and used for up to four rows of x.
-void half_rows(const uint16_t* w, const float* x, float* y, int64_t M, int64_t K, int64_t N, int64_t r0,
-               int64_t r1) {
+// Eight weights as float32: from float16 (converted) or float32.
+inline __m256 load8(const uint16_t* w) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline float load1(const uint16_t* w) { return _cvtsh_ss(*w); }
+inline float load1(const float* w) { return *w; }
+
+// y[m, r] for r in [r0, r1): a weight chunk is loaded (converted) once and used for up to four
+// rows of x.
+template <class W>
+void dense_rows(const W* w, const float* x, float* y, int64_t M, int64_t K, int64_t N, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r++) {
-    const uint16_t* wr = w + r * K;
+    const W* wr = w + r * K;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int64_t mt = std::min<int64_t>(M - m0, 4);
       __m256 a0[4], a1[4];
@@ -38,8 +46,8 @@ void half_rows(const uint16_t* w, const float* x, float* y, int64_t M, int64_t K
       }
       int64_t k = 0;
       for (; k + 16 <= K; k += 16) {
-        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k)));
-        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 8)));
+        const __m256 w0 = load8(wr + k);
+        const __m256 w1 = load8(wr + k + 8);
         for (int t = 0; t < mt; t++) {
           const float* xm = x + (m0 + t) * K + k;
           a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a0[t]);
@@ -49,7 +57,7 @@ void half_rows(const uint16_t* w, const float* x, float* y, int64_t M, int64_t K
       for (int t = 0; t < mt; t++) {
         const float* xm = x + (m0 + t) * K;
         float s = lanes_sum(_mm256_add_ps(a0[t], a1[t]));
-        for (int64_t j = k; j < K; j++) s += _cvtsh_ss(wr[j]) * xm[j];
+        for (int64_t j = k; j < K; j++) s += load1(wr + j) * xm[j];
         y[(m0 + t) * N + r] = s;
       }
     }
@@ -128,9 +136,13 @@ class NarrowLinear : public Primitive {
     const int64_t K = w.shape(1), N = w.shape(0), M = x.size() / K;
     const float* xp = x.data<float>();
     float* yp = out.data<float>();
-    if (inputs.size() == 2) {
+    if (inputs.size() == 2 && w.dtype() == float32) {
+      encoder.dispatch([=, wp = w.data<float>(), threads = threads_]() {
+        split_rows(N, threads, MIN_ROWS_PER_THREAD, [=](int64_t r0, int64_t r1) { dense_rows(wp, xp, yp, M, K, N, r0, r1); });
+      });
+    } else if (inputs.size() == 2) {
       encoder.dispatch([=, wp = w.data<uint16_t>(), threads = threads_]() {
-        split_rows(N, threads, MIN_ROWS_PER_THREAD, [=](int64_t r0, int64_t r1) { half_rows(wp, xp, yp, M, K, N, r0, r1); });
+        split_rows(N, threads, MIN_ROWS_PER_THREAD, [=](int64_t r0, int64_t r1) { dense_rows(wp, xp, yp, M, K, N, r0, r1); });
       });
     } else if (inputs.size() == 3) {
       encoder.dispatch([=, qp = w.data<int8_t>(), sp = inputs[2].data<float>(), threads = threads_]() {
@@ -209,6 +221,13 @@ array half_linear(const array& x, const array& w, int threads) {
   return narrow_linear(x, {w}, threads);
 }
 
+array float_linear(const array& x, const array& w, int threads) {
+  if (x.dtype() != float32 || w.dtype() != float32 || w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("[dflash_cpu_linear] x float32 [..., K] and w float32 [N, K] expected");
+  }
+  return narrow_linear(x, {w}, threads);
+}
+
 void check_int8(const array& x, const array& q, const array& scales) {
   if (x.dtype() != float32 || q.dtype() != int8 || scales.dtype() != float32 || q.ndim() != 2 ||
       x.ndim() < 1 || x.shape(-1) != q.shape(1) || q.shape(1) % 32 || scales.ndim() != 2 ||
@@ -236,6 +255,8 @@ array affine_linear(const array& x, const array& q, const array& scales, const a
 void add_linear(nb::module_& m) {
   m.def("half_linear", &half_linear, nb::arg("x"), nb::arg("w"), nb::arg("threads"),
         "x @ w.T for float32 x [..., K] and float16 w [N, K], row-invariant, on the CPU.");
+  m.def("float_linear", &float_linear, nb::arg("x"), nb::arg("w"), nb::arg("threads"),
+        "x @ w.T for float32 x [..., K] and w [N, K], row-invariant, on the CPU.");
   m.def("int8_linear", &int8_linear, nb::arg("x"), nb::arg("q"), nb::arg("scales"), nb::arg("threads"),
         "x @ (q * scales per 32 along K).T for float32 x, int8 q [N, K], float32 scales [N, K / 32].");
   m.def("affine_linear", &affine_linear, nb::arg("x"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),

@@ -31,6 +31,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..blas import rounds_by_rows
 from . import backend
 from .cpu_extension import extension
 from .cpu_head import affine_blocks, cpu_supports, default_threads, int8_blocks
@@ -45,10 +46,12 @@ NARROW_WEIGHT = "_cpu_weight"  # a layer's copy; the leading "_" keeps it out of
 
 def narrow_linear(x: mx.array, weight: tuple) -> mx.array:
     """x [..., K] float32 @ W.T in the primitive, W a copy made by `narrow_copy`: (float16 [N, K],),
-    (int8 [N, K], float32 scales [N, K / 32]) or (int8, scales, float32 biases [N, K / 32])."""
+    (int8 [N, K], float32 scales [N, K / 32]) or (int8, scales, float32 biases [N, K / 32]); or the
+    float32 weight itself (`fixed_order_weight`)."""
     module = extension()
     if len(weight) == 1:
-        return module.half_linear(x, weight[0], default_threads())
+        linear = module.float_linear if weight[0].dtype == mx.float32 else module.half_linear
+        return linear(x, weight[0], default_threads())
     if len(weight) == 2:
         return module.int8_linear(x, *weight, default_threads())
     return module.affine_linear(x, *weight, default_threads())
@@ -69,12 +72,23 @@ def narrow_copy(weight: mx.array) -> Optional[tuple]:
     return (weight.astype(mx.float16),)
 
 
+def fixed_order_weight(weight: Optional[mx.array]) -> Optional[tuple]:
+    """(weight,) for the primitive's float32 product, where MLX would send this float32 weight's
+    product to a BLAS that rounds a row by the number of rows (`blas.rounds_by_rows`: MKL, as
+    `dflash serve` loads on Linux): a layer too small for a narrow copy (a router, a gate) must
+    still give a token the same bits in a verify as in a decode step. Else None (MLX's product)."""
+    if (weight is None or weight.dtype != mx.float32 or weight.ndim != 2 or backend() != "cpu"
+            or not rounds_by_rows() or extension() is None):
+        return None
+    return (weight,)
+
+
 def cpu_weight(layer: nn.Module, x: mx.array) -> Optional[tuple]:
-    """The copy `layer(x)` is multiplied by here (a plain linear layer given one by
-    `add_narrow_copies`, a float32 input, on the CPU), else None."""
+    """The weight `layer(x)` is multiplied by in the primitive here (a plain linear layer, a float32
+    input, on the CPU): the copy `add_narrow_copies` gave it, else `fixed_order_weight`; else None."""
     if type(layer) is not nn.Linear or x.dtype != mx.float32 or backend() != "cpu":
         return None
-    return layer.get(NARROW_WEIGHT)
+    return layer.get(NARROW_WEIGHT) or fixed_order_weight(layer.weight)
 
 
 def add_narrow_copies(modules: list[nn.Module], min_parameters: int = MIN_PARAMETERS) -> int:

@@ -6,4 +6,5 @@ NB_MODULE(MODULE_NAME, m) {
   nb::module_::import_("mlx.core");
   dflash::add_linear(m);
   dflash::add_softmax(m);
+  dflash::add_attention(m);
 }

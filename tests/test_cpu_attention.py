@@ -1,8 +1,9 @@
-"""Attention's softmax on the CPU in our primitive (dflash_core/kernels/cpu_softmax.cpp) and the
-attention path around it (kernels/attention.py: `unfused_cpu`, `single_query`): close to MLX's
-softmax and fused attention, exact zeros for masked scores, a row's bits independent of masked
-scores wherever they sit and of the rows beside it, MLX's gradient, and a 16-token verify giving every family's tokens
-the logits 16 one-token steps give them, to the bit (the test_lossless suites run on this path)."""
+"""Attention on the CPU in our primitives (dflash_core/kernels/cpu_softmax.cpp, cpu_attention.cpp)
+and the path around them (kernels/attention.py: `unfused_cpu`, `single_query`): close to MLX's
+softmax, products and fused attention, exact zeros for masked scores, a row's bits independent of
+masked keys wherever they sit and of the rows beside it, MLX's gradients, and a 16-token verify
+giving every family's tokens the logits 16 one-token steps give them, to the bit (the test_lossless
+suites run on this path; tests/test_blas.py runs them with MKL)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,60 @@ def test_softmax_has_mlx_gradient(module):
     got = mx.grad(lambda x: (module.softmax(x, 1) * weights).sum())(x)
     expected = mx.grad(lambda x: (mx.softmax(x, axis=-1, precise=True) * weights).sum())(x)
     np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-6)
+
+
+def test_attention_products_are_mlx_within_rounding_and_fixed_order(module):
+    """cpu_attention.cpp: q·kᵀ and p·v close to MLX's products, a row's bits independent of the other
+    rows, of the threads and of the keys after it; masked keys (zero weights) anywhere, with any
+    finite value behind them, change no bit; strided views (a cache's buffer) read in place."""
+    rng = np.random.default_rng(5)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    for D in (64, 72, 256):  # 72: a tail past the vectors' 8 lanes
+        q, k = normal(2, 3, 21, D), normal(2, 3, 301, D)
+        scores = module.attention_scores(q, k, 2)
+        np.testing.assert_allclose(np.array(scores), np.array(q @ k.swapaxes(-1, -2)), rtol=1e-4, atol=1e-4)
+        assert mx.array_equal(module.attention_scores(q[:, :, 5:6], k[:, :, :40], 1), scores[:, :, 5:6, :40])
+        p, v = mx.softmax(normal(2, 3, 21, 301), axis=-1), normal(2, 3, 301, D)
+        out = module.attention_values(p, v, 2)
+        np.testing.assert_allclose(np.array(out), np.array(p @ v), rtol=1e-4, atol=1e-5)
+        assert mx.array_equal(module.attention_values(p[:, :, 7:8], v, 1), out[:, :, 7:8])
+        # Keys past a query's own with weight 0 (a cache's masked tail, stale values behind it),
+        # and a masked gap inside (a batched row's padding): the sum over its keys alone, same bits.
+        alone = module.attention_values(p[:, :, :, :200], v[:, :, :200], 1)
+        tail = mx.concatenate([p[:, :, :, :200], mx.zeros_like(p[:, :, :, 200:])], axis=-1)
+        stale = mx.concatenate([v[:, :, :200], v[:, :, 200:] * 1e30], axis=2)
+        assert mx.array_equal(module.attention_values(tail, stale, 2), alone)
+        gap = mx.concatenate([p[:, :, :, :50], mx.zeros_like(p[:, :, :, :70]), p[:, :, :, 50:200]], axis=-1)
+        gapped_v = mx.concatenate([v[:, :, :50], normal(2, 3, 70, D) * 1e30, v[:, :, 50:200]], axis=2)
+        assert mx.array_equal(module.attention_values(gap, gapped_v, 2), alone)
+        # A KV cache's keys and values: views of a longer buffer, and a broadcast batch.
+        buffer_k, buffer_v = normal(2, 3, 512, D), normal(2, 3, 512, D)
+        assert mx.array_equal(module.attention_scores(q, buffer_k[:, :, :301], 2),
+                              module.attention_scores(q, mx.array(np.array(buffer_k[:, :, :301])), 2))
+        assert mx.array_equal(module.attention_values(p, buffer_v[:, :, :301], 2),
+                              module.attention_values(p, mx.array(np.array(buffer_v[:, :, :301])), 2))
+        one = mx.broadcast_to(k[:1], k.shape)
+        assert mx.array_equal(module.attention_scores(q, one, 2)[1], module.attention_scores(q[1:], k[:1], 2)[0])
+    # A last axis that is not contiguous is copied first.
+    kt = normal(2, 3, 64, 301).swapaxes(-1, -2)
+    assert mx.array_equal(module.attention_scores(q[..., :64], kt, 2),
+                          module.attention_scores(q[..., :64], mx.array(np.array(kt)), 2))
+
+
+def test_attention_products_have_mlx_gradients(module):
+    rng = np.random.default_rng(6)
+    q, k, p, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in
+                  ((2, 5, 16), (2, 9, 16), (2, 5, 9), (2, 9, 16)))
+    for ours, mlx, a, b in ((module.attention_scores, lambda a, b: a @ b.swapaxes(-1, -2), q, k),
+                            (module.attention_values, lambda a, b: a @ b, p, v)):
+        weights = mx.array(rng.standard_normal(mlx(a, b).shape).astype(np.float32))
+        got = mx.grad(lambda a, b: (ours(a, b, 1) * weights).sum(), argnums=(0, 1))(a, b)
+        expected = mx.grad(lambda a, b: (mlx(a, b) * weights).sum(), argnums=(0, 1))(a, b)
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(np.array(g), np.array(e), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (4, 1)])

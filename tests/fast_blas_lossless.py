@@ -1,0 +1,88 @@
+"""The lossless checks in a process whose float32 products go to the fast BLAS (MKL), as `dflash
+serve` runs on Linux (tests/test_blas.py runs this). The rest of the suite runs on MLX's reference
+BLAS, which rounds a row the same whatever the other rows; a fast BLAS picks its kernels by the
+matrices' shapes, so here whatever a verify and a decode step compute with different row counts
+must be our fixed-order kernels (cpu_linear.cpp, cpu_attention.cpp, cpu_head.py) for the output to
+stay the target's.
+
+    python tests/fast_blas_lossless.py OUT.json FAMILY=TARGET_DIR,DRAFTER_DIR ...
+
+Per family: a 16-token verify against 16 single steps (to the bit), then speculative output against
+target-alone output, greedy with the random drafter and with every acceptance length 0..15 forced,
+and with seeded sampling. OUT.json gets the BLAS that ran and each check's result.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.blas import preload, provider  # noqa: E402
+
+LOADED = preload()  # before MLX, as `dflash` does
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from families import sample_prompt  # noqa: E402
+from forced import ForcedDrafter  # noqa: E402
+
+from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.loading import load_engine  # noqa: E402
+from dflash_core.sampling import SamplingParams  # noqa: E402
+
+N_TOKENS = 144  # 1 + 136 tokens take every acceptance length once; contexts past the windows
+SCHEDULE = list(range(16))
+
+
+def tokens_of(engine: Engine, prompt: list[int], **kwargs) -> list[int]:
+    chunks = engine.generate(prompt, max_tokens=N_TOKENS, stop_token_ids=set(), **kwargs)
+    return [t for c in chunks for t in c.token_ids]
+
+
+def verify_is_single_steps(target, prompt: list[int], block: list[int]) -> float:
+    """The largest difference between a 16-token verify's logits and 16 single steps' (0: bit-identical)."""
+    tokens_block = mx.array([block])
+    caches = [target.make_cache(16), target.make_cache(16)]
+    for cache in caches:
+        mx.eval(target.forward(mx.array([prompt]), cache).logits)
+    verify = target.forward(tokens_block, caches[0]).logits
+    steps = mx.concatenate([target.forward(tokens_block[:, i : i + 1], caches[1]).logits
+                            for i in range(len(block))], axis=1)
+    return float(np.abs(np.array(verify) - np.array(steps)).max())
+
+
+def check(target_dir: str, drafter_dir: str) -> dict:
+    engine = load_engine(target_dir, drafter_dir, prefill_chunk=16)
+    # As loaded: the tiny model's layers and head are below the narrow copies' sizes, so each goes
+    # through the primitive's float32 product (cpu_linear.fixed_order_weight), as a real model's
+    # routers and gates do.
+    assert engine.target.narrow_linears == 0
+    prompt = sample_prompt(engine)
+    result = {"verify_difference": verify_is_single_steps(engine.target, (prompt * 8)[:100], prompt[:16])}
+    reference = tokens_of(engine, prompt, speculative=False)
+    result["random_drafter"] = tokens_of(engine, prompt) == reference
+    forced = ForcedDrafter(reference=prompt + reference, prompt_length=len(prompt), schedule=SCHEDULE,
+                           vocab_size=engine.target.vocab_size,
+                           target_layer_ids=engine.drafter.config.target_layer_ids)
+    result["every_acceptance_length"] = tokens_of(Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16),
+                                                  prompt) == reference
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    result["seeded_sampling"] = (tokens_of(engine, prompt, sampling=sampling)
+                                 == tokens_of(engine, prompt, sampling=sampling, speculative=False))
+    return result
+
+
+def main() -> None:
+    out = {"loaded": LOADED, "provider": provider(), "families": {}}
+    for spec in sys.argv[2:]:
+        family, dirs = spec.split("=", 1)
+        out["families"][family] = check(*dirs.split(","))
+    Path(sys.argv[1]).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
