@@ -1,4 +1,4 @@
-"""Attention's softmax on the CPU: our primitive (dflash_core/kernels/cpu_softmax.cpp) against MLX's
+"""Attention on the CPU: our primitives (dflash_core/kernels/cpu_softmax.cpp, cpu_attention.cpp) against MLX's
 own attention, in one process, on the offline demo pair (Gemma 3 270M, float32, and its drafter).
 
     python benchmarks/cpu_attention.py --contexts 512,2048 --repeats 5 --out cpu_attention.json
@@ -7,9 +7,12 @@ For each context length, alternating the two paths `--repeats` times (`ours`: th
 `mlx`: `KernelOptions(cpu_softmax=False)`, MLX's fused attention, as before): prefill tok/s of the
 context in the engine's chunks, the ms of a decode step and of a 16-token verify right after it,
 and a DFlash generation's tok/s (`--max-tokens` greedy tokens after the context, the drafter
-speculating on every cycle). Medians, and ours over MLX's. `--kernels-only`: the attention alone at the demo's shape, and the
-softmax alone. `--exactness N`: a 16-token verify against 16 single steps after N tokens, per
-path, with the BLAS this process has (`DFLASH_BLAS=reference` for MLX's bundled one).
+speculating on every cycle). Medians, and ours over MLX's.
+
+`--kernels-only`: attention's two products alone (ours against MLX's matmul), the attention alone at
+the demo's shape, and the softmax alone. `--exactness N`: a 16-token verify against 16 single steps
+after N tokens, per path, with the BLAS this process has (`DFLASH_BLAS=reference` for MLX's bundled
+one).
 """
 
 from __future__ import annotations
@@ -83,8 +86,9 @@ def generation(engine, target, tokens: list[int], max_tokens: int) -> float:
 
 
 def kernel_rows(repeats: int) -> list[dict]:
-    """The attention alone at the demo's shape (4 query heads over 1 KV head, head_dim 256): ms of
-    ours (`unfused_cpu`) and MLX's fused attention, and of the softmax alone over [64, 16, 2300]."""
+    """Attention's two products alone ([groups, queries, keys, head_dim]: ours and MLX's matmul), the
+    attention at the demo's shape (4 query heads over 1 KV head, head_dim 256: ours, `unfused_cpu`,
+    and MLX's fused attention), and the softmax alone over [64, 16, 2300]: ms, medians."""
     from dflash_core.kernels.attention import unfused_cpu
     from dflash_core.kernels.cpu_extension import extension
     from dflash_core.kernels.cpu_head import default_threads
@@ -99,6 +103,22 @@ def kernel_rows(repeats: int) -> list[dict]:
         return statistics.median(times) * 1e3
 
     rows = []
+    # Attention's two products alone, ours (cpu_attention.cpp) against MLX's matmul (the BLAS): ours
+    # first, before any BLAS call, since MKL's threads spin for 200 ms after one (KMP_BLOCKTIME).
+    products = []
+    for groups, queries, keys, dim in ((1, 4, 2304, 256), (1, 64, 528, 256), (1, 64, 2304, 256), (8, 32, 2048, 128)):
+        q, k, v = (mx.random.normal((groups, n, dim)) for n in (queries, keys, keys))
+        p = mx.softmax(mx.random.normal((groups, queries, keys)), axis=-1)
+        mx.eval(q, k, v, p)
+        products.append(({"products": [groups, queries, keys, dim]}, q, k, v, p))
+    for row, q, k, v, p in products:
+        row["ours_scores_ms"] = ms(lambda: extension().attention_scores(q, k, default_threads()))
+        row["ours_values_ms"] = ms(lambda: extension().attention_values(p, v, default_threads()))
+    for row, q, k, v, p in products:
+        row["mlx_scores_ms"] = ms(lambda: q @ k.swapaxes(-1, -2))
+        row["mlx_values_ms"] = ms(lambda: p @ v)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     for queries, keys in ((1, 2304), (16, 528), (16, 2304), (512, 2048), (2048, 2048)):
         q = mx.random.normal((1, 4, queries, 256))
         k, v = mx.random.normal((1, 1, keys, 256)), mx.random.normal((1, 1, keys, 256))
