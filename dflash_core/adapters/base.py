@@ -32,7 +32,7 @@ from mlx_lm.models.base import gather_last_axis
 from ..kernels import DEFAULT_KERNELS, KernelOptions, backend, cpu_extension, cpu_linear
 from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.cpu_head import MIN_PARAMETERS, half_head_for
-from ..kernels.matmul import SharedInput, is_gated_mlp, linear, tied_lm_head
+from ..kernels.matmul import SharedInput, is_gated_mlp, is_sparse_moe, linear, tied_lm_head
 from ..rows import RaggedLayout, StackedRows, part, write_rows
 
 
@@ -201,8 +201,10 @@ def attend_batch(q_b, keys, values, mask, rows: Rows, scale: float, kernels: Ker
 
 
 def gated_mlp_group(mlp: nn.Module) -> dict[str, list[nn.Module]]:
-    """{"gate_up": [gate, up]} for a gated MLP (what `gated_mlp` multiplies by one input), {} for
-    others (MoE blocks)."""
+    """{"gate_up": [gate, up]} for a gated MLP (what `gated_mlp` multiplies by one input) or for the
+    shared expert of Qwen3.5's MoE block (`sparse_moe`), {} for others (other MoE blocks)."""
+    if is_sparse_moe(mlp):
+        mlp = mlp.shared_expert
     return {"gate_up": [mlp.gate_proj, mlp.up_proj]} if is_gated_mlp(mlp) else {}
 
 

@@ -220,17 +220,19 @@ def is_sparse_moe(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, name) for name in ("gate", "switch_mlp", "shared_expert", "shared_expert_gate"))
 
 
-def sparse_moe(mlp: nn.Module, x: mx.array, activation, kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
-    """mlx-lm's Qwen3-Next MoE block with its router and shared expert through `linears`, so that on
-    the CPU a token's routing and shared expert have the same bits in a verify as in a decode step
-    (kernels/cpu_linear.py). The experts stay mlx-lm's: MLX's gathered products are per token."""
+def sparse_moe(mlp: nn.Module, x: mx.array, activation, kernels: KernelOptions = DEFAULT_KERNELS,
+               gate_up: Optional[SharedInput] = None) -> mx.array:
+    """mlx-lm's Qwen3-Next MoE block with its router and shared expert through `linears` (`gate_up`:
+    the shared expert's gate and up as built at load), so that on the CPU a token's routing and
+    shared expert have the same bits in a verify as in a decode step (kernels/cpu_linear.py). The
+    experts stay mlx-lm's: MLX's gathered products are per token."""
     gates = mx.softmax(linear(mlp.gate, x, kernels), axis=-1, precise=True)
     chosen = mx.stop_gradient(mx.argpartition(gates, kth=-mlp.top_k, axis=-1)[..., -mlp.top_k:])
     scores = mx.take_along_axis(gates, chosen, axis=-1)
     if mlp.norm_topk_prob:
         scores = scores / scores.sum(axis=-1, keepdims=True)
     y = (mlp.switch_mlp(x, chosen) * scores[..., None]).sum(axis=-2)
-    shared = gated_mlp(mlp.shared_expert, x, activation, kernels)
+    shared = gated_mlp(mlp.shared_expert, x, activation, kernels, gate_up)
     y = y + mx.sigmoid(linear(mlp.shared_expert_gate, x, kernels)) * shared
     group = getattr(mlp, "sharding_group", None)  # experts split over processes (sharding.py)
     return y if group is None else mx.distributed.all_sum(y, group=group)
@@ -242,7 +244,7 @@ def gated_mlp(mlp: nn.Module, x: mx.array, activation, kernels: KernelOptions = 
     `geglu`) with its projections through `linears` (`gate_up`: its gate and up as built at load);
     Qwen3.5's MoE block is `sparse_moe`, other feed-forwards the module's own call."""
     if is_sparse_moe(mlp):
-        return sparse_moe(mlp, x, activation, kernels)
+        return sparse_moe(mlp, x, activation, kernels, gate_up)
     if not is_gated_mlp(mlp):
         return mlp(x)
     gate, up = linears(gate_up if gate_up is not None else [mlp.gate_proj, mlp.up_proj], x, kernels)
