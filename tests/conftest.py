@@ -34,6 +34,14 @@ for _family, _name in FIXTURE_NAMES.items():
     globals()[f"{_name}_pair"] = _pair_fixture(_name, _family)
 
 
+@pytest.fixture(scope="session")
+def gemma4_moe_pair(tmp_path_factory):
+    """Gemma 4's tiny pair with its MoE block (router and experts) in every layer."""
+    from families import GEMMA4_MOE
+
+    return tiny_pair(tmp_path_factory.mktemp("gemma4_moe"), "gemma4", target_kwargs={"config_overrides": GEMMA4_MOE})
+
+
 @pytest.fixture(scope="module")
 def engines(request):
     """family -> an Engine over that family's tiny pair, prefilling in 16-token chunks."""

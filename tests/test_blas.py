@@ -53,11 +53,12 @@ def test_too_late_is_a_no_op():
 @pytest.mark.skipif(not candidates(), reason="no fast BLAS on this machine (pip install mkl on x86-64 Linux)")
 @pytest.mark.skipif(backend() != "cpu", reason="the BLAS serves MLX's CPU backend only")
 def test_lossless_with_the_fast_blas(request, tmp_path, cpu_kernels):
-    """As `dflash serve` runs on Linux, with MKL: every family's verify gives its tokens the logits of
-    single steps to the bit, and speculative output is the target-alone output (greedy, every
+    """As `dflash serve` runs on Linux, with MKL: every family's verify (Gemma 4's MoE too) gives its
+    tokens the logits of single steps to the bit, and speculative output is the target-alone output (greedy, every
     acceptance length, seeded sampling). MKL rounds a product by its row count: before attention's
     products were ours (cpu_attention.cpp) a verify's logits were up to 5e-5 off a decode step's."""
-    pairs = [f"{family}={','.join(map(str, request.getfixturevalue(f'{family}_pair')))}" for family in ENGINE_FAMILIES]
+    pairs = [f"{family}={','.join(map(str, request.getfixturevalue(f'{family}_pair')))}"
+             for family in [*ENGINE_FAMILIES, "gemma4_moe"]]
     out = tmp_path / "out.json"
     done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "fast_blas_lossless.py"), str(out),
                            *pairs], capture_output=True, text=True, timeout=900)

@@ -251,8 +251,8 @@ def test_models_and_doctor_commands(qwen3_pair, tmp_path, capsys):
     assert cli.main(["doctor", "--json", "--no-hub"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["backend"] == "cpu" and report["mlx"].startswith("0.") and report["kernels"]["gated_delta"]
-    assert report["kernels"]["block_attention"] == ("MLX's unfused ops with our CPU softmax (float32, decode and blocks)"
-                                                    if cpu_linear.extension() else "MLX fused attention")
+    ours = "MLX's unfused ops with our CPU softmax and products (float32, decode and blocks)"
+    assert report["kernels"]["block_attention"] == (ours if cpu_linear.extension() else "MLX fused attention")
     assert report["kernels"]["small_m_matmul"] == "MLX matmul"
     assert report["kernels"]["cpu_projections"].startswith("int8 or float16 copies in our MLX primitive" if
                                                            cpu_linear.extension() else "MLX's float32 product")

@@ -109,6 +109,26 @@ def test_rollback_from_step_states_is_lossless(engines, references, family, monk
     _check_every_acceptance_length(engines, references, family)
 
 
+def test_gemma4_moe_is_lossless(gemma4_moe_pair):
+    """Gemma 4 with its MoE block (router through `linear`, experts in MLX's gathered products):
+    a verify gives each token the logits of single steps to the bit, and speculative output is the
+    target-alone output with the random drafter, every acceptance length and seeded sampling."""
+    from forced import assert_verify_is_single_steps
+
+    from dflash_core.sampling import SamplingParams
+
+    engine = load_engine(*map(str, gemma4_moe_pair), prefill_chunk=16)
+    assert all(layer.enable_moe for layer in engine.target.layers)
+    prompt = _prompt(engine)
+    assert_verify_is_single_steps(engine.target, (prompt * 8)[:100], prompt[:16])
+    reference, _ = _run(engine, prompt, max_tokens=N_TOKENS + 16, speculative=False)
+    tokens, last = _run(engine, prompt)
+    assert last.stats.cycles > 0 and tokens == reference[:N_TOKENS]
+    _check_every_acceptance_length({"gemma4_moe": engine}, {"gemma4_moe": (prompt, reference)}, "gemma4_moe")
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    assert _run(engine, prompt, sampling=sampling)[0] == _run(engine, prompt, sampling=sampling, speculative=False)[0]
+
+
 def _check_every_acceptance_length(engines, references, family):
     engine = engines[family]
     prompt, reference = references[family]

@@ -43,6 +43,18 @@ def attention_inputs(layer, groups: dict, kernels):
     return pre
 
 
+def route(router, h: mx.array, kernels) -> tuple[mx.array, mx.array]:
+    """mlx-lm's MoE `Router` with its projection through `linear`, so that on the CPU a token's
+    experts and their weights have the same bits in a verify as in a decode step
+    (kernels/cpu_linear.py; the experts' gathered products are per token already)."""
+    x = mx.fast.rms_norm(h, router.scale * router._root_size, router.eps)
+    scores = linear(router.proj, x, kernels)
+    k = router.config.top_k_experts
+    chosen = mx.stop_gradient(mx.argpartition(scores, kth=-k, axis=-1)[..., -k:])
+    weights = mx.softmax(mx.take_along_axis(scores, chosen, axis=-1), axis=-1)
+    return chosen, weights * router.per_expert_scale[chosen]
+
+
 def attention_output_and_feed_forward(layer, groups: dict, kernels):
     """Everything mlx-lm's DecoderLayer does after attention (MoE and per-layer input included)."""
 
@@ -57,7 +69,7 @@ def attention_output_and_feed_forward(layer, groups: dict, kernels):
         residual = h
         if layer.enable_moe:
             dense = layer.post_feedforward_layernorm_1(mlp(layer.pre_feedforward_layernorm(h)))
-            top_k_indices, top_k_weights = layer.router(h)
+            top_k_indices, top_k_weights = route(layer.router, h, kernels)
             experts = layer.experts(layer.pre_feedforward_layernorm_2(h), top_k_indices, top_k_weights)
             h = dense + layer.post_feedforward_layernorm_2(experts)
         else:

@@ -121,5 +121,7 @@ def active_path() -> str:
     module = extension()
     if module is None:
         return "MLX's float32 product (the kernel did not build: is there a C++ compiler and CMake?)"
+    smaller = ("; smaller float32 layers and heads in its float32 product, in a fixed order (this BLAS rounds by "
+               "the row count)" if rounds_by_rows() else "")
     return (f"int8 or float16 copies in our MLX primitive ({module.__file__}) for projections of {MIN_PARAMETERS}+ "
-            "parameters in decode and verify")
+            f"parameters in decode and verify{smaller}")
