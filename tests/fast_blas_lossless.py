@@ -23,12 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_core.blas import preload, provider  # noqa: E402
 
-LOADED = preload()  # before MLX, as `dflash` does
+LOADED = preload()  # before anything imports MLX, as `dflash` does
 
-import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from families import sample_prompt  # noqa: E402
-from forced import ForcedDrafter  # noqa: E402
+from forced import ForcedDrafter, verify_and_steps  # noqa: E402
 
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.loading import load_engine  # noqa: E402
@@ -43,18 +42,6 @@ def tokens_of(engine: Engine, prompt: list[int], **kwargs) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def verify_is_single_steps(target, prompt: list[int], block: list[int]) -> float:
-    """The largest difference between a 16-token verify's logits and 16 single steps' (0: bit-identical)."""
-    tokens_block = mx.array([block])
-    caches = [target.make_cache(16), target.make_cache(16)]
-    for cache in caches:
-        mx.eval(target.forward(mx.array([prompt]), cache).logits)
-    verify = target.forward(tokens_block, caches[0]).logits
-    steps = mx.concatenate([target.forward(tokens_block[:, i : i + 1], caches[1]).logits
-                            for i in range(len(block))], axis=1)
-    return float(np.abs(np.array(verify) - np.array(steps)).max())
-
-
 def check(target_dir: str, drafter_dir: str) -> dict:
     engine = load_engine(target_dir, drafter_dir, prefill_chunk=16)
     # As loaded: the tiny model's layers and head are below the narrow copies' sizes, so each goes
@@ -62,7 +49,8 @@ def check(target_dir: str, drafter_dir: str) -> dict:
     # routers and gates do.
     assert engine.target.narrow_linears == 0
     prompt = sample_prompt(engine)
-    result = {"verify_difference": verify_is_single_steps(engine.target, (prompt * 8)[:100], prompt[:16])}
+    verify, steps = verify_and_steps(engine.target, (prompt * 8)[:100], prompt[:16])
+    result = {"verify_difference": float(np.abs(verify - steps).max())}
     reference = tokens_of(engine, prompt, speculative=False)
     result["random_drafter"] = tokens_of(engine, prompt) == reference
     forced = ForcedDrafter(reference=prompt + reference, prompt_length=len(prompt), schedule=SCHEDULE,

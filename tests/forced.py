@@ -92,10 +92,9 @@ def assert_batched_rows_are_as_alone(engine, prompt: list[int], max_tokens: int)
         assert tokens(chunks) == alone
 
 
-def assert_verify_is_single_steps(target, prompt: list[int], block: list[int]) -> None:
-    """After `prompt`, a verify of `block` (16 tokens) gives each token the logits 16 one-token
-    steps give it, to the bit (what the token checks rest on; a last-bit difference would rarely
-    change a token)."""
+def verify_and_steps(target, prompt: list[int], block: list[int]):
+    """After `prompt`, the logits a verify of `block` (16 tokens) gives and those 16 one-token steps
+    give, as numpy arrays."""
     import mlx.core as mx
     import numpy as np
 
@@ -106,4 +105,13 @@ def assert_verify_is_single_steps(target, prompt: list[int], block: list[int]) -
     verify = target.forward(tokens_block, caches[0]).logits
     steps = mx.concatenate([target.forward(tokens_block[:, i : i + 1], caches[1]).logits
                             for i in range(len(block))], axis=1)
-    assert np.array_equal(np.array(verify), np.array(steps))
+    return np.array(verify), np.array(steps)
+
+
+def assert_verify_is_single_steps(target, prompt: list[int], block: list[int]) -> None:
+    """After `prompt`, a verify of `block` (16 tokens) gives each token the logits 16 one-token
+    steps give it, to the bit (what the token checks rest on; a last-bit difference would rarely
+    change a token)."""
+    import numpy as np
+
+    assert np.array_equal(*verify_and_steps(target, prompt, block))
