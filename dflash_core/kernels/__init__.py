@@ -39,7 +39,8 @@ class KernelOptions:
     queue_layers: bool = True  # a decode/verify forward starts on the device as its first layers are built
     cpu_half_head: bool = True  # on the CPU, a large float32 LM head as int8/float16 in our kernel (cpu_head.py)
     cpu_narrow_linears: bool = True  # on the CPU, a target's projections as int8/float16 copies in our primitive (cpu_linear.py)
-    cpu_softmax: bool = True  # on the CPU, attention's softmax in our primitive (cpu_softmax.cpp), decode and blocks alike
+    # on the CPU, attention's softmax and (<= 16 queries) its products in our primitives (cpu_softmax.cpp, cpu_attention.cpp)
+    cpu_softmax: bool = True
 
 
 DEFAULT_KERNELS = KernelOptions()
