@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import geglu
 
 from ..cache import RowsKVCache, SlidingWindowCache
+from ..kernels import backend
 from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, attend_batch, batch_keys, gated_mlp_group, heads_first, join, part, rotary
@@ -44,9 +45,12 @@ def attention_inputs(layer, groups: dict, kernels):
 
 
 def route(router, h: mx.array, kernels) -> tuple[mx.array, mx.array]:
-    """mlx-lm's MoE `Router` with its projection through `linear`, so that on the CPU a token's
+    """mlx-lm's MoE `Router` with its projection through `linear` on the CPU, so that a token's
     experts and their weights have the same bits in a verify as in a decode step
-    (kernels/cpu_linear.py; the experts' gathered products are per token already)."""
+    (kernels/cpu_linear.py; the experts' gathered products are per token already). Elsewhere the
+    module's own call, as for Qwen3.5's MoE block (`matmul.is_sparse_moe`)."""
+    if backend() != "cpu":
+        return router(h)
     x = mx.fast.rms_norm(h, router.scale * router._root_size, router.eps)
     scores = linear(router.proj, x, kernels)
     k = router.config.top_k_experts
