@@ -4,7 +4,8 @@ import os
 
 # MLX's bundled reference BLAS, not the fast one `dflash` loads (tests/test_blas.py checks that):
 # its float32 products round a row the same whatever the other rows, so a 16-token verify and a
-# 1-token step agree to the bit and the lossless tests can demand exact equality.
+# 1-token step agree to the bit and the lossless tests can demand exact equality. (The engine's
+# own CPU kernels keep that true with MKL too: tests/test_blas.py runs the lossless checks with it.)
 import mlx.core as mx
 import pytest
 from families import ENGINE_FAMILIES, FIXTURE_NAMES
