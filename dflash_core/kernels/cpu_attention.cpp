@@ -170,23 +170,30 @@ constexpr int64_t MIN_FMAS_PER_THREAD = 1 << 18;
 constexpr int64_t KEYS_PER_ITEM = 48;  // a scores work item: a group's rows against 48 keys
 
 // An input whose last dimension is not contiguous (not seen from the attention paths) is copied
-// into a row-contiguous temporary, element by element.
-array dense_last(const array& a, cpu::CommandEncoder& encoder) {
-  if (a.strides().back() == 1 || a.shape(-1) == 1) return a;
-  array copied(a.shape(), float32, nullptr, {});
-  copied.set_data(allocator::malloc(copied.nbytes()));
-  const float* src = a.data<float>();
-  float* dst = copied.data<float>();
-  for (int64_t i = 0; i < static_cast<int64_t>(a.size()); i++) {
+// into a row-contiguous temporary first. `for_input` makes the temporary (or returns the input);
+// `copy_into` fills it, inside the dispatched task, once the input's data is there.
+struct DenseInput {
+  array dense;  // what the products read
+  bool copied;
+
+  static DenseInput for_input(const array& a, cpu::CommandEncoder& encoder) {
+    if (a.strides().back() == 1 || a.shape(-1) == 1) return {a, false};
+    array dense(a.shape(), float32, nullptr, {});
+    dense.set_data(allocator::malloc(dense.nbytes()));
+    encoder.add_temporary(dense);
+    return {dense, true};
+  }
+};
+
+void copy_into(const float* src, const Shape& shape, const Strides& strides, float* dst, int64_t size) {
+  for (int64_t i = 0; i < size; i++) {
     int64_t at = 0, rest = i;
-    for (int d = a.ndim() - 1; d >= 0; d--) {
-      at += (rest % a.shape(d)) * a.strides()[d];
-      rest /= a.shape(d);
+    for (int d = static_cast<int>(shape.size()) - 1; d >= 0; d--) {
+      at += (rest % shape[d]) * strides[d];
+      rest /= shape[d];
     }
     dst[i] = src[at];
   }
-  encoder.add_temporary(copied);
-  return copied;
 }
 
 // inputs: a [..., R, K] and b [..., N, K] (`scores`: q and k, out [..., R, N]) or b [..., K, N]
@@ -199,10 +206,11 @@ class AttentionProduct : public Primitive {
     array& out = outputs[0];
     out.set_data(allocator::malloc(out.nbytes()));
     auto& encoder = cpu::get_command_encoder(stream());
-    const array a = dense_last(inputs[0], encoder);
-    const array b = dense_last(inputs[1], encoder);
-    encoder.set_input_array(a);
-    encoder.set_input_array(b);
+    DenseInput da = DenseInput::for_input(inputs[0], encoder), db = DenseInput::for_input(inputs[1], encoder);
+    const array& a = da.dense;
+    const array& b = db.dense;
+    encoder.set_input_array(inputs[0]);
+    encoder.set_input_array(inputs[1]);
     encoder.set_output_array(out);
     const int64_t R = a.shape(-2), K = a.shape(-1), N = out.shape(-1);
     const int64_t groups = R && N ? out.size() / (R * N) : 0;
@@ -215,7 +223,17 @@ class AttentionProduct : public Primitive {
     const bool values = values_;
     const int64_t per_group = values ? (N + COLUMNS_PER_ITEM - 1) / COLUMNS_PER_ITEM : (N + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
     const int64_t fmas_per_item = R * K * std::min(N, values ? COLUMNS_PER_ITEM : KEYS_PER_ITEM);
-    encoder.dispatch([=, a_starts = std::move(a_starts), b_starts = std::move(b_starts), threads = threads_]() {
+    // An input to copy: its data, shape and strides, and the temporary (else null pointers).
+    const float* a_src = da.copied ? inputs[0].data<float>() : nullptr;
+    const float* b_src = db.copied ? inputs[1].data<float>() : nullptr;
+    float* a_dst = da.copied ? da.dense.data<float>() : nullptr;
+    float* b_dst = db.copied ? db.dense.data<float>() : nullptr;
+    const int64_t a_size = a.size(), b_size = b.size();
+    encoder.dispatch([=, a_starts = std::move(a_starts), b_starts = std::move(b_starts), threads = threads_,
+                      a_shape = inputs[0].shape(), a_strides = inputs[0].strides(), b_shape = inputs[1].shape(),
+                      b_strides = inputs[1].strides()]() {
+      if (a_src) copy_into(a_src, a_shape, a_strides, a_dst, a_size);
+      if (b_src) copy_into(b_src, b_shape, b_strides, b_dst, b_size);
       split_rows(groups * per_group, threads, MIN_FMAS_PER_THREAD / std::max<int64_t>(fmas_per_item, 1),
                  [&](int64_t i0, int64_t i1) {
                    for (int64_t i = i0; i < i1; i++) {
