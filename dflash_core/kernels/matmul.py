@@ -218,8 +218,7 @@ def is_gated_mlp(mlp: nn.Module) -> bool:
 def is_sparse_moe(mlp: nn.Module) -> bool:
     """mlx-lm's Qwen3-Next MoE block (Qwen3.5's), run by `sparse_moe` here: on the CPU only, where a
     fast BLAS would round its router and shared expert by the row count. Elsewhere the module's own
-    call, as measured in docs/performance.md (on a GPU a verify and a decode step round differently
-    anyway, and its small products are bound by launches)."""
+    call, as before (on a GPU a verify and a decode step round differently anyway: README)."""
     return backend() == "cpu" and all(
         hasattr(mlp, name) for name in ("gate", "switch_mlp", "shared_expert", "shared_expert_gate"))
 
