@@ -22,6 +22,7 @@
 
 #include "cpu_kernels.h"
 
+#include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
@@ -31,12 +32,9 @@ namespace {
 
 // Where group g (an index over the leading dimensions, all but the last two) starts in a.
 int64_t group_start(const array& a, int64_t g) {
-  int64_t at = 0;
-  for (int d = a.ndim() - 3; d >= 0; d--) {
-    at += (g % a.shape(d)) * a.strides()[d];
-    g /= a.shape(d);
-  }
-  return at;
+  const Shape leading(a.shape().begin(), a.shape().end() - 2);
+  const Strides strides(a.strides().begin(), a.strides().end() - 2);
+  return elem_to_loc(static_cast<int>(g), leading, strides);
 }
 
 std::vector<int64_t> group_starts(const array& a, int64_t groups) {
@@ -186,14 +184,7 @@ struct DenseInput {
 };
 
 void copy_into(const float* src, const Shape& shape, const Strides& strides, float* dst, int64_t size) {
-  for (int64_t i = 0; i < size; i++) {
-    int64_t at = 0, rest = i;
-    for (int d = static_cast<int>(shape.size()) - 1; d >= 0; d--) {
-      at += (rest % shape[d]) * strides[d];
-      rest /= shape[d];
-    }
-    dst[i] = src[at];
-  }
+  for (int64_t i = 0; i < size; i++) dst[i] = src[elem_to_loc(static_cast<int>(i), shape, strides)];
 }
 
 // inputs: a [..., R, K] and b [..., N, K] (`scores`: q and k, out [..., R, N]) or b [..., K, N]
