@@ -28,7 +28,10 @@ weights: speculation stays lossless, it only accepts little.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -38,6 +41,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx_lm.utils import load_model, load_tokenizer, save_model
 from synthetic import _WORDS, _corpus, build_drafter, build_target, train_tokenizer
+
+from dflash_core.blas import candidates
 
 WINDOW = 64
 LAYERS = 2
@@ -70,10 +75,41 @@ def shared_tail(*prompts: Sequence[int]) -> int:
 
 
 def agent_pair(root, examples: Sequence[Example], **kw) -> tuple[Path, Path]:
-    """train_agent_target under root/"target" and a random drafter for it under root/"drafter"."""
+    """train_agent_target under root/"target" (in a process with the fast BLAS, where this machine
+    has one) and a random drafter for it under root/"drafter"."""
     root = Path(root)
-    target = train_agent_target(root / "target", examples, **kw)
+    target = train_with_fast_blas(root / "target", examples, **kw)
     return target, build_drafter(root / "drafter", target)
+
+
+def train_with_fast_blas(out_dir, examples: Sequence[Example], **kw) -> Path:
+    """train_agent_target in a child process that loads the fast BLAS (MKL) before MLX, as `dflash`
+    does (dflash_core/blas.py); in this process where there is none. The suite's own processes keep
+    MLX's reference BLAS, on which training spends about a second a step; with MKL a few
+    hundredths. What it trains is checked the same way either way (the margin, then each caller's
+    own check through the engine), so where the two BLAS round differently nothing depends on it.
+    `kw` must be JSON (no `log`: the child prints, and a failure's output is in the error)."""
+    if not candidates():
+        return train_agent_target(out_dir, examples, **kw)
+    out_dir = Path(out_dir)
+    job = out_dir.parent / f"{out_dir.name}.job.json"
+    job.write_text(json.dumps({"out_dir": str(out_dir), "examples": [list(map(list, e[:2])) + list(e[2:])
+                                                                      for e in examples], "kw": kw}))
+    here = Path(__file__).resolve().parent
+    child = ("import sys; from dflash_core.blas import preload; assert preload(); "
+             "import agent_model; agent_model._train_job(sys.argv[1])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", child, str(job)], env=env, capture_output=True, text=True)
+    print(done.stdout, end="")
+    if done.returncode != 0:
+        raise RuntimeError(f"training with the fast BLAS failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    return out_dir
+
+
+def _train_job(path: str) -> None:
+    job = json.loads(Path(path).read_text())
+    examples = [tuple(e) for e in job["examples"]]
+    train_agent_target(job["out_dir"], examples, **job["kw"])
 
 
 def train_agent_target(out_dir, examples: Sequence[Example], *, tail: Optional[int] = None,

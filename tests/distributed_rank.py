@@ -26,27 +26,30 @@ from dflash_core.sampling import SamplingParams  # noqa: E402
 PROMPT = list(range(5, 45))
 N_TOKENS = 144  # every acceptance length once (1 + 136 tokens), a few more; contexts far past the windows (8)
 SCHEDULE = list(range(16))  # every acceptance length once: 136 tokens
+# The other generations: still past the windows (the prompt alone is), a third of the time. The
+# random drafter is accepted little, so each of its tokens costs a whole lockstep cycle.
+SHORT = 48
 
 
-def tokens(engine, **kwargs) -> list[int]:
-    return [t for c in engine.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=set(), **kwargs) for t in c.token_ids]
+def tokens(engine, n: int = SHORT, **kwargs) -> list[int]:
+    return [t for c in engine.generate(PROMPT, max_tokens=n, stop_token_ids=set(), **kwargs) for t in c.token_ids]
 
 
 def run(family: str, target: str, drafter: str, channel: Channel, stacked_only: bool = False) -> dict:
     engine = load_engine(target, drafter, prefill_chunk=16, group=channel.group)
     stacked = sum(g.stacked for groups in engine.target.shared_inputs for g in groups.values())
     lockstep = LockstepEngine(engine, channel)
-    alone = tokens(lockstep, speculative=False)
+    alone = tokens(lockstep, N_TOKENS, speculative=False)
     forced = ForcedDrafter(reference=PROMPT + alone + [0] * 16, prompt_length=len(PROMPT), schedule=SCHEDULE,
                            vocab_size=engine.target.vocab_size, target_layer_ids=engine.drafter.config.target_layer_ids)
     forced_engine = LockstepEngine(Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16), channel)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
     if stacked_only:  # what the stacked-projections test checks
-        return {"alone": alone, "every_acceptance_length": tokens(forced_engine, speculation="on"),
+        return {"alone": alone, "every_acceptance_length": tokens(forced_engine, N_TOKENS, speculation="on"),
                 "random_drafter_on": tokens(lockstep, speculation="on"), "stacked_groups": stacked}
     return {
         "alone": alone,
-        "every_acceptance_length": tokens(forced_engine, speculation="on"),
+        "every_acceptance_length": tokens(forced_engine, N_TOKENS, speculation="on"),
         "random_drafter_on": tokens(lockstep, speculation="on"),
         "random_drafter_auto": tokens(lockstep, speculation="auto"),
         "seeded_alone": tokens(lockstep, speculative=False, sampling=seeded),

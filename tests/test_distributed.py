@@ -23,7 +23,7 @@ from dflash_core.sampling import SamplingParams
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SHARDED = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"]
-N_TOKENS = 144  # as tests/distributed_rank.py
+N_TOKENS, SHORT = 144, 48  # as tests/distributed_rank.py
 
 
 def _free_ports(n: int) -> list[int]:
@@ -91,7 +91,8 @@ def test_stacked_projections_over_sharded_weights(two_rank_results, qwen3_5_pair
     assert got["stacked_groups"] > 0
     single = load_engine(str(qwen3_5_pair[0]), str(qwen3_5_pair[1]), prefill_chunk=16)
     alone = _tokens(single, speculative=False)
-    assert got["alone"] == got["every_acceptance_length"] == got["random_drafter_on"] == alone
+    assert got["alone"] == got["every_acceptance_length"] == alone
+    assert got["random_drafter_on"] == alone[:SHORT]
 
 
 def test_generate_on_two_ranks_prints_once_what_one_process_prints(qwen3_pair, tmp_path):
@@ -123,9 +124,9 @@ def test_bench_on_two_ranks_reports_once_with_outputs_matching(qwen3_pair, tmp_p
     assert "results:" not in (tmp_path / "rank1.log").read_text()
 
 
-def _tokens(engine, **kwargs):
+def _tokens(engine, n: int = N_TOKENS, **kwargs):
     prompt = list(range(5, 45))
-    return [t for c in engine.generate(prompt, max_tokens=N_TOKENS, stop_token_ids=set(), **kwargs) for t in c.token_ids]
+    return [t for c in engine.generate(prompt, max_tokens=n, stop_token_ids=set(), **kwargs) for t in c.token_ids]
 
 
 @pytest.mark.parametrize("family", SHARDED)
@@ -142,9 +143,9 @@ def test_two_ranks_give_what_one_process_gives(two_rank_results, request, family
     # decodes what one process decodes.
     assert got["alone"] == alone
     assert got["every_acceptance_length"] == alone
-    assert got["random_drafter_on"] == alone and got["random_drafter_auto"] == alone
-    assert got["seeded_alone"] == got["seeded_on"] == _tokens(single, speculative=False, sampling=seeded)
-    assert len(got["unseeded"]) == N_TOKENS
+    assert got["random_drafter_on"] == got["random_drafter_auto"] == alone[:SHORT]
+    assert got["seeded_alone"] == got["seeded_on"] == _tokens(single, SHORT, speculative=False, sampling=seeded)
+    assert len(got["unseeded"]) == SHORT
     # Each rank holds about half of the target: the sharded projections split, the embedding
     # (and tied or split LM head) and the norms stay whole.
     whole = parameter_bytes(load_target(target)[0].model)
