@@ -132,7 +132,8 @@ def trained(workspace, tmp_path_factory):
     # Codex and Claude Code ask for temperature 1 (with no seed): every response token leads by 9
     # logits, so that their samples are the trained answer. (At a margin of 8 the other 511 tokens
     # held 1e-5 to 4e-4 of each position's mass, about 1 % of runs over a 73-token tool call; 9
-    # divides that by e, for three more minutes of training on 2 cores; 10.5 took over 16.)
+    # divides that by e, for three more minutes of training on 2 cores; 10.5 took over 16: times on MLX's
+    # reference BLAS, before training moved to a process with MKL, agent_model.train_with_fast_blas.)
     for attempt, min_steps in enumerate((0, 400, 1200)):
         pair = agent_pair(tmp_path_factory.mktemp("agent-model"), examples, steps=3000, min_steps=min_steps,
                           margin=9.0)

@@ -73,7 +73,7 @@ def trained(tmp_path_factory):
     return tok, examples, target, drafter
 
 
-@pytest.mark.slow  # trains a model first (about 45 s on 2 cores)
+@pytest.mark.slow  # trains a model first (about 15 s on 2 cores, with MKL)
 @pytest.mark.parametrize("speculative", [True, False])
 def test_long_unseen_prefix_gives_the_trained_response(trained, speculative):
     tok, examples, target, drafter = trained

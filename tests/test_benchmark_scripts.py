@@ -83,6 +83,26 @@ def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
         assert len(result["acceptance_by_position"]) == 15
 
 
+def test_cpu_attention_runs_on_a_tiny_pair(gemma3_pair, tmp_path, cpu_kernels):
+    """Both attention paths through the engine on a tiny Gemma 3 pair (its sliding window is 8, so
+    a 40-token context crosses it), then the verify-against-steps exactness check."""
+    target, drafter = gemma3_pair
+    out = tmp_path / "attention.json"
+    done = _run("benchmarks/cpu_attention.py", "--target", str(target), "--drafter", str(drafter),
+                "--contexts", "40", "--repeats", "1", "--max-tokens", "8", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["context"] == 40 and set(row["ours_over_mlx"]) == {"prefill_tok_s", "decode_step_ms", "verify16_ms",
+                                                                   "dflash_tok_s"}
+    assert all(row[path]["verify16_ms"] > 0 and row[path]["dflash_tok_s"] > 0 for path in ("ours", "mlx"))
+    done = _run("benchmarks/cpu_attention.py", "--target", str(target), "--drafter", str(drafter), "--exactness", "48",
+                "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["exactness"]
+    assert [r["path"] for r in rows] == ["ours", "mlx"]
+    assert rows[0]["bit_identical"] and rows[0]["argmax_agrees"]  # ours is what lossless speculation rests on
+
+
 def test_cpu_matmul_runs():
     done = _run("benchmarks/cpu_matmul.py", "--rows", "256", "--cols", "64", "--batch-rows", "1,4", "--repeats", "1")
     assert done.returncode == 0, done.stderr
