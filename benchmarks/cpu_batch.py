@@ -10,7 +10,15 @@ served by `dflash serve` (one process per speculation mode in --modes: `off`, th
 requests one after another and of N requests sent together (medians of --repeats runs of each, in
 turn), aggregate tok/s, per-stream tok/s and time to first token, the server process's CPU time
 each way (all its threads: the engine, the event loop, MLX's and the BLAS's), and whether every
-answer was the same both ways (batching must not change a token).
+answer was the same both ways (batching must not change a token). The requests go through one
+HTTP client with a pool of keep-alive connections, as an SDK client sends them
+(`--connection-per-request`: a new client and connection for each, as this script did before
+2026-12-04; on this 2-core box making an httpx client, its TLS context included, costs about 50 ms
+of the client's CPU, which then counted in every request's time).
+
+`--engine`: the same requests through the engine alone in this process (`Engine.generate` one after
+another against `generate_together`), with the fast BLAS loaded first as `dflash` loads it: what
+batching gives before the server and its clients share the cores with it.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -43,13 +52,15 @@ def start(target: Path, drafter: Path, speculation: str, workdir: Path):
     }, workdir, speculation, timeout=300)
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> dict:
+def stream(client: Optional[httpx.Client], url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion through `client` (None: a client of its own, made and closed here)."""
     # End-of-sequence banned (logit_bias), so that every request generates exactly max_tokens.
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "logit_bias": {str(t): -100 for t in EOS}, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first, text = None, []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+    with (client.stream if client is not None else httpx.stream)("POST", url + "/v1/completions", json=body,
+                                                                  timeout=600) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
         for line in response.iter_lines():
@@ -70,11 +81,11 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def _together(url: str, texts: list[str], max_tokens: int) -> tuple[float, list]:
+def _together(client: Optional[httpx.Client], url: str, texts: list[str], max_tokens: int) -> tuple[float, list]:
     results = [None] * len(texts)
 
     def run(i):
-        results[i] = stream(url, texts[i], max_tokens)
+        results[i] = stream(client, url, texts[i], max_tokens)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
     start = time.perf_counter()
@@ -94,28 +105,36 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(url: str, n: int, max_tokens: int, repeats: int = 3, pid: int = 0) -> dict:
+def measure(url: str, n: int, max_tokens: int, repeats: int = 3, pid: int = 0, pooled: bool = True) -> dict:
     """N requests one after another, then the same N at once, `repeats` times in turn: the median
     wall time of each way (this 2-core machine is noisy; one run of a second or less is not a figure),
     and the server's (process `pid`) median CPU time each way."""
     texts = prompts(n)
-    stream(url, texts[0], 8)  # warm-up: compiled blocks for these shapes
+    client = httpx.Client(limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)) if pooled else None
+    stream(client, url, texts[0], 8)  # warm-up: compiled blocks for these shapes
+    if client is not None:  # and every connection the concurrent requests will use
+        _together(client, url, texts, 1)
     walls_alone, walls_together, cpu_alone, cpu_together = [], [], [], []
-    for _ in range(repeats):
-        start, cpu = time.perf_counter(), cpu_seconds(pid)
-        alone = [stream(url, t, max_tokens) for t in texts]
-        walls_alone.append(time.perf_counter() - start)
-        cpu_alone.append(cpu_seconds(pid) - cpu)
-        cpu = cpu_seconds(pid)
-        wall, together = _together(url, texts, max_tokens)
-        walls_together.append(wall)
-        cpu_together.append(cpu_seconds(pid) - cpu)
-        if [a["text"] for a in alone] != [b["text"] for b in together]:
-            break
+    try:
+        for _ in range(repeats):
+            start, cpu = time.perf_counter(), cpu_seconds(pid)
+            alone = [stream(client, url, t, max_tokens) for t in texts]
+            walls_alone.append(time.perf_counter() - start)
+            cpu_alone.append(cpu_seconds(pid) - cpu)
+            cpu = cpu_seconds(pid)
+            wall, together = _together(client, url, texts, max_tokens)
+            walls_together.append(wall)
+            cpu_together.append(cpu_seconds(pid) - cpu)
+            if [a["text"] for a in alone] != [b["text"] for b in together]:
+                break
+    finally:
+        if client is not None:
+            client.close()
     one_by_one, at_once = statistics.median(walls_alone), statistics.median(walls_together)
     tokens = n * max_tokens
     return {
-        "streams": n, "repeats": len(walls_alone), "one_by_one_s": one_by_one, "together_s": at_once,
+        "streams": n, "repeats": len(walls_alone), "pooled_connections": pooled,
+        "one_by_one_s": one_by_one, "together_s": at_once,
         "one_by_one_s_all": walls_alone, "together_s_all": walls_together, "speedup": one_by_one / at_once,
         "server_cpu_s_one_by_one": statistics.median(cpu_alone), "server_cpu_s_together": statistics.median(cpu_together),
         "aggregate_tok_s": tokens / at_once, "aggregate_tok_s_one_by_one": tokens / one_by_one,
@@ -126,28 +145,79 @@ def measure(url: str, n: int, max_tokens: int, repeats: int = 3, pid: int = 0) -
     }
 
 
+def measure_engine(engine, mode: str, n: int, max_tokens: int, repeats: int = 3) -> dict:
+    """`measure` without the server: N generations one after another and together, in turn."""
+    from dflash_core.batching import generate_together
+
+    prompts_ids = [engine.tokenizer.encode(t) for t in prompts(n)]
+    requests = [{"prompt_tokens": p, "max_tokens": max_tokens, "stop_token_ids": set(), "speculation": mode}
+                for p in prompts_ids]  # no stop token: exactly max_tokens each, as the server runs ban EOS
+
+    def alone() -> list:
+        return [[t for c in engine.generate(**r) for t in c.token_ids] for r in requests]
+
+    def together() -> list:
+        return [[t for c in chunks for t in c.token_ids] for chunks in generate_together(engine, requests, max_rows=n)]
+
+    alone(), together()  # warm-up: compiled blocks for these shapes
+    walls_alone, walls_together, same = [], [], True
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a = alone()
+        walls_alone.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        b = together()
+        walls_together.append(time.perf_counter() - start)
+        same = same and a == b
+    one_by_one, at_once = statistics.median(walls_alone), statistics.median(walls_together)
+    return {"streams": n, "repeats": repeats, "one_by_one_s": one_by_one, "together_s": at_once,
+            "one_by_one_s_all": walls_alone, "together_s_all": walls_together, "speedup": one_by_one / at_once,
+            "aggregate_tok_s": n * max_tokens / at_once, "same_output": same}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", default="off,on")
     parser.add_argument("--repeats", type=int, default=3, help="each N's two ways, this many times in turn (medians)")
+    parser.add_argument("--connection-per-request", action="store_true",
+                        help="a new HTTP client and connection for every request (see above)")
+    parser.add_argument("--engine", action="store_true", help="the engine alone, no server (see above)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.engine:
+        sys.path.insert(0, str(ROOT))
+        from dflash_core.blas import preload
+
+        preload()  # before anything imports MLX, as `dflash` does
     sys.path.insert(0, str(ROOT / "tests"))
     from synthetic import tiny_pair  # the tests' fixtures: a tiny checkpoint on disk, with a tokenizer
 
     report = {"machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens,
-              "rows": []}
+              "command": "python benchmarks/cpu_batch.py " + " ".join(sys.argv[1:]), "rows": []}
     with tempfile.TemporaryDirectory() as work:
         target, drafter = tiny_pair(Path(work) / "tiny", "qwen3")
         eos = json.loads((target / "generation_config.json").read_text())["eos_token_id"]
         EOS.extend(eos if isinstance(eos, list) else [eos])
-        for mode in args.modes.split(","):
+        if args.engine:
+            from dflash_core.loading import load_engine
+
+            engine = load_engine(str(target), str(drafter))
+            for mode in args.modes.split(","):
+                for n in args.streams:
+                    row = {"speculation": mode, "engine_alone": True,
+                           **measure_engine(engine, mode, n, args.max_tokens, args.repeats)}
+                    report["rows"].append(row)
+                    print(f"{mode:>4} {n:>3} streams, engine alone | one by one {row['one_by_one_s']:6.2f} s, together "
+                          f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | same output: {row['same_output']}",
+                          flush=True)
+        for mode in ([] if args.engine else args.modes.split(",")):
             process, url = start(target, drafter, mode, Path(work))
             try:
                 for n in args.streams:
-                    row = {"speculation": mode, **measure(url, n, args.max_tokens, args.repeats, process.pid)}
+                    row = {"speculation": mode, **measure(url, n, args.max_tokens, args.repeats, process.pid,
+                                                             pooled=not args.connection_per_request)}
                     report["rows"].append(row)
                     print(f"{mode:>4} {n:>3} streams | one by one {row['one_by_one_s']:6.2f} s, together "
                           f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | aggregate {row['aggregate_tok_s']:7.1f} "

@@ -164,6 +164,19 @@ def test_cpu_batch_runs_through_a_real_server(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["speculation"], r["streams"], r["repeats"]) for r in rows] == [("off", 2, 2), ("on", 2, 2)]
     for row in rows:
+        assert row["pooled_connections"]
         assert row["same_output"] and len(row["together_s_all"]) == 2
         assert row["together_s"] > 0 and row["speedup"] == row["one_by_one_s"] / row["together_s"]
         assert row["server_cpu_s_one_by_one"] > 0 and row["server_cpu_s_together"] > 0  # the server did the work
+
+
+def test_cpu_batch_runs_the_engine_alone(tmp_path):
+    out = tmp_path / "cpu_batch_engine.json"
+    done = _run("benchmarks/cpu_batch.py", "--engine", "--streams", "3", "--modes", "off,on", "--max-tokens", "6",
+                "--repeats", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["speculation"], r["streams"], r["engine_alone"]) for r in rows] == [("off", 3, True), ("on", 3, True)]
+    for row in rows:
+        assert row["same_output"] and len(row["together_s_all"]) == 2
+        assert row["aggregate_tok_s"] == 3 * 6 / row["together_s"]
