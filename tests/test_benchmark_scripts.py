@@ -180,3 +180,15 @@ def test_cpu_batch_runs_the_engine_alone(tmp_path):
     for row in rows:
         assert row["same_output"] and len(row["together_s_all"]) == 2
         assert row["aggregate_tok_s"] == 3 * 6 / row["together_s"]
+
+
+def test_agent_prefix_cache_runs_a_short_conversation(tmp_path):
+    out = tmp_path / "agent_prefix_cache.json"
+    done = _run("benchmarks/agent_prefix_cache.py", "--synthetic", "--hidden-size", "64", "--layers", "2", "--turns", "3",
+                "--max-tokens", "8", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["results"]
+    cold, cached = results["without cache"], results["with cache"]
+    assert [r["prompt_tokens"] for r in cold] == [r["prompt_tokens"] for r in cached]  # the same conversation
+    assert all(r["cached_tokens"] == 0 for r in cold)
+    assert cached[0]["cached_tokens"] == 0 and all(r["cached_tokens"] > 0 for r in cached[1:])

@@ -134,8 +134,8 @@ def run_server_bench(url: str, *, concurrency: int, requests: int, model: Option
     lock, counter = threading.Lock(), iter(range(requests))
     bar = tqdm(total=requests, desc="dflash bench --server", unit="req", disable=not progress, file=sys.stderr)
 
-    def client_loop():
-        with httpx.Client() as client:
+    def client_loop(client):
+        with client:
             while True:
                 with lock:
                     i = next(counter, None)
@@ -147,8 +147,10 @@ def run_server_bench(url: str, *, concurrency: int, requests: int, model: Option
                 with lock:
                     bar.update()
 
+    # Made before the clock starts: an httpx client (its TLS context) takes tens of ms of CPU to make.
+    clients = [httpx.Client() for _ in range(concurrency)]
     start = time.perf_counter()
-    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(concurrency)]
+    threads = [threading.Thread(target=client_loop, args=(c,), daemon=True) for c in clients]
     for t in threads:
         t.start()
     for t in threads:
