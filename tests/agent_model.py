@@ -96,7 +96,7 @@ def train_with_fast_blas(out_dir, examples: Sequence[Example], **kw) -> Path:
     job.write_text(json.dumps({"out_dir": str(out_dir), "examples": [list(map(list, e[:2])) + list(e[2:])
                                                                       for e in examples], "kw": kw}))
     here = Path(__file__).resolve().parent
-    child = ("import sys; from dflash_core.blas import preload; assert preload(); "
+    child = ("import sys; from dflash_core.blas import preload; preload(); "
              "import agent_model; agent_model._train_job(sys.argv[1])")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", child, str(job)], env=env, capture_output=True, text=True)
