@@ -175,6 +175,43 @@ def measure_engine(engine, mode: str, n: int, max_tokens: int, repeats: int = 3)
             "aggregate_tok_s": n * max_tokens / at_once, "same_output": same}
 
 
+def engine_rows(args, target: Path, drafter: Path, work: Path) -> list[dict]:
+    """--engine: each mode and stream count through the engine alone, in this process."""
+    from dflash_core.loading import load_engine
+
+    engine = load_engine(str(target), str(drafter))
+    rows = []
+    for mode in args.modes.split(","):
+        for n in args.streams:
+            row = {"speculation": mode, "engine_alone": True,
+                   **measure_engine(engine, mode, n, args.max_tokens, args.repeats)}
+            rows.append(row)
+            print(f"{mode:>4} {n:>3} streams, engine alone | one by one {row['one_by_one_s']:6.2f} s, together "
+                  f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | same output: {row['same_output']}", flush=True)
+    return rows
+
+
+def server_rows(args, target: Path, drafter: Path, work: Path) -> list[dict]:
+    """Each mode through a server of its own, each stream count against it."""
+    rows = []
+    for mode in args.modes.split(","):
+        process, url = start(target, drafter, mode, work)
+        try:
+            for n in args.streams:
+                row = {"speculation": mode, **measure(url, n, args.max_tokens, args.repeats, process.pid,
+                                                         pooled=not args.connection_per_request)}
+                rows.append(row)
+                print(f"{mode:>4} {n:>3} streams | one by one {row['one_by_one_s']:6.2f} s, together "
+                      f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | aggregate {row['aggregate_tok_s']:7.1f} "
+                      f"tok/s, per stream {row['per_stream_tok_s']:6.1f} (alone {row['solo_stream_tok_s']:6.1f}) "
+                      f"| server CPU s {row['server_cpu_s_one_by_one']:.2f} / {row['server_cpu_s_together']:.2f} "
+                      f"| same output: {row['same_output']}", flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8])
@@ -200,33 +237,7 @@ def main() -> None:
         target, drafter = tiny_pair(Path(work) / "tiny", "qwen3")
         eos = json.loads((target / "generation_config.json").read_text())["eos_token_id"]
         EOS.extend(eos if isinstance(eos, list) else [eos])
-        if args.engine:
-            from dflash_core.loading import load_engine
-
-            engine = load_engine(str(target), str(drafter))
-            for mode in args.modes.split(","):
-                for n in args.streams:
-                    row = {"speculation": mode, "engine_alone": True,
-                           **measure_engine(engine, mode, n, args.max_tokens, args.repeats)}
-                    report["rows"].append(row)
-                    print(f"{mode:>4} {n:>3} streams, engine alone | one by one {row['one_by_one_s']:6.2f} s, together "
-                          f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | same output: {row['same_output']}",
-                          flush=True)
-        for mode in ([] if args.engine else args.modes.split(",")):
-            process, url = start(target, drafter, mode, Path(work))
-            try:
-                for n in args.streams:
-                    row = {"speculation": mode, **measure(url, n, args.max_tokens, args.repeats, process.pid,
-                                                             pooled=not args.connection_per_request)}
-                    report["rows"].append(row)
-                    print(f"{mode:>4} {n:>3} streams | one by one {row['one_by_one_s']:6.2f} s, together "
-                          f"{row['together_s']:6.2f} s: {row['speedup']:.2f}x | aggregate {row['aggregate_tok_s']:7.1f} "
-                          f"tok/s, per stream {row['per_stream_tok_s']:6.1f} (alone {row['solo_stream_tok_s']:6.1f}) "
-                          f"| server CPU s {row['server_cpu_s_one_by_one']:.2f} / {row['server_cpu_s_together']:.2f} "
-                          f"| same output: {row['same_output']}", flush=True)
-            finally:
-                process.terminate()
-                process.wait(timeout=60)
+        report["rows"] = (engine_rows if args.engine else server_rows)(args, target, drafter, Path(work))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

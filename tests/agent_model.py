@@ -98,7 +98,8 @@ def train_with_fast_blas(out_dir, examples: Sequence[Example], **kw) -> Path:
     here = Path(__file__).resolve().parent
     child = ("import sys; from dflash_core.blas import preload; preload(); "
              "import agent_model; agent_model._train_job(sys.argv[1])")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    path = [str(here), str(here.parent), os.environ.get("PYTHONPATH")]  # (an empty entry would add the cwd)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     done = subprocess.run([sys.executable, "-c", child, str(job)], env=env, capture_output=True, text=True)
     print(done.stdout, end="")
     if done.returncode != 0:
