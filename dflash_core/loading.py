@@ -17,6 +17,7 @@ from .adapters import TargetAdapter, adapter_for
 from .drafter import DFlashDrafter, load_drafter
 from .engine import Engine
 from .hub import DRAFTER_FILES, TARGET_FILES, resolve
+from .kernels.cpu_extension import build_in_background
 from .prefix_cache import PrefixCache, SnapshotBudget
 from .registry import find_pair
 from .sharding import shard_target
@@ -180,6 +181,7 @@ def load_model(
     rank makes the same choices."""
     if group is not None:
         prefill_seconds = None
+    build_in_background()  # our CPU kernels compile (a first run) while the weights load
     drafter, drafter_revision, off_reason = choose_drafter(target, drafter, drafter_revision)
     target_path = resolve(target, target_revision, files=TARGET_FILES)
     adapter, tokenizer, config = load_target(target_path, dtype=dtype, quantize_bits=quantize_bits, group=group)

@@ -23,6 +23,7 @@ import mlx.core as mx
 from dflash_core.demo import DEMO_DESCRIPTION
 from dflash_core.distributed import LeaderEngine
 from dflash_core.hub import DRAFTER_FILES, TARGET_FILES, ModelNotFoundError, resolve
+from dflash_core.kernels.cpu_extension import build_in_background
 from dflash_core.loading import LoadedModel, choose_drafter, load_configured
 from dflash_core.prefix_cache import SnapshotBudget
 from dflash_core.prompts import hf_tokenizer
@@ -187,6 +188,8 @@ class ModelPool:
                 return served
             try:
                 # Downloads happen here, off the worker thread: generations keep running meanwhile.
+                # Our CPU kernels compile meanwhile too (a first run: the demo's GGUF converts here).
+                build_in_background()
                 size = await asyncio.to_thread(estimated_bytes, spec)
                 served = await self.scheduler.call(lambda: self._load(spec, size))
             except (FileNotFoundError, ValueError) as e:  # missing files, bad checkpoints
