@@ -92,25 +92,58 @@ def train_with_fast_blas(out_dir, examples: Sequence[Example], **kw) -> Path:
     if not candidates():
         return train_agent_target(out_dir, examples, **kw)
     out_dir = Path(out_dir)
-    job = out_dir.parent / f"{out_dir.name}.job.json"
-    job.write_text(json.dumps({"out_dir": str(out_dir), "examples": [list(map(list, e[:2])) + list(e[2:])
-                                                                      for e in examples], "kw": kw}))
-    here = Path(__file__).resolve().parent
-    child = ("import sys; from dflash_core.blas import preload; preload(); "
-             "import agent_model; agent_model._train_job(sys.argv[1])")
-    path = [str(here), str(here.parent), os.environ.get("PYTHONPATH")]  # (an empty entry would add the cwd)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-    done = subprocess.run([sys.executable, "-c", child, str(job)], env=env, capture_output=True, text=True)
-    print(done.stdout, end="")
-    if done.returncode != 0:
-        raise RuntimeError(f"training with the fast BLAS failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    _in_fast_blas_child("_train_job", out_dir.parent / f"{out_dir.name}.job.json", {
+        "out_dir": str(out_dir), "examples": [list(map(list, e[:2])) + list(e[2:]) for e in examples], "kw": kw})
     return out_dir
 
 
-def _train_job(path: str) -> None:
-    job = json.loads(Path(path).read_text())
+def _train_job(job: dict) -> None:
     examples = [tuple(e) for e in job["examples"]]
     train_agent_target(job["out_dir"], examples, **job["kw"])
+
+
+def greedy_misses(pair, asked: Sequence[tuple[Sequence[int], Sequence[int]]], **engine_kw) -> list[int]:
+    """Which of `asked` (prompt, response) the product's engine on `pair` does not answer with exactly
+    the response (greedy, speculating, as many tokens as the response, its end of turn included),
+    as indices; run in a child with the fast BLAS, as `dflash serve` runs, where there is one. The
+    prompts of an agent CLI run to tens of thousands of tokens: there they prefill about 4x faster."""
+    job = {"pair": list(map(str, pair)), "asked": [[list(p), list(r)] for p, r in asked], "engine_kw": engine_kw}
+    if not candidates():
+        return _misses_job(job)
+    out = Path(pair[0]).parent / "misses.json"
+    _in_fast_blas_child("_misses_job", out.with_suffix(".job.json"), {**job, "out": str(out)})
+    return json.loads(out.read_text())
+
+
+def _misses_job(job: dict) -> list[int]:
+    from dflash_core.loading import load_engine
+
+    engine = load_engine(*job["pair"], **job["engine_kw"])
+    misses = []
+    for i, (prompt, response) in enumerate(job["asked"]):
+        out, stop = [], None
+        for chunk in engine.generate(prompt, max_tokens=len(response)):
+            out += chunk.token_ids
+            stop = chunk.stop_token_id if chunk.finish_reason else stop
+        if out + ([stop] if stop is not None else []) != response:
+            misses.append(i)
+    if "out" in job:
+        Path(job["out"]).write_text(json.dumps(misses))
+    return misses
+
+
+def _in_fast_blas_child(function: str, job_file: Path, job: dict) -> None:
+    """agent_model.<function>(job) in a child process that loads the fast BLAS before MLX."""
+    job_file.write_text(json.dumps(job))
+    here = Path(__file__).resolve().parent
+    child = ("import json, sys; from dflash_core.blas import preload; preload(); import agent_model; "
+             f"agent_model.{function}(json.loads(open(sys.argv[1]).read()))")
+    path = [str(here), str(here.parent), os.environ.get("PYTHONPATH")]  # (an empty entry would add the cwd)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    done = subprocess.run([sys.executable, "-c", child, str(job_file)], env=env, capture_output=True, text=True)
+    print(done.stdout, end="")
+    if done.returncode != 0:
+        raise RuntimeError(f"{function} with the fast BLAS failed:\n{(done.stdout + done.stderr)[-4000:]}")
 
 
 def train_agent_target(out_dir, examples: Sequence[Example], *, tail: Optional[int] = None,

@@ -20,17 +20,17 @@ from dataclasses import replace
 
 import pytest
 from agent_clis import ANSWER, CLIS, NOTE, TITLE, generation_requests
-from agent_model import RECEPTIVE, SHAPE, agent_pair
+from agent_model import RECEPTIVE, SHAPE, agent_pair, greedy_misses
 from live_server import LiveServer
 from mlx_lm.utils import load_tokenizer
 from scripted import routed_engine
 from synthetic import build_target
 
-from dflash_core.loading import load_engine
 from dflash_core.settings import ModelSettings, SamplingDefaults, Settings
 from dflash_server.models import load_served
 
 MODEL = "tiny-agent"
+PREFIX_CACHE_GB = 1.0  # the tiny model's snapshots: a few MB each
 pytestmark = [
     pytest.mark.slow,  # captures the CLIs' prompts and trains a model on them (about 3 minutes on 2 cores)
     pytest.mark.skipif(not all(cli.installed() for cli in CLIS.values()) and not os.environ.get("CI"),
@@ -40,14 +40,14 @@ pytestmark = [
 
 def _settings(target, drafter) -> Settings:
     # A 256-token prefill chunk: the sliding-window model's prefill then stays linear in length.
-    # No prefix cache: its snapshots move the prefill's chunk boundaries, which changes the last
-    # bits of the cached keys; the fixture checks the model under exactly this configuration, so
-    # chunks are fixed too (paced ones follow timings, which concurrent requests change).
+    # The prefix cache on, as served by default: each CLI resends its 25k-55k-token system prompt
+    # and history, which a hit does not prefill again. (Snapshots move the prefill's chunk
+    # boundaries, and so the last bits of the cached keys; the trained margins below are far wider.)
     # Greedy where a request names no temperature: opencode sends none, so the server's default
     # (OpenAI's 1.0) sampled, and at the margin of 8 logits the model was trained to then, a 73-token
     # tool call drew another token in about 1 % of runs. Codex and Claude Code ask for temperature 1
     # themselves (the margin below).
-    return Settings(prefill_chunk=256, prefill_chunk_seconds=None, prefix_cache_gb=0, models=[
+    return Settings(prefill_chunk=256, prefill_chunk_seconds=None, prefix_cache_gb=PREFIX_CACHE_GB, models=[
         ModelSettings(name=MODEL, target=str(target), drafter=str(drafter) if drafter else None,
                       max_context=262144, sampling=SamplingDefaults(temperature=0.0))])
 
@@ -128,7 +128,8 @@ def trained(workspace, tmp_path_factory):
             asked.append((prompt, response))
             examples += [(p, response, RECEPTIVE) for p in _variants(tokenizer, prompt, 6, rng)]
     # Training checks itself on its own forward; what counts is the product's engine on the very
-    # prompts the CLIs sent, so check there too and train longer if a response is not reproduced.
+    # prompts the CLIs sent, so check there too (with the BLAS `dflash serve` loads, as training
+    # runs: agent_model.greedy_misses) and train longer if a response is not reproduced.
     # Codex and Claude Code ask for temperature 1 (with no seed): every response token leads by 9
     # logits, so that their samples are the trained answer. (At a margin of 8 the other 511 tokens
     # held 1e-5 to 4e-4 of each position's mass, about 1 % of runs over a 73-token tool call; 9
@@ -137,19 +138,12 @@ def trained(workspace, tmp_path_factory):
     for attempt, min_steps in enumerate((0, 400, 1200)):
         pair = agent_pair(tmp_path_factory.mktemp("agent-model"), examples, steps=3000, min_steps=min_steps,
                           margin=9.0)
-        engine = load_engine(str(pair[0]), str(pair[1]), max_context=262144, prefill_chunk=256)
-        wrong = [tokenizer.decode(r) for p, r in asked if _greedy(engine, p, len(r)) != r]
+        misses = greedy_misses(pair, asked, max_context=262144, prefill_chunk=256,
+                               prefix_cache=int(PREFIX_CACHE_GB * 1e9))
+        wrong = [tokenizer.decode(asked[i][1]) for i in misses]
         if not wrong:
             return pair
     raise AssertionError(f"the trained target does not reproduce {wrong} after {attempt + 1} attempts")
-
-
-def _greedy(engine, prompt: list[int], count: int) -> list[int]:
-    out, stop = [], None
-    for chunk in engine.generate(prompt, max_tokens=count):
-        out += chunk.token_ids
-        stop = chunk.stop_token_id if chunk.finish_reason else stop
-    return out + ([stop] if stop is not None else [])
 
 
 def _decoded_tails(tokenizer, seen) -> list[str]:
