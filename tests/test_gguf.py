@@ -14,6 +14,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (a dependency of dfl
 from mlx.utils import tree_flatten  # noqa: E402
 
 from dflash_core.gguf import BYTE, CONTROL, NORMAL, GGUFError, convert_gguf  # noqa: E402
+from dflash_core.gguf_file import GGUFFile, GGUFFormatError  # noqa: E402
 from dflash_core.loading import load_target  # noqa: E402
 from dflash_core.shapes import random_model, target_config  # noqa: E402
 
@@ -108,6 +109,44 @@ def test_gguf_converts_to_the_same_model(tiny_gguf, tmp_path):
     ours = adapter.forward(tokens, adapter.make_cache(16)).logits
     theirs = reference(tokens)
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=1e-4, atol=1e-4)
+
+
+def _as_plain(value):
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def test_gguf_file_reads_what_the_gguf_package_reads(tiny_gguf):
+    """dflash_core/gguf_file.py against the `gguf` package's own reader: every metadata value
+    (strings, string and number arrays, integers, floats, booleans) and every tensor's type, shape
+    and bytes (a quantized one and float32 ones)."""
+    path, _ = tiny_gguf
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert {k: _as_plain(v) for k, v in ours.fields.items()} == expected
+    assert isinstance(ours.fields["tokenizer.ggml.tokens"], list) and ours.fields["tokenizer.ggml.add_bos_token"] is True
+    assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == [
+        (t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape))) for t in theirs.tensors]
+    assert {t.tensor_type for t in ours.tensors} == {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32}
+    for mine, theirs_tensor in zip(ours.tensors, theirs.tensors):
+        assert mine.data.tobytes() == np.ascontiguousarray(theirs_tensor.data).tobytes(), mine.name
+        np.testing.assert_array_equal(gguf.quants.dequantize(mine.data, mine.tensor_type),
+                                      gguf.quants.dequantize(theirs_tensor.data, theirs_tensor.tensor_type))
+
+
+def test_gguf_file_refuses_what_is_not_a_whole_gguf(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    other = tmp_path / "not.gguf"
+    other.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(GGUFFormatError, match="not a GGUF file"):
+        GGUFFile(other)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(GGUFFormatError, match="tensor .* runs past the end of the file"):
+        GGUFFile(cut)
+    header = tmp_path / "header.gguf"
+    header.write_bytes(path.read_bytes()[:4000])  # cut inside the vocabulary
+    with pytest.raises(GGUFFormatError, match="metadata runs past the end of the file"):
+        GGUFFile(header)
 
 
 def test_larger_gemma3_gguf_is_refused(tmp_path):
