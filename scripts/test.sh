@@ -8,8 +8,7 @@ if [ ! -x .venv-test/bin/python ]; then
   "$PYTHON" -m venv .venv-test
 fi
 .venv-test/bin/python -m pip install --quiet --upgrade pip
-# (No bytecode at install: Python compiles what the tests import, a part of the 1.7 GB installed.)
-.venv-test/bin/python -m pip install --quiet --no-compile -e ".[test]"
+.venv-test/bin/python -m pip install --quiet -e ".[test]"
 # The real agent CLIs that tests/test_agent_clis.py drives (npm, pinned in tests/agent_clis.py;
 # about 1 GB in .agent-clis/, installed once per version set).
 if command -v npm >/dev/null 2>&1; then
