@@ -44,7 +44,7 @@ def demo_target_dir(root: Path | None = None) -> Path:
     stamp = out / ".converted-from"
     if stamp.exists() and stamp.read_text() == package.EXPECTED_SHA256:
         return out
-    log.warning("first use of the offline demo %s: converting its GGUF file into %s (once, about a minute)",
+    log.warning("first use of the offline demo %s: converting its GGUF file into %s (once, about 10 s)",
                 DEMO_NAME, out)
     convert_gguf(package.assemble(), out, progress=f"converting {DEMO_NAME}")
     log.info("converted %s", DEMO_NAME)
