@@ -110,8 +110,15 @@ def verify_and_steps(target, prompt: list[int], block: list[int]):
 
 def assert_verify_is_single_steps(target, prompt: list[int], block: list[int]) -> None:
     """After `prompt`, a verify of `block` (16 tokens) gives each token the logits 16 one-token
-    steps give it, to the bit (what the token checks rest on; a last-bit difference would rarely
-    change a token)."""
+    steps give it, to the bit on the CPU (what the token checks rest on; a last-bit difference
+    would rarely change a token). On a GPU a 16-row and a 1-row product round differently (README):
+    there they agree to float32 rounding."""
     import numpy as np
 
-    assert np.array_equal(*verify_and_steps(target, prompt, block))
+    from dflash_core.kernels import backend
+
+    verify, steps = verify_and_steps(target, prompt, block)
+    if backend() == "cpu":
+        assert np.array_equal(verify, steps)
+    else:
+        np.testing.assert_allclose(verify, steps, rtol=1e-4, atol=1e-4)

@@ -21,6 +21,7 @@ from test_adaptive import Scheduled
 
 from dflash_core.batching import step_together
 from dflash_core.engine import Engine
+from dflash_core.kernels import backend
 from dflash_core.sampling import SamplingParams
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
@@ -415,8 +416,11 @@ def test_auto_in_a_batch_speculates_only_where_the_batch_gains(engines):
         assert out == references[len(p)][len(p):][:n_tokens]
     cycles, steps = sum(s.cycles for s in stats), sum(s.cycles + s.plain_steps for s in stats)
     # Probes once in a while, each narrower width tried once it looks cheaper than the block, and
-    # short streaks where a row's drafts were accepted by chance.
-    assert 0 < cycles <= 0.1 * steps, (cycles, steps, stats[0].speculation_note)
+    # short streaks where a row's drafts were accepted by chance. (On the CPU, where a cycle costs
+    # several steps; on a GPU the tiny model's cycle costs about a step, and cycling more is right.)
+    assert cycles > 0
+    if backend() == "cpu":
+        assert cycles <= 0.1 * steps, (cycles, steps, stats[0].speculation_note)
     assert all(re.search(r"shares of a round of [2-6]\)$", s.speculation_note) for s in stats)
     forced = RowForcedDrafter(references, {len(p): [15] for p in prompts}, base.target.vocab_size,
                               base.drafter.config.target_layer_ids)
