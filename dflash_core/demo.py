@@ -41,15 +41,30 @@ def demo_target_dir(root: Path | None = None) -> Path:
     from .gguf import convert_gguf
 
     out = (root or cache_root()) / f"{DEMO_NAME}-mlx"
-    stamp = out / ".converted-from"
-    if stamp.exists() and stamp.read_text() == package.EXPECTED_SHA256:
+    if is_converted(out, package.EXPECTED_SHA256):
         return out
     log.warning("first use of the offline demo %s: converting its GGUF file into %s (once, about 10 s)",
                 DEMO_NAME, out)
     convert_gguf(package.assemble(), out, progress=f"converting {DEMO_NAME}")
     log.info("converted %s", DEMO_NAME)
-    stamp.write_text(package.EXPECTED_SHA256)
+    (out / STAMP).write_text(stamp_text(package.EXPECTED_SHA256))
     return out
+
+
+# The converted demo is reused while it came from the same GGUF file by the same conversion: a
+# dflash whose converter writes something else (a fix) bumps this, and caches convert once more.
+# (Stamps of the GGUF's hash alone, from before there was a version, convert once more too.)
+CONVERTER_VERSION = 1
+STAMP = ".converted-from"
+
+
+def stamp_text(gguf_sha256: str) -> str:
+    return f"{gguf_sha256} converter {CONVERTER_VERSION}"
+
+
+def is_converted(out: Path, gguf_sha256: str) -> bool:
+    stamp = out / STAMP
+    return stamp.exists() and stamp.read_text() == stamp_text(gguf_sha256)
 
 
 # A base model does not end its turn (it goes on until a limit): a chat to it stops after this

@@ -149,6 +149,19 @@ def test_gguf_file_refuses_what_is_not_a_whole_gguf(tiny_gguf, tmp_path):
         GGUFFile(header)
 
 
+def test_a_converted_demo_is_reused_only_from_the_same_file_and_converter(tmp_path, monkeypatch):
+    from dflash_core import demo
+
+    sha = "ab" * 32
+    assert not demo.is_converted(tmp_path, sha)  # nothing converted yet
+    (tmp_path / demo.STAMP).write_text(sha)  # a stamp from before converter versions
+    assert not demo.is_converted(tmp_path, sha)
+    (tmp_path / demo.STAMP).write_text(demo.stamp_text(sha))
+    assert demo.is_converted(tmp_path, sha) and not demo.is_converted(tmp_path, "cd" * 32)
+    monkeypatch.setattr(demo, "CONVERTER_VERSION", demo.CONVERTER_VERSION + 1)  # a later converter
+    assert not demo.is_converted(tmp_path, sha)
+
+
 def test_larger_gemma3_gguf_is_refused(tmp_path):
     path = tmp_path / "gemma3-4b-like.gguf"
     writer = gguf.GGUFWriter(str(path), "gemma3")
