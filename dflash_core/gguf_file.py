@@ -53,8 +53,7 @@ class GGUFFile:
         self.path = str(path)
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        buf, self._offset = self._map, 0
-        if buf[:4] != MAGIC:
+        if self._map[:4] != MAGIC:
             raise GGUFFormatError(f"{path}: not a GGUF file")
         self._offset = 4
         self.version = self._scalar("I")
@@ -77,13 +76,13 @@ class GGUFFile:
         for name, dims, kind, offset in infos:
             if kind not in GGML_QUANT_SIZES:
                 raise GGUFFormatError(f"{path}: tensor {name} has an unknown ggml type {kind}")
-            shape = tuple(int(d) for d in reversed(dims))
-            byte_shape = quant_shape_to_byte_shape(shape, GGMLQuantizationType(kind))
+            kind, shape = GGMLQuantizationType(kind), tuple(int(d) for d in reversed(dims))
+            byte_shape = quant_shape_to_byte_shape(shape, kind)
             begin = start + offset
             size = int(np.prod(byte_shape))
             if begin + size > len(data):
                 raise GGUFFormatError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
-            self.tensors.append(GGUFTensor(name, GGMLQuantizationType(kind), shape, data[begin:begin + size].reshape(byte_shape)))
+            self.tensors.append(GGUFTensor(name, kind, shape, data[begin:begin + size].reshape(byte_shape)))
 
     def _scalar(self, fmt: str):
         try:

@@ -110,15 +110,21 @@ def verify_and_steps(target, prompt: list[int], block: list[int]):
 
 def assert_verify_is_single_steps(target, prompt: list[int], block: list[int]) -> None:
     """After `prompt`, a verify of `block` (16 tokens) gives each token the logits 16 one-token
-    steps give it, to the bit on the CPU (what the token checks rest on; a last-bit difference
-    would rarely change a token). On a GPU a 16-row and a 1-row product round differently (README):
-    there they agree to float32 rounding."""
+    steps give it (what the token checks rest on; a last-bit difference would rarely change a
+    token), as `assert_rounds_alike` compares them."""
+    assert_rounds_alike(*verify_and_steps(target, prompt, block))
+
+
+def assert_rounds_alike(a, b) -> None:
+    """`a` and `b` (MLX or numpy arrays), computed with different row counts, are the same: to the
+    bit on the CPU; on a GPU, where a 16-row and a 1-row product round differently (README), to
+    float32 rounding."""
     import numpy as np
 
     from dflash_core.kernels import backend
 
-    verify, steps = verify_and_steps(target, prompt, block)
+    a, b = (np.array(x.astype(mx.float32)) if isinstance(x, mx.array) else x for x in (a, b))
     if backend() == "cpu":
-        assert np.array_equal(verify, steps)
+        assert a.shape == b.shape and np.array_equal(a, b)
     else:
-        np.testing.assert_allclose(verify, steps, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

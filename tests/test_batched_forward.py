@@ -13,11 +13,11 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
+from forced import assert_rounds_alike
 from mlx_lm.models.cache import KVCache
 
 from dflash_core.adapters import ForwardRow
 from dflash_core.kernels import attention as block_attention
-from dflash_core.kernels import backend
 from dflash_core.loading import load_target
 
 FAMILIES = ["qwen3", "gemma3", "gemma4"]
@@ -47,19 +47,11 @@ def _prefilled(adapter, lengths) -> list[list]:
     return caches
 
 
-def _same(a: mx.array, b: mx.array) -> None:
-    if backend() == "cpu":
-        assert mx.array_equal(a, b)
-    else:
-        assert a.shape == b.shape
-        np.testing.assert_allclose(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)), rtol=1e-4, atol=1e-4)
-
-
 def _same_output(solo, batched):
-    _same(solo.logits, batched.logits)
+    assert_rounds_alike(solo.logits, batched.logits)
     assert (solo.tapped_hidden is None) == (batched.tapped_hidden is None)
     if solo.tapped_hidden is not None:
-        _same(solo.tapped_hidden, batched.tapped_hidden)
+        assert_rounds_alike(solo.tapped_hidden, batched.tapped_hidden)
     assert (solo.rollback is None) == (batched.rollback is None)
     if solo.rollback is not None:
         assert solo.rollback.tokens == batched.rollback.tokens and solo.rollback.states == batched.rollback.states
@@ -73,8 +65,8 @@ def _same_cache(solo: list, batched: list, written: int = 1):
         if isinstance(a, KVCache):
             # Every position held: batched rows share one buffer, whose length and unused tail are
             # the batch's (nothing reads past a row's offset).
-            _same(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
-            _same(a.values[..., : a.offset, :], b.values[..., : b.offset, :])
+            assert_rounds_alike(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
+            assert_rounds_alike(a.values[..., : a.offset, :], b.values[..., : b.offset, :])
         else:
             # Rings: every slot whose position a query can see, now or after rolling back all but
             # one of the tokens just written, in the same place. (A batched row's padding lands in
@@ -83,8 +75,8 @@ def _same_cache(solo: list, batched: list, written: int = 1):
             end, capacity = a.offset, a.capacity
             positions = end - 1 - ((end - 1 - np.arange(capacity)) % capacity)
             seen = mx.array(np.flatnonzero((positions >= 0) & (positions >= end - written + 1 - a.window)))
-            _same(a.keys[..., seen, :], b.keys[..., seen, :])
-            _same(a.values[..., seen, :], b.values[..., seen, :])
+            assert_rounds_alike(a.keys[..., seen, :], b.keys[..., seen, :])
+            assert_rounds_alike(a.values[..., seen, :], b.values[..., seen, :])
 
 
 def _round(adapter, solo_caches, batched_caches, lengths, seed, tap_ids=TAPS, **row_kwargs):

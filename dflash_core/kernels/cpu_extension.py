@@ -31,6 +31,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import backend
 from .cpu_head import cpu_supports
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ _BUILDING = threading.Lock()  # guards _built's cache: a process compiles the mo
 def build_in_background() -> None:
     """Start compiling the module in a daemon thread (once per process; where it runs), so that it
     builds while the caller loads weights; `extension()` then finds it built or waits for it."""
-    if cpu_supports() and mx.default_device() == mx.cpu:
+    if backend() == "cpu" and cpu_supports():
         threading.Thread(target=built, name="dflash-cpu-kernels", daemon=True).start()
 
 
