@@ -87,6 +87,30 @@ def _summary(start, first, last, counts) -> dict:
     }
 
 
+def _medians(rows: list[dict]) -> list[dict]:
+    """Per stream count: the median aggregate over the rounds of each mode, and the median of its
+    ratio to one stream's aggregate of the same mode in the same round (the machine drifts between
+    rounds; within a round the two were measured minutes apart at most)."""
+    out = []
+    modes = [m for m in ("dflash", "target", "mlx_lm") if all("aggregate_tok_s" in r.get(m, {}) for r in rows)]
+    solo = {(r["round"], m): r[m]["aggregate_tok_s"] for r in rows if r["streams"] == 1 for m in modes}
+    for n in sorted({r["streams"] for r in rows}):
+        line = {"quant": rows[0]["quant"], "streams": n}
+        for m in modes:
+            mine = [r for r in rows if r["streams"] == n]
+            line[m] = statistics.median(r[m]["aggregate_tok_s"] for r in mine)
+            ratios = [r[m]["aggregate_tok_s"] / solo[(r["round"], m)] for r in mine if (r["round"], m) in solo]
+            if ratios:
+                line[f"{m}_x_one_stream"] = statistics.median(ratios)
+                line[f"{m}_x_one_stream_each_round"] = [round(x, 2) for x in ratios]
+        print(f"{line['quant']}: median over rounds, {n} streams: " + "  ".join(
+            f"{m} {line[m]:.1f} tok/s" + (f" ({line[m + '_x_one_stream']:.2f}x one stream, rounds "
+                                          f"{line[m + '_x_one_stream_each_round']})" if m + "_x_one_stream" in line else "")
+            for m in modes), flush=True)
+        out.append(line)
+    return out
+
+
 def run_mlx_lm(model, prompts, max_tokens: int) -> dict:
     """mlx-lm's BatchGenerator, the target alone, greedy."""
     import mlx.core as mx
@@ -125,6 +149,9 @@ def main() -> None:
                              "(rows.StackedRows off), alternating with the default")
     parser.add_argument("--auto", action="store_true",
                         help="also run speculation: auto, at 6.4 tokens per cycle and at 1 (no draft accepted)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the --streams sweep this many times in turn (one process) and report each "
+                             "stream count's median aggregate and its median ratio to one stream's in the same round")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # as a speculating server runs
@@ -159,9 +186,9 @@ def main() -> None:
             run_dflash(unqueued[1], warm, 16, "off")
         print(f"{quant}: {'N':>3} | {'dflash agg':>10} {'per stream':>10} {'ttft':>6} | {'target agg':>10} "
               f"{'per stream':>10} | {'mlx-lm agg':>10}", flush=True)
-        for n in args.streams:
+        for n, round_ in [(n, r) for r in range(args.rounds) for n in args.streams]:
             prompts = _prompts(target.vocab_size, n, args.context)
-            row = {"quant": quant, "streams": n,
+            row = {"quant": quant, "streams": n, "round": round_,
                    "dflash": run_dflash(forced, prompts, args.max_tokens, "on"),
                    "target": run_dflash(alone, prompts, args.max_tokens, "off")}
             if args.restacked:
@@ -195,6 +222,8 @@ def main() -> None:
                      f"{row['auto']['plain_steps']} steps), at 1 tok/cycle {row['auto_unaccepted']['aggregate_tok_s']:.1f} "
                      f"({row['auto_unaccepted']['cycles']} cycles, {row['auto_unaccepted']['plain_steps']} steps)"
                      if unaccepted else ""), flush=True)
+        if args.rounds > 1:
+            report.setdefault("medians", []).extend(_medians([r for r in report["rows"] if r["quant"] == quant]))
         del forced, alone, target, drafter, unqueued, unaccepted
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

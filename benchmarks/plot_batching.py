@@ -28,7 +28,12 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for path in args.reports:
         report = json.loads(path.read_text())
-        rows = sorted((r for r in report["rows"] if args.quant in (None, r.get("quant"))), key=lambda r: r["streams"])
+        rows = report["rows"]
+        if "medians" in report:  # a report of several rounds (gpu_batch.py --rounds): each count's medians
+            rows = [{"quant": m["quant"], "streams": m["streams"],
+                     **{k: {"aggregate_tok_s": m[k]} for k in ("dflash", "target", "mlx_lm") if k in m}}
+                    for m in report["medians"]]
+        rows = sorted((r for r in rows if args.quant in (None, r.get("quant"))), key=lambda r: r["streams"])
         streams = [r["streams"] for r in rows]
         style = "-" if path is args.reports[-1] else "--"
         ax.plot(streams, [r["dflash"]["aggregate_tok_s"] for r in rows], "s" + style, label=f"DFlash 6.4 tok/cycle ({path.stem})")

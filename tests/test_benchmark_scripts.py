@@ -132,6 +132,24 @@ def test_gpu_batch_runs_on_tiny_shapes(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_gpu_batch_rounds_report_medians_of_same_round_ratios(tmp_path):
+    out = tmp_path / "rounds.json"
+    done = _run("benchmarks/gpu_batch.py", "--shape", "tiny-qwen3_5", "--streams", "1,2", "--context", "24",
+                "--max-tokens", "6", "--rounds", "3", "--no-mlx-lm", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [(r["round"], r["streams"]) for r in report["rows"]] == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)]
+    by = {(r["round"], r["streams"]): r for r in report["rows"]}
+    two = next(m for m in report["medians"] if m["streams"] == 2)
+    ratios = [by[(i, 2)]["dflash"]["aggregate_tok_s"] / by[(i, 1)]["dflash"]["aggregate_tok_s"] for i in range(3)]
+    assert two["dflash_x_one_stream_each_round"] == [round(x, 2) for x in ratios]
+    assert two["dflash_x_one_stream"] == sorted(ratios)[1]
+    assert two["target"] == sorted(by[(i, 2)]["target"]["aggregate_tok_s"] for i in range(3))[1]
+    plot = tmp_path / "rounds.png"
+    done = _run("benchmarks/plot_batching.py", str(out), "--out", str(plot))
+    assert done.returncode == 0, done.stderr
+
+
 def test_batch_step_parts_runs_on_tiny_shapes(tmp_path):
     out = tmp_path / "parts.json"
     done = _run("benchmarks/batch_step_parts.py", "--shape", "tiny-qwen3_5", "--rows", "1,3", "--context", "40",
