@@ -17,7 +17,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .drafter import DFlashDrafter, load_drafter
 from .drafter_config import DrafterConfig, default_target_layer_ids
 from .engine import Engine
-from .hub import TARGET_FILES, resolve
+from .hub import DRAFTER_FILES, TARGET_FILES, resolve
 from .loading import load_target
 from .prompts import hf_tokenizer
 from .train_data import data_report, read_prompt_records, regenerate, split_sequences
@@ -82,6 +82,11 @@ class TrainOptions:
     # estimated with the full vocabulary.
     loss_vocab: str = "full"
     tap_cache_gb: float = 4.0  # target taps kept across steps
+    # A DFlash drafter (directory or hub id) to start from instead of a new one: its architecture,
+    # taps, block size and mask token are kept, its weights are trained further (a new optimizer and
+    # schedule). The shipped demo drafter continued on new data; a released drafter adapted to a
+    # fine-tuned target or a domain.
+    init_from: Optional[str] = None
     save_dtype: Optional[str] = None  # the drafter's weights on disk (default: the target's dtype)
 
 
@@ -124,6 +129,27 @@ def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
     drafter = DFlashDrafter(DrafterConfig.from_dict(raw), target.kernels)
     drafter.config.raw = raw  # written out as config.json
     mx.eval(drafter.parameters())
+    return drafter
+
+
+ARCHITECTURE = ("layers", "block_size", "taps", "heads", "kv_heads", "head_dim", "intermediate_size", "mask_token_id")
+
+
+def initial_drafter(target, path: Path) -> DFlashDrafter:
+    """The drafter in `path` (z-lab format) to train further, in float32 (the shipped ones are
+    bf16; AdamW's small updates would round away), checked against the target it will read."""
+    config_file = path / "config.json"
+    raw = json.loads(config_file.read_text()) if config_file.exists() else {}  # (missing: load_drafter says so)
+    for key, theirs in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if raw and raw.get(key) != theirs:
+            raise ValueError(f"{config_file}: {key} {raw.get(key)} does not match the target's {theirs}")
+    drafter = load_drafter(path, dtype=mx.float32, kernels=target.kernels)
+    taps = drafter.config.target_layer_ids
+    if any(not 0 <= t < target.num_layers for t in taps):
+        raise ValueError(f"{config_file}: dflash_config.target_layer_ids {list(taps)} reach past the target's "
+                         f"{target.num_layers} layers")
+    drafter.config.raw = raw  # written out again as config.json
+    drafter.train()
     return drafter
 
 
@@ -342,7 +368,13 @@ def train(opts: TrainOptions) -> TrainReport:
         raise ValueError(f"{opts.data}: no training prompts left after holding out {len(held_out)}")
     data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
 
-    drafter = new_drafter(target, tokenizer, opts)
+    if opts.init_from is not None:
+        drafter = initial_drafter(target, resolve(opts.init_from, files=DRAFTER_FILES))
+        cfg = drafter.config  # the run's options say what it trained: the drafter's own shape
+        opts = replace(opts, layers=len(drafter.layers), block_size=cfg.block_size,
+                       taps=list(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id)
+    else:
+        drafter = new_drafter(target, tokenizer, opts)
     weights = position_weights(opts.block_size, opts.gamma)
     optimizer = optim.AdamW(learning_rate=opts.lr, weight_decay=opts.weight_decay)
     step, history, before = 0, [], 0.0  # before: seconds trained by the runs this one resumes

@@ -4,6 +4,7 @@ the result is a checkpoint the normal loader serves losslessly."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -127,6 +128,45 @@ def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path):
     assert cli.main(common + ["--steps", "1"]) == 0
     assert (out / "data" / "sequences.jsonl").read_text() != cached
     assert len((out / "data" / "sequences.jsonl").read_text().splitlines()) <= 6
+
+
+def test_init_from_trains_an_existing_drafter_further(qwen3_pair, tmp_path, capsys):
+    """--init-from: the run starts from that drafter's weights and keeps its shape (config.json,
+    taps, block size); the flags that would set a shape are refused, as is a drafter of another target."""
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS))
+    first = tmp_path / "first"
+    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--batch", "2", "--anchors", "4",
+              "--max-new-tokens", "32", "--warmup", "2", "--eval-every", "1000", "--save-every", "1000"]
+    assert cli.main(common + ["--out", str(first), "--layers", "2", "--head-dim", "16", "--heads", "4",
+                              "--kv-heads", "2", "--intermediate-size", "64", "--block-size", "8",
+                              "--steps", "30", "--lr", "3e-3"]) == 0
+    trained = json.loads((first / "train_report.json").read_text())
+    # With a learning rate of 0 a step changes nothing: the drafter written is the one started from.
+    still = tmp_path / "still"
+    assert cli.main(common + ["--out", str(still), "--init-from", str(first), "--steps", "1", "--lr", "0"]) == 0
+    assert json.loads((still / "config.json").read_text()) == json.loads((first / "config.json").read_text())
+    before, after = mx.load(str(first / "model.safetensors")), mx.load(str(still / "model.safetensors"))
+    assert before.keys() == after.keys() and all(mx.array_equal(before[k], after[k]).item() for k in before)
+    options = json.loads((still / "train_report.json").read_text())["options"]
+    assert (options["layers"], options["block_size"]) == (2, 8) and options["init_from"] == str(first)
+    # Trained further, it starts where the first run ended, not where a new drafter starts.
+    further = tmp_path / "further"
+    assert cli.main(common + ["--out", str(further), "--init-from", str(first), "--steps", "5", "--lr", "1e-3"]) == 0
+    losses = [h["loss"] for h in json.loads((further / "train_report.json").read_text())["history"]]
+    new_start = sum(h["loss"] for h in trained["history"][:3]) / 3
+    assert sum(losses[:3]) / 3 < 0.8 * new_start
+    capsys.readouterr()
+    assert cli.main(common + ["--out", str(tmp_path / "x"), "--init-from", str(first), "--layers", "3",
+                              "--block-size", "16"]) == 2
+    assert "--layers, --block-size: the drafter's shape comes from --init-from" in capsys.readouterr().err
+    other = tmp_path / "other"
+    shutil.copytree(first, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 1}))
+    assert cli.main(common + ["--out", str(tmp_path / "y"), "--init-from", str(other), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert str(other / "config.json") in err and "vocab_size" in err and "does not match the target's" in err
 
 
 def test_a_time_budget_ends_the_run_decayed_saved_and_reported(qwen3_pair, tmp_path):

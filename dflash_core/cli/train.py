@@ -16,8 +16,11 @@ def add_train(sub) -> None:
     p.add_argument("--target", required=True, help="target model: repo id or local directory")
     p.add_argument("--data", required=True, type=Path, help="prompts: .txt (one per line), .jsonl or a folder of documents")
     p.add_argument("--out", required=True, type=Path, help="output folder (the drafter, checkpoints, the data)")
-    p.add_argument("--layers", type=positive_int, default=1)
-    p.add_argument("--block-size", type=_block_size, default=16)
+    p.add_argument("--init-from", metavar="DRAFTER",
+                   help="a DFlash drafter (directory or repo id) to train further instead of a new one: its "
+                        "architecture, taps, block size and mask token are kept (the flags that set them are refused)")
+    p.add_argument("--layers", type=positive_int, help="drafter layers (default 1)")
+    p.add_argument("--block-size", type=_block_size, help="tokens per draft block (default 16)")
     p.add_argument("--taps", help="comma-separated target layer ids (default: spread over the target)")
     p.add_argument("--steps", type=positive_int, default=1000)
     p.add_argument("--minutes", type=_positive_float,
@@ -51,7 +54,7 @@ def add_train(sub) -> None:
     p.add_argument("--intermediate-size", type=positive_int)
     p.add_argument("--heads", type=positive_int)
     p.add_argument("--kv-heads", type=positive_int)
-    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--head-dim", type=positive_int, help="default 128")
     p.add_argument("--mask-token-id", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
@@ -118,9 +121,18 @@ def _block_size(text: str) -> int:
 
 
 def run_train(args) -> int:
+    shape = {"layers": args.layers, "block_size": args.block_size, "head_dim": args.head_dim,
+             "taps": [int(t) for t in args.taps.split(",")] if args.taps else None,
+             "intermediate_size": args.intermediate_size, "heads": args.heads, "kv_heads": args.kv_heads,
+             "mask_token_id": args.mask_token_id}
+    given = [k for k, v in shape.items() if v is not None]
+    if args.init_from and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags}: the drafter's shape comes from --init-from {args.init_from} "
+                         "(its config.json); drop them")
     opts = TrainOptions(
-        target=args.target, data=args.data, out=args.out, layers=args.layers, block_size=args.block_size,
-        taps=[int(t) for t in args.taps.split(",")] if args.taps else None, steps=args.steps, minutes=args.minutes,
+        target=args.target, data=args.data, out=args.out, init_from=args.init_from,
+        **{k: v for k, v in shape.items() if v is not None}, steps=args.steps, minutes=args.minutes,
         batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
         generation_batch=args.generation_batch, generator=args.generator,
@@ -129,8 +141,7 @@ def run_train(args) -> int:
         generation_minutes=args.generation_minutes, held_out=args.held_out,
         max_prompt_tokens=args.max_prompt_tokens,
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
-        intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
+        seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
         save_dtype=args.save_dtype, tap_cache_gb=args.tap_cache_gb,
     )
     report = train(opts)
