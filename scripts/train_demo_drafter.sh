@@ -9,6 +9,12 @@
 # convert the GGUF with dflash_core.gguf.convert_gguf); arguments after the script override the
 # flags below.
 #
+# To train the shipped drafter further on prompts it has not seen (a device session's budget going
+# to new data): INIT_FROM=dflash_core/demo/gemma-3-270m-dflash USED=8192 SOURCES=stdlib,packages
+# scripts/train_demo_drafter.sh takes the first PROMPTS prompts of the SOURCES corpus that are not
+# among the first USED of the stdlib corpus (the ones the shipped drafter was trained on) and
+# continues from the drafter's weights (`dflash train --init-from`: its shape is kept).
+#
 # A CPU regenerates the responses at a few dozen tokens/s: days for these 2 M tokens on 2 cores.
 # PROMPTS=400 SAMPLES=1 STEPS=600 GENERATION_BATCH=16 LOSS_VOCAB=data scripts/train_demo_drafter.sh
 # is a smaller run of the same recipe (hours).
@@ -20,12 +26,29 @@ PROMPTS="${PROMPTS:-8192}"
 SAMPLES="${SAMPLES:-2}"
 GENERATION_BATCH="${GENERATION_BATCH:-512}"
 LOSS_VOCAB="${LOSS_VOCAB:-full}"
+INIT_FROM="${INIT_FROM:-}"
+USED="${USED:-0}"
+SOURCES="${SOURCES:-stdlib}"
 TARGET_DIR="${TARGET_DIR:-$(python3 -c 'from dflash_core.demo import demo_target_dir; print(demo_target_dir())')}"
 mkdir -p "$WORK"
-dflash corpus --sources stdlib --out "$WORK/corpus.jsonl"
-head -n "$PROMPTS" "$WORK/corpus.jsonl" > "$WORK/prompts.jsonl"
+dflash corpus --sources "$SOURCES" --out "$WORK/corpus.jsonl"
+used="$WORK/used.jsonl"
+: > "$used"
+if [ "$USED" -gt 0 ]; then
+  dflash corpus --sources stdlib --out "$WORK/stdlib.jsonl"
+  head -n "$USED" "$WORK/stdlib.jsonl" > "$used"
+fi
+python3 - "$WORK/corpus.jsonl" "$used" "$PROMPTS" > "$WORK/prompts.jsonl" <<'PY'
+import sys
+corpus, used, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+seen = set(open(used).read().splitlines())
+fresh = [line for line in open(corpus).read().splitlines() if line not in seen]
+print("\n".join(fresh[:count]))
+PY
+shape=(--layers 3 --heads 4 --kv-heads 1 --head-dim 128 --intermediate-size 1536)
+if [ -n "$INIT_FROM" ]; then shape=(--init-from "$INIT_FROM"); fi
 dflash train --target "$TARGET_DIR" --data "$WORK/prompts.jsonl" --out "$WORK" --no-chat \
-  --layers 3 --heads 4 --kv-heads 1 --head-dim 128 --intermediate-size 1536 \
+  "${shape[@]}" \
   --max-new-tokens 128 --max-prompt-tokens 256 --generator mlx-lm --generation-batch "$GENERATION_BATCH" \
   --samples-per-prompt "$SAMPLES" --sample-temperature 0.8 --shard-prompts 2048 \
   --steps "$STEPS" --batch 32 --anchors 8 --lr 1e-3 --warmup 200 --eval-every 2000 --save-every 1000 \
