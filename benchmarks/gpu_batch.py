@@ -12,7 +12,9 @@ target alone) at the same batch sizes. Reported per N: aggregate tok/s over the 
 the moment every stream has its first token to the last token), per-stream tok/s (each stream's
 tokens after its first over its own decode time), and mean time to first token (prefill is not
 batched: prompts are prefilled one chunk per step each). One process; MLX's CUDA graphs off as in
-a speculating server.
+a speculating server. With --rounds R the sweep runs R times in turn and the report adds, per
+stream count, the median aggregate of each mode and the median of its ratio to one stream's
+aggregate in the same round (`medians`): the machine's speed drifts between minutes.
 """
 
 from __future__ import annotations
