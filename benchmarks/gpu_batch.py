@@ -136,6 +136,13 @@ def run_mlx_lm(model, prompts, max_tokens: int) -> dict:
     return _summary(start, first, last, counts)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer expected, got {text}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3.5-9b")
@@ -151,7 +158,7 @@ def main() -> None:
                              "(rows.StackedRows off), alternating with the default")
     parser.add_argument("--auto", action="store_true",
                         help="also run speculation: auto, at 6.4 tokens per cycle and at 1 (no draft accepted)")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=_positive, default=1,
                         help="run the --streams sweep this many times in turn (one process) and report each "
                              "stream count's median aggregate and its median ratio to one stream's in the same round")
     parser.add_argument("--out", type=Path)

@@ -27,7 +27,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .drafter import DFlashDrafter, load_drafter
-from .drafter_config import DrafterConfig, default_target_layer_ids
+from .drafter_config import CheckpointError, DrafterConfig, default_target_layer_ids
 from .engine import Engine
 from .hub import DRAFTER_FILES, TARGET_FILES, resolve
 from .loading import load_target
@@ -135,19 +135,35 @@ def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
 ARCHITECTURE = ("layers", "block_size", "taps", "heads", "kv_heads", "head_dim", "intermediate_size", "mask_token_id")
 
 
-def initial_drafter(target, path: Path) -> DFlashDrafter:
-    """The drafter in `path` (z-lab format) to train further, in float32 (the shipped ones are
-    bf16; AdamW's small updates would round away), checked against the target it will read."""
+def drafter_to_continue(target, opts: TrainOptions) -> tuple[Path, TrainOptions]:
+    """`opts.init_from` resolved and checked against the target before any data is generated (a
+    wrong drafter is one clear error, not one after the generation's minutes), and `opts` with the
+    drafter's shape, which the run keeps: an option that sets a shape beside it is refused."""
+    defaults = TrainOptions(target="", data=Path(), out=Path())
+    given = [name for name in ARCHITECTURE if getattr(opts, name) != getattr(defaults, name)]
+    if given:
+        raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in given)}: the drafter's shape comes from "
+                         f"--init-from {opts.init_from} (its config.json)")
+    path = resolve(opts.init_from, files=DRAFTER_FILES)
     config_file = path / "config.json"
-    raw = json.loads(config_file.read_text()) if config_file.exists() else {}  # (missing: load_drafter says so)
-    for key, theirs in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        if raw and raw.get(key) != theirs:
-            raise ValueError(f"{config_file}: {key} {raw.get(key)} does not match the target's {theirs}")
+    if not config_file.exists():
+        raise CheckpointError(f"{config_file}: file not found (is {path} a DFlash drafter directory?)")
+    cfg = DrafterConfig.from_dict(json.loads(config_file.read_text()), source=str(config_file))
+    cfg.check_target(str(config_file), hidden_size=target.hidden_size, num_layers=target.num_layers,
+                     vocab_size=target.vocab_size)
+    return path, replace(opts, layers=cfg.num_hidden_layers, block_size=cfg.block_size,
+                         taps=list(cfg.target_layer_ids), heads=cfg.num_attention_heads,
+                         kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                         intermediate_size=cfg.intermediate_size, mask_token_id=cfg.mask_token_id)
+
+
+def initial_drafter(target, path: Path) -> DFlashDrafter:
+    """The drafter in `path` (z-lab format, checked by `drafter_to_continue`) to train further, in
+    float32 (the shipped ones are bf16; AdamW's small updates would round away)."""
     drafter = load_drafter(path, dtype=mx.float32, kernels=target.kernels)
-    taps = drafter.config.target_layer_ids
-    if any(not 0 <= t < target.num_layers for t in taps):
-        raise ValueError(f"{config_file}: dflash_config.target_layer_ids {list(taps)} reach past the target's "
-                         f"{target.num_layers} layers")
+    raw = json.loads((path / "config.json").read_text())
+    for key in ("torch_dtype", "dtype"):  # the weights are written in --save-dtype or the target's
+        raw.pop(key, None)
     drafter.config.raw = raw  # written out again as config.json
     drafter.train()
     return drafter
@@ -356,6 +372,9 @@ def train(opts: TrainOptions) -> TrainReport:
     mx.random.seed(opts.seed)
     opts.out.mkdir(parents=True, exist_ok=True)
     target, tokenizer, _ = load_target(resolve(opts.target, files=TARGET_FILES))
+    start_from = None
+    if opts.init_from is not None:
+        start_from, opts = drafter_to_continue(target, opts)
     engine = Engine(target, tokenizer)
     records = read_prompt_records(opts.data)
     cache_file = opts.out / "data" / "sequences.jsonl"
@@ -368,13 +387,7 @@ def train(opts: TrainOptions) -> TrainReport:
         raise ValueError(f"{opts.data}: no training prompts left after holding out {len(held_out)}")
     data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
 
-    if opts.init_from is not None:
-        drafter = initial_drafter(target, resolve(opts.init_from, files=DRAFTER_FILES))
-        cfg = drafter.config  # the run's options say what it trained: the drafter's own shape
-        opts = replace(opts, layers=len(drafter.layers), block_size=cfg.block_size,
-                       taps=list(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id)
-    else:
-        drafter = new_drafter(target, tokenizer, opts)
+    drafter = initial_drafter(target, start_from) if start_from is not None else new_drafter(target, tokenizer, opts)
     weights = position_weights(opts.block_size, opts.gamma)
     optimizer = optim.AdamW(learning_rate=opts.lr, weight_decay=opts.weight_decay)
     step, history, before = 0, [], 0.0  # before: seconds trained by the runs this one resumes

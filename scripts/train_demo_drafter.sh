@@ -42,7 +42,11 @@ python3 - "$WORK/corpus.jsonl" "$used" "$PROMPTS" > "$WORK/prompts.jsonl" <<'PY'
 import sys
 corpus, used, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 seen = set(open(used).read().splitlines())
-fresh = [line for line in open(corpus).read().splitlines() if line not in seen]
+lines = open(corpus).read().splitlines()
+fresh = [line for line in lines if line not in seen]
+if len(lines) - len(fresh) < len(seen):  # another standard library: the used prompts cannot be told apart
+    sys.exit(f"only {len(lines) - len(fresh)} of the {len(seen)} used prompts are in {corpus}: not the corpus "
+             "the drafter was trained on (another Python?); set USED=0 to take the prompts as they are")
 print("\n".join(fresh[:count]))
 PY
 shape=(--layers 3 --heads 4 --kv-heads 1 --head-dim 128 --intermediate-size 1536)

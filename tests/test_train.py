@@ -14,7 +14,7 @@ from dflash_core import cli
 from dflash_core.drafter import load_drafter
 from dflash_core.engine import Engine
 from dflash_core.loading import load_target
-from dflash_core.train import TrainOptions, batch_of, block_labels, block_logits, new_drafter
+from dflash_core.train import TrainOptions, batch_of, block_labels, block_logits, new_drafter, train
 
 PROMPTS = [
     "Write a short story about a fox.", "Explain how rivers form.", "List three colors.",
@@ -166,7 +166,19 @@ def test_init_from_trains_an_existing_drafter_further(qwen3_pair, tmp_path, caps
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 1}))
     assert cli.main(common + ["--out", str(tmp_path / "y"), "--init-from", str(other), "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert str(other / "config.json") in err and "vocab_size" in err and "does not match the target's" in err
+    assert str(other / "config.json") in err and "vocab_size: drafter has" in err
+    # Refused before the target generates anything (no data written), and by the library too.
+    assert not (tmp_path / "y" / "data" / "sequences.jsonl").exists()
+    with pytest.raises(ValueError, match="--heads: the drafter's shape comes from --init-from"):
+        train(TrainOptions(target=str(qwen3_pair[0]), data=data, out=tmp_path / "z", init_from=str(first), heads=8))
+    # A resumed run (the same command, --resume) continues from its checkpoint, in the drafter's shape.
+    assert cli.main(common + ["--out", str(further), "--init-from", str(first), "--steps", "7", "--lr", "1e-3",
+                              "--resume"]) == 0
+    resumed = json.loads((further / "train_report.json").read_text())
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4, 5, 6, 7]
+    shape = json.loads((first / "config.json").read_text())
+    assert (resumed["options"]["heads"], resumed["options"]["intermediate_size"], resumed["options"]["taps"]) == (
+        4, 64, shape["dflash_config"]["target_layer_ids"])
 
 
 def test_a_time_budget_ends_the_run_decayed_saved_and_reported(qwen3_pair, tmp_path):
