@@ -356,10 +356,8 @@ def _empty_context(attn: "DrafterAttention", dtype) -> tuple[mx.array, mx.array]
     return empty, empty
 
 
-def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None,
-                 kernels: KernelOptions = DEFAULT_KERNELS) -> DFlashDrafter:
-    """Load a z-lab DFlash checkpoint directory (config.json + *.safetensors), strictly."""
-    path = Path(path)
+def read_drafter_config(path: Path) -> tuple[dict, DrafterConfig]:
+    """A drafter directory's config.json: as written, and parsed (errors name the file and key)."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{config_file}: file not found (is {path} a DFlash drafter directory?)")
@@ -367,7 +365,14 @@ def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None,
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file}: not valid JSON ({e})") from e
-    cfg = DrafterConfig.from_dict(raw, source=str(config_file))
+    return raw, DrafterConfig.from_dict(raw, source=str(config_file))
+
+
+def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS) -> DFlashDrafter:
+    """Load a z-lab DFlash checkpoint directory (config.json + *.safetensors), strictly."""
+    path = Path(path)
+    _, cfg = read_drafter_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files")

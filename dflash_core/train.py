@@ -26,8 +26,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import DFlashDrafter, load_drafter
-from .drafter_config import CheckpointError, DrafterConfig, default_target_layer_ids
+from .drafter import DFlashDrafter, load_drafter, read_drafter_config
+from .drafter_config import DrafterConfig, default_target_layer_ids
 from .engine import Engine
 from .hub import DRAFTER_FILES, TARGET_FILES, resolve
 from .loading import load_target
@@ -42,8 +42,10 @@ class TrainOptions:
     target: str
     data: Path
     out: Path
-    layers: int = 1
-    block_size: int = 16
+    # The drafter's shape (ARCHITECTURE below): None where not given, a new drafter's defaults
+    # then (`with_new_drafter_defaults`), the drafter's own with `init_from`.
+    layers: Optional[int] = None  # 1
+    block_size: Optional[int] = None  # 16
     taps: Optional[list[int]] = None
     steps: int = 1000
     minutes: Optional[float] = None  # training time budget: the run ends at `steps` or here, whichever first
@@ -73,7 +75,7 @@ class TrainOptions:
     intermediate_size: Optional[int] = None
     heads: Optional[int] = None
     kv_heads: Optional[int] = None
-    head_dim: int = 128
+    head_dim: Optional[int] = None  # 128
     mask_token_id: Optional[int] = None
     resume: bool = False
     # "full": softmax over the whole vocabulary (the recipe). "data": over the tokens the target
@@ -89,11 +91,15 @@ class TrainOptions:
     init_from: Optional[str] = None
     save_dtype: Optional[str] = None  # the drafter's weights on disk (default: the target's dtype)
 
+    def with_new_drafter_defaults(self) -> "TrainOptions":
+        return replace(self, layers=self.layers or 1, block_size=self.block_size or 16, head_dim=self.head_dim or 128)
+
 
 # ----------------------------------------------------------------------- the model
 
 
 def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
+    opts = opts.with_new_drafter_defaults()
     H, n = target.hidden_size, target.num_layers
     # z-lab's spread; on a target of a few layers it repeats ids, which would only duplicate inputs.
     taps = opts.taps or sorted(set(default_target_layer_ids(n, min(n - 1, max(3, opts.layers)))))
@@ -138,18 +144,10 @@ ARCHITECTURE = ("layers", "block_size", "taps", "heads", "kv_heads", "head_dim",
 def drafter_to_continue(target, opts: TrainOptions) -> tuple[Path, TrainOptions]:
     """`opts.init_from` resolved and checked against the target before any data is generated (a
     wrong drafter is one clear error, not one after the generation's minutes), and `opts` with the
-    drafter's shape, which the run keeps: an option that sets a shape beside it is refused."""
-    defaults = TrainOptions(target="", data=Path(), out=Path())
-    given = [name for name in ARCHITECTURE if getattr(opts, name) != getattr(defaults, name)]
-    if given:
-        raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in given)}: the drafter's shape comes from "
-                         f"--init-from {opts.init_from} (its config.json)")
+    drafter's shape, which the run keeps (`train` refuses an option that sets a shape beside it)."""
     path = resolve(opts.init_from, files=DRAFTER_FILES)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{config_file}: file not found (is {path} a DFlash drafter directory?)")
-    cfg = DrafterConfig.from_dict(json.loads(config_file.read_text()), source=str(config_file))
-    cfg.check_target(str(config_file), hidden_size=target.hidden_size, num_layers=target.num_layers,
+    _, cfg = read_drafter_config(path)
+    cfg.check_target(str(path / "config.json"), hidden_size=target.hidden_size, num_layers=target.num_layers,
                      vocab_size=target.vocab_size)
     return path, replace(opts, layers=cfg.num_hidden_layers, block_size=cfg.block_size,
                          taps=list(cfg.target_layer_ids), heads=cfg.num_attention_heads,
@@ -161,7 +159,7 @@ def initial_drafter(target, path: Path) -> DFlashDrafter:
     """The drafter in `path` (z-lab format, checked by `drafter_to_continue`) to train further, in
     float32 (the shipped ones are bf16; AdamW's small updates would round away)."""
     drafter = load_drafter(path, dtype=mx.float32, kernels=target.kernels)
-    raw = json.loads((path / "config.json").read_text())
+    raw, _ = read_drafter_config(path)
     for key in ("torch_dtype", "dtype"):  # the weights are written in --save-dtype or the target's
         raw.pop(key, None)
     drafter.config.raw = raw  # written out again as config.json
@@ -368,6 +366,10 @@ class TrainReport:
 def train(opts: TrainOptions) -> TrainReport:
     from tqdm import tqdm
 
+    given = [name for name in ARCHITECTURE if getattr(opts, name) is not None]
+    if opts.init_from is not None and given:  # (before anything loads)
+        raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in given)}: the drafter's shape comes from "
+                         f"--init-from {opts.init_from} (its config.json); drop them")
     rng = random.Random(opts.seed)
     mx.random.seed(opts.seed)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -375,6 +377,8 @@ def train(opts: TrainOptions) -> TrainReport:
     start_from = None
     if opts.init_from is not None:
         start_from, opts = drafter_to_continue(target, opts)
+    else:
+        opts = opts.with_new_drafter_defaults()
     engine = Engine(target, tokenizer)
     records = read_prompt_records(opts.data)
     cache_file = opts.out / "data" / "sequences.jsonl"

@@ -121,18 +121,10 @@ def _block_size(text: str) -> int:
 
 
 def run_train(args) -> int:
-    shape = {"layers": args.layers, "block_size": args.block_size, "head_dim": args.head_dim,
-             "taps": [int(t) for t in args.taps.split(",")] if args.taps else None,
-             "intermediate_size": args.intermediate_size, "heads": args.heads, "kv_heads": args.kv_heads,
-             "mask_token_id": args.mask_token_id}
-    given = [k for k, v in shape.items() if v is not None]
-    if args.init_from and given:
-        flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise ValueError(f"{flags}: the drafter's shape comes from --init-from {args.init_from} "
-                         "(its config.json); drop them")
     opts = TrainOptions(
-        target=args.target, data=args.data, out=args.out, init_from=args.init_from,
-        **{k: v for k, v in shape.items() if v is not None}, steps=args.steps, minutes=args.minutes,
+        target=args.target, data=args.data, out=args.out, init_from=args.init_from, layers=args.layers,
+        block_size=args.block_size, taps=[int(t) for t in args.taps.split(",")] if args.taps else None,
+        steps=args.steps, minutes=args.minutes,
         batch=args.batch,
         anchors=args.anchors, lr=args.lr, warmup=args.warmup, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
         generation_batch=args.generation_batch, generator=args.generator,
@@ -141,7 +133,8 @@ def run_train(args) -> int:
         generation_minutes=args.generation_minutes, held_out=args.held_out,
         max_prompt_tokens=args.max_prompt_tokens,
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
-        seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
+        intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
         save_dtype=args.save_dtype, tap_cache_gb=args.tap_cache_gb,
     )
     report = train(opts)
