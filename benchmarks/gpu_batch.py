@@ -98,8 +98,8 @@ def _medians(rows: list[dict]) -> list[dict]:
     solo = {(r["round"], m): r[m]["aggregate_tok_s"] for r in rows if r["streams"] == 1 for m in modes}
     for n in sorted({r["streams"] for r in rows}):
         line = {"quant": rows[0]["quant"], "streams": n}
+        mine = [r for r in rows if r["streams"] == n]
         for m in modes:
-            mine = [r for r in rows if r["streams"] == n]
             line[m] = statistics.median(r[m]["aggregate_tok_s"] for r in mine)
             ratios = [r[m]["aggregate_tok_s"] / solo[(r["round"], m)] for r in mine if (r["round"], m) in solo]
             if ratios:
@@ -137,6 +137,8 @@ def run_mlx_lm(model, prompts, max_tokens: int) -> dict:
 
 
 def _positive(text: str) -> int:
+    # (dflash_core.cli.args.positive_int, but importing dflash_core imports MLX, which must come
+    # after main() sets MLX_USE_CUDA_GRAPHS.)
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"a positive integer expected, got {text}")
