@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / ".agent-clis" / "node_modules" / ".bin"
-VERSIONS = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.197",
+VERSIONS = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.332",
             "opencode": "opencode-ai@1.18.33"}
 NOTE = "hello from the note"
 ANSWER = "The note says: hello from the note."
