@@ -4,6 +4,8 @@ target-alone output (every acceptance length, greedy and seeded sampling, batche
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from forced import assert_batched_rows_are_as_alone, assert_every_acceptance_len
 
 from dflash_core.engine import Engine
 from dflash_core.kernels import KernelOptions
-from dflash_core.kernels.cpu_head import HalfHead, library
+from dflash_core.kernels.cpu_head import HalfHead, default_threads, library
 from dflash_core.loading import load_engine
 from dflash_core.sampling import SamplingParams
 
@@ -78,3 +80,18 @@ def test_the_option_and_the_size_keep_mlx_head(qwen3_pair):
     off.cpu_head_min_parameters = 0
     hidden = mx.random.normal((1, 2, off.hidden_size))
     assert np.array_equal(np.array(off.decode_lm_head(hidden)), np.array(off.lm_head(hidden)))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU sets on this platform")
+def test_kernels_split_among_the_cores_this_process_may_use():
+    """A container's or `taskset`'s CPU set, not the host's core count: more threads than cores
+    only take turns."""
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        default_threads.cache_clear()
+        assert default_threads() == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+        default_threads.cache_clear()
+    assert default_threads() == max(1, min(len(allowed), 16))

@@ -167,10 +167,15 @@ def library() -> Optional[ctypes.CDLL]:
 
 @functools.cache
 def default_threads() -> int:
-    """Threads a kernel of ours splits its rows among: every core, at most 16. Asked once: every
+    """Threads a kernel of ours splits its rows among: every core this process may run on (a
+    container's or `taskset`'s CPU set, not the host's count), at most 16. Asked once: every
     projection of every forward asks, and `os.cpu_count()` reads a file under /sys each time
-    (8-12 us here; a decode step of Gemma 3 270M asks it over a hundred times)."""
-    return max(1, min(os.cpu_count() or 1, 16))
+    (8-12 us here; a decode step of Gemma 3 270M asks over a hundred times)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (macOS has no CPU sets)
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 16))
 
 
 class HalfHead:
