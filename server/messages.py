@@ -26,6 +26,8 @@ from .messages_schemas import (
     RedactedThinkingBlock,
     TextBlock,
     ThinkingBlock,
+    Tool,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -40,10 +42,39 @@ def _text(content) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content if isinstance(b, TextBlock))
 
 
+def tool_result_text(block: ToolResultBlock, tools: dict[str, Tool]) -> str:
+    """A tool result as the model reads it: its text, with each run of tool_reference blocks (a
+    tool search's answer) written as the definitions they load, one `<function>` line per tool in a
+    `<functions>` block, where they stand. The definitions go here, not into the prompt's tool list,
+    so that the conversation before them (and its cached prefix) stays as it was."""
+    if not isinstance(block.content, list):
+        text = block.content or ""
+        return f"Error: {text}" if block.is_error else text
+    parts: list[str] = []
+    loaded: list[str] = []
+    for part in [*block.content, None]:
+        if isinstance(part, ToolReferenceBlock):
+            tool = tools.get(part.tool_name)
+            if tool is None:
+                raise bad_request(f"a tool_reference names {part.tool_name!r}, which is not among the request's tools",
+                                  param="messages")
+            definition = {"description": tool.description or "", "name": tool.name, "parameters": tool.input_schema}
+            loaded.append(f"<function>{json.dumps(definition, ensure_ascii=False)}</function>")
+            continue
+        if loaded:
+            parts.append("<functions>\n" + "\n".join(loaded) + "\n</functions>")
+            loaded = []
+        if part is not None:
+            parts.append(part.text)
+    text = "\n".join(parts)
+    return f"Error: {text}" if block.is_error else text
+
+
 def chat_messages(body) -> list[dict]:
     """Anthropic messages -> chat messages: tool_result blocks become tool messages (before the
     user's text, as Anthropic requires them first), tool_use blocks the assistant's tool calls,
     thinking blocks its reasoning_content."""
+    tools = {t.name: t for t in body.tools or ()}
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     for message in body.messages:
         blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
@@ -65,7 +96,8 @@ def chat_messages(body) -> list[dict]:
         text = []
         for block in blocks:
             if isinstance(block, ToolResultBlock):
-                messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                 "content": tool_result_text(block, tools)})
             elif isinstance(block, TextBlock):
                 text.append(block.text)
             else:
@@ -95,10 +127,21 @@ def _tool_choice(body):
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
+def _shown_tools(body) -> list[Tool]:
+    """The tools the prompt's tool list shows: all but the deferred ones (`defer_loading`), unless
+    tool_choice names one (the call is then forced, so the model needs its definition)."""
+    named = body.tool_choice.name if body.tool_choice and body.tool_choice.type == "tool" else None
+    for tool in body.tools or ():
+        if tool.defer_loading and tool.strict:
+            # Strict calls are enforced by a grammar over the listed tools, which a deferred tool is not.
+            raise bad_request(f"tool {tool.name!r}: a deferred tool cannot be strict here", param="tools")
+    return [t for t in body.tools or () if not t.defer_loading or t.name == named]
+
+
 def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema, "strict": t.strict}}
-             for t in body.tools or ()]
+             for t in _shown_tools(body)]
     thinking = _thinking(body)
     fmt = body.output_config.format if body.output_config else None
     request = {

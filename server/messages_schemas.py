@@ -46,19 +46,20 @@ class ToolUseBlock(StrictModel):
     caller: Optional[Any] = None  # who made the call (Claude Code hands back "direct"): the model did
 
 
+class ToolReferenceBlock(StrictModel):
+    """In a tool search's result: loads the definition of a deferred tool (`Tool.defer_loading`),
+    which the result then shows (server/messages.py, `tool_result_text`)."""
+
+    type: Literal["tool_reference"]
+    tool_name: str
+
+
 class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[TextBlock], None] = None
+    content: Union[str, list[Union[TextBlock, ToolReferenceBlock]], None] = None
     is_error: Optional[bool] = None
     cache_control: Optional[CacheControl] = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            text = "\n".join(block.text for block in self.content)
-        else:
-            text = self.content or ""
-        return f"Error: {text}" if self.is_error else text
 
 
 class ThinkingBlock(StrictModel):
@@ -91,7 +92,9 @@ class Tool(StrictModel):
     input_schema: dict[str, Any]
     cache_control: Optional[CacheControl] = None
     strict: Optional[bool] = None
-
+    # true: left out of the prompt's tool list; a tool_reference block in a tool result (a tool
+    # search's, Claude Code's ToolSearch) shows its definition there, and the model may call it.
+    defer_loading: Optional[bool] = None
 
 
 class ToolChoice(StrictModel):

@@ -15,10 +15,11 @@ from dflash_server.process import DrainingServer
 
 class RecordRequests:
     """ASGI middleware keeping (method, path, body) of every request, for tests that check what a
-    client sent (an agent CLI handing a tool's output back, say)."""
+    client sent (an agent CLI handing a tool's output back, say), and (method, path, status) of
+    every response (a client that retries or falls back after a 400 still finishes)."""
 
-    def __init__(self, app, requests: list):
-        self.app, self.requests = app, requests
+    def __init__(self, app, requests: list, statuses: list):
+        self.app, self.requests, self.statuses = app, requests, statuses
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -33,7 +34,12 @@ class RecordRequests:
                     self.requests.append((scope["method"], scope["path"], b"".join(chunks)))
             return message
 
-        await self.app(scope, recording_receive, send)
+        async def recording_send(message):
+            if message["type"] == "http.response.start":
+                self.statuses.append((scope["method"], scope["path"], message["status"]))
+            await send(message)
+
+        await self.app(scope, recording_receive, recording_send)
 
 
 class LiveServer:
@@ -43,7 +49,8 @@ class LiveServer:
         self.app = create_app(settings)
         self.state = self.app.state.dflash
         self.requests: list[tuple[str, str, bytes]] = []  # what clients sent, in order
-        self.app.add_middleware(RecordRequests, requests=self.requests)
+        self.statuses: list[tuple[str, str, int]] = []  # what they got, in order of answering
+        self.app.add_middleware(RecordRequests, requests=self.requests, statuses=self.statuses)
         if prepare is not None:
             prepare(self.state)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -158,7 +158,11 @@ def test_agent_cli_calls_a_tool_and_reads_its_result(name, trained, workspace):
         work, home = _fresh(workspace, cli)
         done = cli.run(server.url, MODEL, work, home)
         requests = generation_requests(server.requests, cli)
+        refused = [(path, status) for method, path, status in server.statuses if status >= 400]
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    # Every request answered: a CLI that falls back after a 400 (Claude Code, when its deferred
+    # tools were refused) finishes too, with less than it asked for.
+    assert not refused, refused
     assert ANSWER in done.stdout, f"{done.stdout}\n{done.stderr}"
     # The CLI ran the tool the model called and sent its output back in a later request.
     with_result = [i for i, body in enumerate(requests) if NOTE in json.dumps(body)]

@@ -205,3 +205,53 @@ def test_count_tokens_bad_input_is_anthropic_shaped(live):
     response = httpx.post(live.url + "/v1/messages/count_tokens", json={"model": "tiny", "messages": []},
                           headers={"x-api-key": KEY})
     assert response.status_code == 400 and response.json()["type"] == "error"
+
+
+SEARCH = {"name": "ToolSearch", "description": "Finds deferred tools.",
+          "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}
+DEFERRED = {**WEATHER, "name": "get_forecast", "description": "A week of weather for a city", "defer_loading": True}
+
+
+def test_deferred_tools_show_where_a_tool_search_loads_them(scripted):
+    """Claude Code's client-side tool search: a deferred tool stays out of the tool list; the
+    tool_reference in the search's result shows its definition there, and the model may call it."""
+    served = scripted.state.pool._served["scripted"]
+    searched = [{"role": "user", "content": "Forecast for Oslo?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                                   "input": {"query": "forecast"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                    {"type": "text", "text": "Found:"}, {"type": "tool_reference", "tool_name": "get_forecast"}]}]}]
+
+    def rendered(messages, **extra) -> str:
+        body = MessagesRequest.model_validate({"model": "scripted", "max_tokens": 10, "messages": messages,
+                                               "tools": [SEARCH, DEFERRED], "thinking": {"type": "disabled"},
+                                               **extra})
+        return chat.chat_prompt(to_chat(body), served.engine.tokenizer, served.markers, {}).text
+
+    before, after = rendered(searched[:1]), rendered(searched)
+    assert "get_forecast" not in before and "Finds deferred tools." in before
+    definition = ('<function>{"description": "A week of weather for a city", "name": "get_forecast", "parameters": '
+                  '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}</function>')
+    assert f"Found:\n<functions>\n{definition}\n</functions>" in after
+    # The tool list is as before the search: the conversation's start (and its cached prefix) holds.
+    assert after.index("get_forecast") > after.index("Forecast for Oslo?")
+    assert before[:before.index("Forecast for Oslo?")] == after[:after.index("Forecast for Oslo?")]
+    # tool_choice naming a deferred tool lists it (the call is forced: the model needs its schema).
+    assert "get_forecast" in rendered(searched[:1], tool_choice={"type": "tool", "name": "get_forecast"})
+
+    script(scripted, "scripted", "</think>\n\n<tool_call>\n<function=get_forecast>\n<parameter=city>\nOslo\n"
+           "</parameter>\n</function>\n</tool_call>")
+    out = scripted.client.messages.create(model="scripted", messages=searched, tools=[SEARCH, DEFERRED],
+                                          max_tokens=200)
+    assert out.stop_reason == "tool_use" and out.content[-1].name == "get_forecast"
+    assert out.content[-1].input == {"city": "Oslo"}
+
+    bad = [({"messages": [*searched[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": [{"type": "tool_reference", "tool_name": "nope"}]}]}],
+             "tools": [SEARCH, DEFERRED]}, "'nope'"),
+           ({"messages": searched[:1], "tools": [{**SEARCH, "strict": True}, {**DEFERRED, "strict": True}]},
+            "cannot be strict")]
+    for body, said in bad:
+        response = httpx.post(scripted.url + "/v1/messages", json={"model": "scripted", "max_tokens": 5, **body},
+                              timeout=30)
+        assert response.status_code == 400 and said in response.json()["error"]["message"], response.text
