@@ -12,6 +12,7 @@ from live_server import LiveServer
 from pydantic import TypeAdapter
 from scripted_server import script, scripted_server
 
+from dflash_core.prompts import encode_rendered
 from dflash_core.settings import ModelSettings, ServerSettings, Settings
 from dflash_server import chat
 from dflash_server.messages import to_chat
@@ -238,6 +239,11 @@ def test_deferred_tools_show_where_a_tool_search_loads_them(scripted):
     assert before[:before.index("Forecast for Oslo?")] == after[:after.index("Forecast for Oslo?")]
     # tool_choice naming a deferred tool lists it (the call is forced: the model needs its schema).
     assert "get_forecast" in rendered(searched[:1], tool_choice={"type": "tool", "name": "get_forecast"})
+    # count_tokens counts the same prompt: without the deferred tool's definition.
+    counted = [scripted.client.messages.count_tokens(model="scripted", messages=searched[:1], tools=[SEARCH, tool],
+                                                     thinking={"type": "disabled"}).input_tokens
+               for tool in (DEFERRED, {k: v for k, v in DEFERRED.items() if k != "defer_loading"})]
+    assert counted[0] == len(encode_rendered(served.engine.tokenizer, before)) < counted[1]
 
     script(scripted, "scripted", "</think>\n\n<tool_call>\n<function=get_forecast>\n<parameter=city>\nOslo\n"
            "</parameter>\n</function>\n</tool_call>")
