@@ -10,6 +10,7 @@ content blocks and, when streamed, into Anthropic's events. Errors use Anthropic
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -47,27 +48,24 @@ def tool_result_text(block: ToolResultBlock, tools: dict[str, Tool]) -> str:
     tool search's answer) written as the definitions they load, one `<function>` line per tool in a
     `<functions>` block, where they stand. The definitions go here, not into the prompt's tool list,
     so that the conversation before them (and its cached prefix) stays as it was."""
-    if not isinstance(block.content, list):
-        text = block.content or ""
-        return f"Error: {text}" if block.is_error else text
+    content = block.content if isinstance(block.content, list) else [TextBlock(type="text", text=block.content or "")]
     parts: list[str] = []
-    loaded: list[str] = []
-    for part in [*block.content, None]:
-        if isinstance(part, ToolReferenceBlock):
-            tool = tools.get(part.tool_name)
-            if tool is None:
-                raise bad_request(f"a tool_reference names {part.tool_name!r}, which is not among the request's tools",
-                                  param="messages")
-            definition = {"description": tool.description or "", "name": tool.name, "parameters": tool.input_schema}
-            loaded.append(f"<function>{json.dumps(definition, ensure_ascii=False)}</function>")
-            continue
-        if loaded:
-            parts.append("<functions>\n" + "\n".join(loaded) + "\n</functions>")
-            loaded = []
-        if part is not None:
-            parts.append(part.text)
+    for referencing, run in itertools.groupby(content, key=lambda part: isinstance(part, ToolReferenceBlock)):
+        if referencing:
+            parts.append("<functions>\n" + "\n".join(_loaded_definition(r.tool_name, tools) for r in run)
+                         + "\n</functions>")
+        else:
+            parts += [part.text for part in run]
     text = "\n".join(parts)
     return f"Error: {text}" if block.is_error else text
+
+
+def _loaded_definition(name: str, tools: dict[str, Tool]) -> str:
+    tool = tools.get(name)
+    if tool is None:
+        raise bad_request(f"a tool_reference names {name!r}, which is not among the request's tools", param="messages")
+    definition = {"description": tool.description or "", "name": tool.name, "parameters": tool.input_schema}
+    return f"<function>{json.dumps(definition, ensure_ascii=False)}</function>"
 
 
 def chat_messages(body) -> list[dict]:
