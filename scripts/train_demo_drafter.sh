@@ -14,6 +14,8 @@
 # scripts/train_demo_drafter.sh takes the first PROMPTS prompts of the SOURCES corpus that are not
 # among the first USED of the stdlib corpus (the ones the shipped drafter was trained on) and
 # continues from the drafter's weights (`dflash train --init-from`: its shape is kept).
+# Run 10 did so (with code kept in the mix) and came out worse than run 9 on the held-out prompts:
+# docs/train.md.
 #
 # A CPU regenerates the responses at a few dozen tokens/s: days for these 2 M tokens on 2 cores.
 # PROMPTS=400 SAMPLES=1 STEPS=600 GENERATION_BATCH=16 LOSS_VOCAB=data scripts/train_demo_drafter.sh
