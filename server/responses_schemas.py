@@ -203,7 +203,7 @@ class ResponsesRequest(Sampling):
         run them, so they are refused by name rather than left to a union's error."""
         for tool in value if isinstance(value, list) else ():
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind is not None and kind not in ("function", "custom", "namespace"):
+            if isinstance(kind, str) and kind not in ("function", "custom", "namespace"):
                 hint = ' (Codex: set web_search = "disabled" in config.toml)' if kind.startswith("web_search") else ""
                 raise ValueError(f"tool type {kind!r} runs on OpenAI's servers and is not available here; "
                                  f"only function, custom and namespace tools are{hint}")

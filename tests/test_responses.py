@@ -202,13 +202,15 @@ def test_builder_closes_each_item_before_the_next():
     ({"model": "tiny", "input": 3}, "input"),
     ({"model": "tiny", "input": "x", "frobnicate": 1}, "frobnicate"),
     ({"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}, None),
+    ({"model": "tiny", "input": "x", "tools": [{"name": "f", "type": {}}]}, "tools"),  # was a 500 (a fuzzer's find)
     ({"model": "tiny", "input": "x", "include": ["nothing.we.know"]}, "include"),
     ({"model": "tiny", "input": "x", "background": True}, "background"),
     ({"model": "tiny", "input": "x", "truncation": "auto"}, "truncation"),
     ({"model": "tiny", "input": [{"type": "input_image", "image_url": "x"}]}, None),
     ({"model": "tiny", "input": []}, "input"),
     ({"model": "nope", "input": "x"}, "model"),
-], ids=["input-type", "unknown-field", "tool-type", "include", "background", "truncation", "image", "empty", "model"])
+], ids=["input-type", "unknown-field", "tool-type", "tool-type-not-a-string", "include", "background", "truncation",
+        "image", "empty", "model"])
 def test_bad_input_is_a_400_in_openai_shape(live, body, param):
     response = httpx.post(live.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == (404 if body["model"] == "nope" else 400), response.text
