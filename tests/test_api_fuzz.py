@@ -6,6 +6,7 @@ tries the same requests until the schema changes; a longer search is `FUZZ_EXAMP
 from __future__ import annotations
 
 import os
+import re
 
 import httpx
 import pytest
@@ -23,9 +24,9 @@ LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 @pytest.fixture(scope="module")
 def live(qwen3_5_pair):
     target, drafter = qwen3_5_pair
-    settings = Settings(server=ServerSettings(stored_responses=4),
-                        models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter), max_context=512)])
-    with LiveServer(settings) as server:
+    served = Settings(server=ServerSettings(stored_responses=4),
+                      models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter), max_context=512)])
+    with LiveServer(served) as server:
         yield server
 
 
@@ -35,9 +36,7 @@ def live(qwen3_5_pair):
 schema = schemathesis.openapi.from_dict(create_app(Settings(models=[])).openapi()).exclude(path="/v1/dflash/live")
 
 
-@schema.parametrize()
-@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_request_is_a_server_error(case, live):
+def _answered_or_refused(case, live):
     # Aim the generated requests at the served model, so that they reach past the model lookup,
     # and keep generations short (the tiny model's limit is 512 tokens in all).
     if isinstance(case.body, dict):
@@ -57,6 +56,22 @@ def test_no_request_is_a_server_error(case, live):
             assert body["type"] == "error", body  # Anthropic's
         else:
             assert set(body["error"]) == {"message", "type", "param", "code"}, body  # OpenAI's
+
+
+def _route_test(method: str, path: str):
+    @schema.include(method=method, path=path).parametrize()
+    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+    def test(case, live):
+        _answered_or_refused(case, live)
+
+    return test
+
+
+# One test function per route, each under its own name: schemathesis's own per-route test ids do not
+# reach pytest 9.2's items, and pytest-xdist runs only one of several items that share an id.
+for _operation in schema.get_all_operations():
+    _method, _path = _operation.ok().method, _operation.ok().path
+    globals()[f"test_{_method}{re.sub(r'[^a-z0-9]+', '_', _path)}_is_answered_or_refused"] = _route_test(_method, _path)
 
 
 def test_the_server_still_serves_after_the_fuzzing(live):
