@@ -20,6 +20,7 @@ from dflash_server.app import create_app
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "30"))
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,16 @@ def live(qwen3_5_pair):
 schema = schemathesis.openapi.from_dict(create_app(Settings(models=[])).openapi()).exclude(path="/v1/dflash/live")
 
 
+def _stream_ends_cleanly(response, case):
+    """A stream that was accepted ends as it should: no error event of any of the three APIs
+    (chat's error chunk, Messages' `event: error`, Responses' `response.failed`)."""
+    if response.status_code == 200 and response.text.startswith(("data:", "event:")):
+        # (A quote after a backslash is inside a string of generated text, not the event's own JSON.)
+        failed = re.search(r'^event: error$|(?<!\\)"type": ?"(error|response\.failed)"|(?<!\\)"error": ?\{',
+                           response.text, re.M)
+        assert failed is None, f"{case.method} {case.path}: {response.text[-1500:]}"
+
+
 def _answered_or_refused(case, live):
     # Aim the generated requests at the served model, so that they reach past the model lookup,
     # and keep generations short (the tiny model's limit is 512 tokens in all).
@@ -50,12 +61,14 @@ def _answered_or_refused(case, live):
         case.path_parameters["model"] = "tiny"
     response = case.call(base_url=live.url, timeout=120)
     assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:1000]}"
-    if response.status_code == 200 and "text/event-stream" in response.headers.get("content-type", ""):
-        # A stream that was accepted ends as it should: no error event of any of the three APIs.
-        # (A quote after a backslash is inside a string of generated text, not the event's own JSON.)
-        failed = re.search(r'^event: error$|(?<!\\)"type": ?"(error|response\.failed)"|(?<!\\)"error": ?\{',
-                           response.text, re.M)
-        assert failed is None, f"{case.method} {case.path}: {response.text[-1500:]}"
+    _stream_ends_cleanly(response, case)
+    if response.status_code == 200 and isinstance(case.body, dict) and case.path in STREAMING and not case.body.get("stream"):
+        # Few generated requests both pass validation and ask for a stream: stream each one that
+        # was answered whole, too.
+        case.body["stream"] = True
+        streamed = case.call(base_url=live.url, timeout=120)
+        assert streamed.status_code == 200, f"{case.path}, streamed: {streamed.status_code} {streamed.text[:1000]}"
+        _stream_ends_cleanly(streamed, case)
     if response.status_code >= 400 and case.method != "HEAD":  # a refusal in its API's error shape
         body = response.json()
         assert body["error"]["message"] and body["error"]["type"], body
