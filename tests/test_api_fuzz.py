@@ -1,8 +1,8 @@
 """Every route, fed requests generated from the server's own OpenAPI schema (schemathesis, on
 Hypothesis): valid bodies, near-misses and wrong types alike. A request is answered or refused
-(4xx in its API's error shape), never a 500, a stream it accepts never ends in an error event,
-and the server keeps serving. Derandomized, so a run
-tries the same requests until the schema changes; a longer search is `FUZZ_EXAMPLES=2000`."""
+(4xx in its API's error shape), never a 500, a stream it accepts never ends in an error event, and
+the server keeps serving. Derandomized, so a run tries the same requests until the schema changes;
+a longer search is `FUZZ_EXAMPLES=2000`."""
 
 from __future__ import annotations
 
@@ -89,9 +89,10 @@ def _route_test(method: str, path: str):
 
 # One test function per route, each under its own name: schemathesis's own per-route test ids do not
 # reach pytest 9.2's items, and pytest-xdist runs only one of several items that share an id.
-for _operation in schema.get_all_operations():
-    _method, _path = _operation.ok().method, _operation.ok().path
-    globals()[f"test_{_method}{re.sub(r'[^a-z0-9]+', '_', _path)}_is_answered_or_refused"] = _route_test(_method, _path)
+for _result in schema.get_all_operations():
+    _operation = _result.ok()
+    _name = f"test_{_operation.method}{re.sub(r'[^a-z0-9]+', '_', _operation.path)}_is_answered_or_refused"
+    globals()[_name] = _route_test(_operation.method, _operation.path)
 
 
 def test_the_server_still_serves_after_the_fuzzing(live):
