@@ -68,6 +68,9 @@ class LiveServer:
             try:
                 health = httpx.get(self.url + "/health", timeout=5)
                 if self.ready(health):
+                    # The probes were ours, not a client's: a 503 while the models load is no refusal.
+                    self.requests.clear()
+                    self.statuses.clear()
                     return self
             except httpx.HTTPError:
                 pass
