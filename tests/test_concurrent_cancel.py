@@ -186,3 +186,60 @@ def test_concurrent_clients_that_quit_change_no_one_elses_tokens(live, clients):
     _wait_idle(live)
     # And one at a time again: what the quitters left behind changed nothing.
     assert [whole(clients, r) for r in REQUESTS] == solo
+
+
+# ------------------------------------------------------------- agent conversations, turn on turn
+
+SYSTEM = "You are a careful assistant. Answer briefly. " * 4  # shared by every conversation: one snapshot
+TOPICS = ["rivers", "prime numbers", "sorting a list", "colours of the sea", "the fox", "a diary"]
+
+
+def _turns(clients, api: str, topic: str, turns: int = 3) -> list[tuple[str, str]]:
+    """One conversation: each turn sends the whole history so far (the system prompt, every user
+    message and every earlier answer) and a new question, as an agent loop does; its answers."""
+    oa, an = clients
+    history, answers = [], []
+    for turn in range(turns):
+        history.append({"role": "user", "content": f"Turn {turn} about {topic}: say more."})
+        if api == "chat":
+            message = oa.chat.completions.create(model="tiny", messages=[{"role": "system", "content": SYSTEM}, *history],
+                                                 max_tokens=20 + 3 * turn, temperature=0).choices[0].message
+            reasoning, text = getattr(message, "reasoning_content", None) or "", message.content or ""
+        else:
+            message = an.messages.create(model="tiny", system=SYSTEM, messages=history, max_tokens=20 + 3 * turn,
+                                         extra_body={"temperature": 0})
+            reasoning = "".join(b.thinking for b in message.content if b.type == "thinking")
+            text = "".join(b.text for b in message.content if b.type == "text")
+        answers.append((reasoning, text))
+        history.append({"role": "assistant", "content": text or reasoning})
+    return answers
+
+
+def test_concurrent_agent_conversations_reuse_prefixes_and_match_a_cold_server(live, clients, qwen3_5_pair):
+    target, drafter = qwen3_5_pair
+    conversations = [("chat" if i % 2 else "messages", topic) for i, topic in enumerate(TOPICS)]
+    # The reference: one conversation at a time on a server that neither batches nor caches prefixes.
+    cold = Settings(server=ServerSettings(api_key=KEY, batching=False), prefix_cache_gb=0,
+                    models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter), max_context=512,
+                                          speculation="on")])
+    with LiveServer(cold) as server:
+        cold_clients = (openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120),
+                        anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120))
+        reference = [_turns(cold_clients, api, topic) for api, topic in conversations]
+    hits = _prefix_hits(live)
+    # All conversations at once on the batching, caching server, with clients quitting around them.
+    rng = random.Random(11)
+    quitters = [(r, rng.randint(1, 4)) for r in QUITTERS]
+    with concurrent.futures.ThreadPoolExecutor(len(conversations) + len(quitters)) as pool:
+        talks = [pool.submit(_turns, clients, api, topic) for api, topic in conversations]
+        quits = [pool.submit(streamed, clients, *q) for q in quitters]
+        assert [talk.result() for talk in talks] == reference
+        assert [q.result() for q in quits] == [None] * len(quitters)
+    _wait_idle(live)
+    # Later turns started from snapshots of earlier ones (and the shared system prompt).
+    assert _prefix_hits(live) - hits >= 2 * len(conversations)
+
+
+def _prefix_hits(live) -> float:
+    metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return float(re.search(r"^dflash_prefix_cache_hits_total (\S+)$", metrics, re.M).group(1))
