@@ -4,7 +4,8 @@ for all of them per step) each give exactly what they give alone, for every fami
 Rows differ in prompt length (Gemma's past their sliding window of 8), sampling (greedy and
 seeded), speculation (always on, auto, off, and a policy that switches between plain steps and
 cycles of every width at every point), acceptance (a forced drafter with every length 0..15), and
-in when they join and leave (different budgets, one cancelled mid-flight).
+in when they join and leave (different budgets, one cancelled mid-flight), and in their grammars
+(rows constrained by a JSON schema, a regex or any JSON object beside free ones).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Row:
     speculation: object = "on"
     join_at: int = 0  # the step at which it joins the batch
     cancel_at: int = -1  # the step at which it is closed, -1: never
+    grammar: object = None  # a GrammarSpec the output must match
 
 
 def _prompt(engine, n: int, seed: int) -> list[int]:
@@ -45,7 +47,7 @@ def _prompt(engine, n: int, seed: int) -> list[int]:
 
 def _alone(engine, row: Row) -> list[int]:
     steps = engine.generate(row.prompt, max_tokens=row.max_tokens, sampling=row.sampling,
-                            speculation=_policy(row.speculation), stop_token_ids=set())
+                            speculation=_policy(row.speculation), stop_token_ids=set(), grammar=row.grammar)
     return [t for c in steps for t in c.token_ids]
 
 
@@ -62,7 +64,8 @@ def _together(engine, rows: list[Row]) -> list[list[int]]:
         for i, r in enumerate(rows):
             if r.join_at == step:
                 streams[i] = engine.generate(r.prompt, max_tokens=r.max_tokens, sampling=r.sampling,
-                                             speculation=_policy(r.speculation), stop_token_ids=set(), batched=True)
+                                             speculation=_policy(r.speculation), stop_token_ids=set(), batched=True,
+                                             grammar=r.grammar)
                 live.add(i)
             if r.cancel_at == step and i in live:
                 streams[i].close()
@@ -107,6 +110,34 @@ def test_random_drafter_rows_are_each_exactly_alone(engines, family, monkeypatch
             assert together[i] == alone[: len(together[i])] and 0 < len(together[i]) < len(alone)
         else:
             assert together[i] == alone, f"row {i}"
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_grammar_rows_in_a_batch_are_each_exactly_alone(engines, family):
+    """Rows under a grammar (a JSON schema, a regex, any JSON object; greedy and seeded; always on,
+    auto and off) beside free rows: each row's mask follows its own drafts, and every row gives
+    what it gives alone; the constrained ones end where their grammar is complete."""
+    from test_grammar import GRAMMARS
+
+    engine = engines[family]
+    rows = [
+        Row(_prompt(engine, 11, 1), 120, grammar=GRAMMARS["json_schema"]),
+        Row(_prompt(engine, 19, 2), 40),
+        Row(_prompt(engine, 7, 3), 120, SEEDED, grammar=GRAMMARS["regex"], join_at=2),
+        Row(_prompt(engine, 15, 4), 48, SamplingParams(temperature=0.8, seed=5), speculation="auto",
+            grammar=GRAMMARS["json_object"], join_at=1),
+        Row(_prompt(engine, 13, 5), 120, speculation="off", grammar=GRAMMARS["json_schema"], join_at=3),
+        Row(_prompt(engine, 9, 6), 60, SEEDED, cancel_at=6),
+    ]
+    together = _together(engine, rows)
+    for i, row in enumerate(rows):
+        alone = _alone(engine, row)
+        if row.cancel_at >= 0:
+            assert together[i] == alone[: len(together[i])] and 0 < len(together[i]) < len(alone)
+        else:
+            assert together[i] == alone, f"row {i}"
+    # The schema and regex rows completed their grammar (they have no stop token to end on).
+    assert all(len(together[i]) < rows[i].max_tokens for i in (0, 2, 4))
 
 
 @dataclass
