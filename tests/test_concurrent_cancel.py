@@ -3,11 +3,14 @@ server that batches them with speculation on (the hybrid Qwen3.5 pair: its Gated
 roll back per row). Every request that runs to its end gets exactly what it gets alone, token for
 token, greedy and seeded; the walked-away ones free their rows without disturbing the others; and
 afterwards the server is idle and still gives every request its solo answer (no cancelled row left
-a cache, a prefix-cache entry or a drafter context behind that changes anyone's output)."""
+a cache, a prefix-cache entry or a drafter context behind that changes anyone's output). The same
+holds for agent conversations reusing prefixes, and for two models that take turns in a memory
+budget that holds one."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import random
 import re
 import time
@@ -243,3 +246,48 @@ def test_concurrent_agent_conversations_reuse_prefixes_and_match_a_cold_server(l
 def _prefix_hits(live) -> float:
     metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return float(re.search(r"^dflash_prefix_cache_hits_total (\S+)$", metrics, re.M).group(1))
+
+
+# ------------------------------------------------------ two models, room for one, clients on both
+
+def test_two_models_with_room_for_one_serve_concurrent_clients_exactly(qwen3_5_pair, gemma4_pair, caplog):
+    """A memory budget that holds one model: requests for the other load it, unloading the first
+    once no request uses it. Clients of both at once, some quitting: loads and unloads happen
+    between their generations, never under one, and each finished request is its solo answer."""
+    served = Settings(server=ServerSettings(api_key=KEY), memory_budget_gb=0.002,  # one tiny pair is ~1.3 MB
+                      models=[ModelSettings(name=name, target=str(pair[0]), drafter=str(pair[1]), max_context=512,
+                                            speculation="on")
+                              for name, pair in (("a", qwen3_5_pair), ("b", gemma4_pair))])
+    caplog.set_level(logging.INFO, logger="dflash_server.models")
+    with LiveServer(served) as server:
+        oa = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        def ask(model: str, prompt: str, quit_after: int | None = None):
+            stream = oa.completions.create(model=model, prompt=prompt, max_tokens=300 if quit_after else 30,
+                                           temperature=0, stream=True)
+            text = []
+            with stream:
+                for chunk in stream:
+                    text.append(chunk.choices[0].text if chunk.choices else "")
+                    if quit_after is not None and len(text) >= quit_after:
+                        return None
+            return "".join(text)
+
+        asks = [(model, prompt) for prompt in PROMPTS[:4] for model in ("a", "b")]
+        solo = [ask(*a) for a in asks]  # one at a time: every request loads the other model
+        assert _unloads(caplog) >= len(asks) - 1
+        rng = random.Random(3)
+        for _ in range(2):
+            jobs = [(*a, None) for a in asks] + [(model, "Go on", rng.randint(1, 3)) for model in ("a", "b", "a", "b")]
+            rng.shuffle(jobs)
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+                done = dict(zip(jobs, pool.map(lambda job: ask(*job), jobs)))
+            assert [done[(*a, None)] for a in asks] == solo
+            assert all(done[job] is None for job in jobs if job[2] is not None)
+            _wait_idle(server)
+        assert not [s for _, _, s in server.statuses if s >= 500]
+        assert [ask(*a) for a in asks] == solo
+
+
+def _unloads(caplog) -> int:
+    return sum("unloading" in r.getMessage() for r in caplog.records)
