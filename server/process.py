@@ -16,6 +16,8 @@ import time
 
 import uvicorn
 
+from dflash_core.settings import ServerSettings
+
 from .serving import ServerState
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,15 @@ class DrainingServer(uvicorn.Server):
         self.drained.set()
 
 
-def serve(app, host: str, port: int, deadline: float) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-    server = DrainingServer(config, app.state.dflash, deadline)
+def uvicorn_config(app, server: ServerSettings, **options) -> uvicorn.Config:
+    """uvicorn's settings for `server` (the tests' live servers use them too)."""
+    options = {"log_level": "info", **options}
+    return uvicorn.Config(app, host=server.host, port=server.port, timeout_keep_alive=server.keep_alive,
+                          timeout_graceful_shutdown=5, **options)
+
+
+def serve(app, settings: ServerSettings) -> None:
+    server = DrainingServer(uvicorn_config(app, settings), app.state.dflash, settings.shutdown_timeout)
     channel = app.state.dflash.channel
     if channel is not None:  # a broken distributed group: fail what runs, then stop as at a signal
         channel.on_failure = lambda reason: stop_on_failure(server, reason)

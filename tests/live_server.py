@@ -7,10 +7,9 @@ import threading
 import time
 
 import httpx
-import uvicorn
 
 from dflash_server.app import create_app
-from dflash_server.process import DrainingServer
+from dflash_server.process import DrainingServer, uvicorn_config
 
 
 class RecordRequests:
@@ -57,7 +56,7 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn_config(self.app, settings.server, log_level="warning", lifespan="on")
         self.server = DrainingServer(config, self.state, settings.server.shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -662,3 +662,49 @@ def test_allowed_hosts_extend_the_loopback_names(qwen3_5_pair):
     with LiveServer(settings) as server:
         assert httpx.get(server.url + "/health", headers={"Host": "dflash.lan:8000"}).status_code == 200
         assert httpx.get(server.url + "/health", headers={"Host": "other.lan"}).status_code == 421
+
+
+# ------------------------------------------------------------------------------ connections
+
+
+def test_idle_connections_outlive_the_clients_own_keep_alive():
+    """The server keeps an idle connection open longer than the SDKs' HTTP clients keep theirs, so
+    a client always closes first and never sends a request on a connection the server is closing
+    (with uvicorn's 5 s against httpx's 5 s that race failed a request now and then). And the
+    setting is what uvicorn runs with: a live server closes an idle connection after it."""
+    import socket
+
+    import anthropic._constants
+    import openai._constants
+
+    from dflash_server.app import create_app
+    from dflash_server.process import uvicorn_config
+
+    config = uvicorn_config(create_app(Settings(models=[])), ServerSettings())
+    for limits in (openai._constants.DEFAULT_CONNECTION_LIMITS, anthropic._constants.DEFAULT_CONNECTION_LIMITS):
+        assert config.timeout_keep_alive > limits.keepalive_expiry
+    assert config.timeout_keep_alive > 4  # Node's fetch (undici): 4 s
+
+    # (No model: /health answers 503, which is as good a request as any here.)
+    with LiveServer(Settings(server=ServerSettings(keep_alive=0.5), models=[]), ready=lambda health: True) as server:
+        with socket.create_connection(("127.0.0.1", server.port)) as conn:
+            request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            for _ in range(2):  # kept open between requests
+                conn.sendall(request)
+                assert _read_response(conn).startswith(b"HTTP/1.1 ")
+            idle = time.monotonic()
+            conn.settimeout(10)
+            assert conn.recv(65536) == b""  # then closed by the server, after the configured time
+            assert 0.4 < time.monotonic() - idle < 3  # (uvicorn alone: 5 s)
+
+
+def _read_response(conn) -> bytes:
+    """One whole HTTP/1.1 response (its body by Content-Length) from a socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head + b"\r\n\r\n" + body

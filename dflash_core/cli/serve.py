@@ -52,7 +52,7 @@ def run_serve(args) -> int:
     channel = distributed_channel(args)
     if channel is not None and not channel.leader:
         return run_follower(settings, channel)
-    serve(create_app(settings, channel), settings.server.host, settings.server.port, settings.server.shutdown_timeout)
+    serve(create_app(settings, channel), settings.server)
     if channel is not None:
         _exit_group_member(1 if channel.failure else 0)
     return 0
