@@ -46,7 +46,7 @@ class ServerSettings(Strict):
     request_timeout: Optional[float] = Field(600.0, gt=0, description="seconds a request may take")
     # Longer than clients keep an idle connection (httpx, under the OpenAI and Anthropic Python SDKs:
     # 5 s; Node's fetch: 4 s): the client closes an idle connection first, so it never sends a
-    # request on one the server is closing at that moment (uvicorn's own 5 s met httpx's 5 s there).
+    # request on one the server is timing out at that moment (uvicorn's own 5 s is httpx's 5 s).
     keep_alive: float = Field(120.0, gt=0, description="seconds an idle HTTP connection is kept open")
     stored_responses: int = Field(1000, ge=0, description="Responses API: stored responses kept in memory (LRU)")
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
