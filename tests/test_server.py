@@ -670,8 +670,9 @@ def test_allowed_hosts_extend_the_loopback_names(qwen3_5_pair):
 def test_idle_connections_outlive_the_clients_own_keep_alive():
     """The server keeps an idle connection open longer than the SDKs' HTTP clients keep theirs, so
     a client always closes first and never sends a request on a connection the server is closing
-    (with uvicorn's 5 s against httpx's 5 s that race failed a request now and then). And the
-    setting is what uvicorn runs with: a live server closes an idle connection after it."""
+    (with uvicorn's 5 s against httpx's 5 s, a request sent just as the server times the connection
+    out fails with "Server disconnected"). And the setting is what uvicorn runs with: a live server
+    closes an idle connection after it."""
     import socket
 
     import anthropic._constants
