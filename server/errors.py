@@ -91,7 +91,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        first = errors[0] if errors else {}
+        # Of a union's alternatives, the one that got furthest says what is wrong (a list of items
+        # that fails as a list of items, not as the plain string the first alternative wanted).
+        first = max(errors, key=lambda e: len([p for p in e.get("loc", ()) if not _is_union_tag(p)]), default={})
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip()
             return bad_request(message).response(request.url.path)

@@ -247,8 +247,9 @@ class ResponseBuilder:
         self.output.append(item)
         return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=_copy(item))]
 
-    def close(self) -> list[dict]:
-        """Finish the open item: its .done events."""
+    def close(self, status: str = "completed") -> list[dict]:
+        """Finish the open item: its .done events; `status` "incomplete" where the output was cut
+        (by max_output_tokens, or a failure) while the item was being written."""
         item, events = self._open, []
         if item is None:
             return []
@@ -264,7 +265,7 @@ class ResponseBuilder:
                                      arguments=item["arguments"]))
         else:
             events.append(self.event("response.custom_tool_call_input.done", **where, input=item["input"]))
-        item["status"] = "completed"
+        item["status"] = status
         events.append(self.event("response.output_item.done", output_index=where["output_index"], item=_copy(item)))
         self._open = None
         return events
@@ -289,6 +290,14 @@ class ResponseBuilder:
                 items.append(CustomToolCallItem(type="custom_tool_call", call_id=item["call_id"], name=item["name"],
                                                 input=item["input"], namespace=item.get("namespace")))
         return input_messages(items, self.names)
+
+
+def _failure_code(error: APIError) -> str:
+    """A failed response's `error.code`, one of the Responses API's codes (clients validate it);
+    the message keeps the detail (a timeout, a shutdown)."""
+    if error.status == 429:
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if error.status < 500 else "server_error"
 
 
 def _copy(item: dict) -> dict:
@@ -336,7 +345,7 @@ class ResponsesResponder:
             out["completed_at"] = int(time.time())
             out["usage"] = self.usage()
         if error is not None:
-            out["error"] = {"code": error.code or error.type, "message": error.message}
+            out["error"] = {"code": _failure_code(error), "message": error.message}
         return out
 
     def usage(self) -> dict:
@@ -369,11 +378,11 @@ class ResponsesResponder:
                     for event in self._feed(delta):
                         yield named_sse(event)
         except APIError as e:
-            for event in b.close():
+            for event in b.close("incomplete"):
                 yield named_sse(event)
             yield named_sse(b.event("response.failed", response=self._finish("failed", e)))
             return
-        for event in b.close():
+        for event in b.close(self._last_item_status()):
             yield named_sse(event)
         response = self._finish("completed")
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
@@ -383,8 +392,12 @@ class ResponsesResponder:
         async for delta in self.output.deltas():
             if delta is not HEARTBEAT:
                 self._feed(delta)
-        self.builder.close()
+        self.builder.close(self._last_item_status())
         return self._finish("completed")
+
+    def _last_item_status(self) -> str:
+        """The last item was cut short where the output was (a length stop)."""
+        return "incomplete" if self.output.finish_reason == "length" else "completed"
 
 
 # ------------------------------------------------------------------------------ routes

@@ -6,11 +6,24 @@ is generated say why next to them (README.md, "Responses API", lists them too).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from .schemas import Sampling, StrictModel
+
+ITEM_STATUS = Optional[Literal["in_progress", "completed", "incomplete"]]  # as we reported it: asks nothing
+# Parts that carry no text: the served models read text only, so they are refused by name rather
+# than left to a union's error (which would name the first alternative, a plain string).
+NOT_TEXT = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
+
+
+def _text_parts_only(value):
+    for part in value if isinstance(value, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in NOT_TEXT:
+            raise ValueError(f"{kind} parts are not supported: the served models read text only, not {NOT_TEXT[kind]}")
+    return value
 
 
 class InputText(StrictModel):
@@ -18,6 +31,8 @@ class InputText(StrictModel):
     text: str
     annotations: Optional[list[Any]] = None  # output_text handed back: citations we never make
     logprobs: Optional[list[Any]] = None  # output_text handed back: what we reported, not input
+    # Marks where a reusable prefix ends: the prefix cache finds every shared prefix by itself.
+    prompt_cache_breakpoint: Optional[dict[str, Any]] = None
 
 
 class MessageItem(StrictModel):
@@ -25,35 +40,49 @@ class MessageItem(StrictModel):
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[str, list[InputText]]
     id: Optional[str] = None  # an id of ours or the client's: identifies, asks nothing
-    status: Optional[str] = None  # the status we reported when it was output
+    status: ITEM_STATUS = None
+    # OpenAI's label of an assistant message as commentary or final answer, which their models
+    # want back; the chat templates of open models have no place for it (we never send one).
+    phase: Optional[Literal["commentary", "final_answer"]] = None
+
+    _parts = field_validator("content", mode="before")(_text_parts_only)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(StrictModel):
+class DirectCaller(StrictModel):
+    """Who made a tool call: the model itself (the only caller here; calls from a program are
+    OpenAI's programmatic tool calling, which this server does not run)."""
+
+    type: Literal["direct"]
+
+
+class ToolCall(StrictModel):
+    call_id: str
+    name: str
+    namespace: Optional[str] = None
+    id: Optional[str] = None
+    status: ITEM_STATUS = None
+    caller: Optional[DirectCaller] = None
+    # OpenAI's asynchronous tool calls are not offered: only "not asynchronous" is meaningful.
+    asynchronous: Optional[Literal[False]] = Field(default=None, alias="async")
+
+
+class FunctionCallItem(ToolCall):
     type: Literal["function_call"]
-    call_id: str
-    name: str
     arguments: str
-    namespace: Optional[str] = None
-    id: Optional[str] = None
-    status: Optional[str] = None
 
 
-class CustomToolCallItem(StrictModel):
+class CustomToolCallItem(ToolCall):
     type: Literal["custom_tool_call"]
-    call_id: str
-    name: str
     input: str
-    namespace: Optional[str] = None
-    id: Optional[str] = None
-    status: Optional[str] = None
 
 
 class OutputPart(StrictModel):
     type: Literal["input_text", "output_text"]
     text: str
+    prompt_cache_breakpoint: Optional[dict[str, Any]] = None  # as on InputText
 
 
 class FunctionCallOutputItem(StrictModel):
@@ -61,7 +90,12 @@ class FunctionCallOutputItem(StrictModel):
     call_id: str
     output: Union[str, list[OutputPart]]
     id: Optional[str] = None
-    status: Optional[str] = None
+    status: ITEM_STATUS = None
+    name: Optional[str] = None  # the call's, which `call_id` already names
+    namespace: Optional[str] = None
+    caller: Optional[DirectCaller] = None
+
+    _parts = field_validator("output", mode="before")(_text_parts_only)
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
@@ -80,14 +114,34 @@ class ReasoningItem(StrictModel):
     # Handed back by clients that asked for include=["reasoning.encrypted_content"]: we never
     # encrypt (the reasoning text itself is in `content`), so only null is meaningful here.
     encrypted_content: Optional[str] = None
-    status: Optional[str] = None
+    status: ITEM_STATUS = None
 
     def text(self) -> str:
         parts = self.content if self.content else self.summary
         return "\n\n".join(p.text for p in parts)
 
 
-InputItem = Union[MessageItem, FunctionCallItem, CustomToolCallItem, FunctionCallOutputItem, ReasoningItem]
+def _item_kind(item) -> Optional[str]:
+    """An input item's kind, by its `type` (a message may leave it out): pydantic then validates
+    it as that kind only, and an error names what is wrong with it (or that the kind is not one
+    this server takes) instead of why it is not a string."""
+    kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else getattr(item, "type", None)
+    return ITEM_KINDS.get(kind) if isinstance(kind, str) else None
+
+
+# Tagged by class name: an error's path then reads input[3].content, as pydantic's union members do.
+ITEM_KINDS = {"message": "MessageItem", "function_call": "FunctionCallItem", "custom_tool_call": "CustomToolCallItem",
+              "function_call_output": "FunctionCallOutputItem", "custom_tool_call_output": "FunctionCallOutputItem",
+              "reasoning": "ReasoningItem"}
+InputItem = Annotated[
+    Union[Annotated[MessageItem, Tag("MessageItem")], Annotated[FunctionCallItem, Tag("FunctionCallItem")],
+          Annotated[CustomToolCallItem, Tag("CustomToolCallItem")],
+          Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
+          Annotated[ReasoningItem, Tag("ReasoningItem")]],
+    Discriminator(_item_kind, custom_error_type="invalid_item",
+                  custom_error_message="an input item must have a type: message, function_call, custom_tool_call, "
+                  "function_call_output, custom_tool_call_output or reasoning (other item types are not supported)"),
+]
 
 
 class FunctionTool(StrictModel):
@@ -114,6 +168,15 @@ class CustomTool(StrictModel):
     name: str
     description: Optional[str] = None
     format: Optional[CustomToolFormat] = None
+    defer_loading: Optional[bool] = None  # as on FunctionTool
+
+
+TOOL_KINDS = {"function": "FunctionTool", "custom": "CustomTool", "namespace": "NamespaceTool"}
+
+
+def _tool_kind(tool) -> Optional[str]:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return TOOL_KINDS.get(kind) if isinstance(kind, str) else None
 
 
 class NamespaceTool(StrictModel):
@@ -122,10 +185,15 @@ class NamespaceTool(StrictModel):
     type: Literal["namespace"]
     name: str
     description: Optional[str] = None
-    tools: list[Union[FunctionTool, CustomTool]]
+    tools: list[Annotated[Union[Annotated[FunctionTool, Tag("FunctionTool")], Annotated[CustomTool, Tag("CustomTool")]],
+                          Discriminator(_tool_kind, custom_error_type="invalid_tool",
+                                        custom_error_message="a namespace's tools must be function or custom tools")]]
 
 
-Tool = Union[FunctionTool, CustomTool, NamespaceTool]
+_TOOL_KINDS = Discriminator(_tool_kind, custom_error_type="invalid_tool",
+                            custom_error_message="a tool's type must be function, custom or namespace")
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("FunctionTool")], Annotated[CustomTool, Tag("CustomTool")],
+                       Annotated[NamespaceTool, Tag("NamespaceTool")]], _TOOL_KINDS]
 
 
 class NamedTool(StrictModel):
@@ -134,8 +202,8 @@ class NamedTool(StrictModel):
 
 
 class ReasoningConfig(StrictModel):
-    # none/minimal: thinking off; low..xhigh: on (open models have one thinking mode, not levels).
-    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    # none/minimal: thinking off; low..max: on (open models have one thinking mode, not levels).
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
     # The reasoning comes back whole as reasoning_text, which is more than any summary.
     summary: Optional[Literal["auto", "concise", "detailed"]] = None
     generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None

@@ -152,6 +152,23 @@ def test_function_call_round_trip(scripted):
               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
     answer = scripted.client.responses.create(model="scripted", input=follow, tools=[WEATHER])
     assert answer.output_text == "It is sunny in Paris." and answer.status == "completed"
+    # The items handed back as the SDK writes them out with every field (nulls included: phase,
+    # caller, async, ...) are the same conversation.
+    follow[1:-1] = [item.model_dump(by_alias=True) for item in out.output]
+    assert any(v is None for item in follow[1:-1] for v in item.values())
+    again = scripted.client.responses.create(model="scripted", input=follow, tools=[WEATHER])
+    assert again.output_text == answer.output_text and again.usage.input_tokens == answer.usage.input_tokens
+
+
+def test_an_item_cut_by_max_output_tokens_is_incomplete(scripted):
+    script(scripted, "scripted", "</think>\n\n" + "word " * 40)
+    out = scripted.client.responses.create(model="scripted", input="go", max_output_tokens=8)
+    assert out.status == "incomplete" and out.output[-1].status == "incomplete"
+    events = _events(scripted.client.responses.create(model="scripted", input="go", max_output_tokens=8, stream=True))
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done[-1].item.status == "incomplete" and events[-1].type == "response.incomplete"
+    whole = scripted.client.responses.create(model="scripted", input="go", max_output_tokens=300)
+    assert whole.status == "completed" and {item.status for item in whole.output} == {"completed"}
 
 
 def test_items_render_as_one_conversation(qwen3_5_pair, scripted):
@@ -198,26 +215,42 @@ def test_builder_closes_each_item_before_the_next():
     assert types.count("response.output_item.added") == types.count("response.output_item.done") == 4
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "tiny", "input": 3}, "input"),
-    ({"model": "tiny", "input": "x", "frobnicate": 1}, "frobnicate"),
-    ({"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}, None),
-    ({"model": "tiny", "input": "x", "tools": [{"name": "f", "type": {}}]}, "tools"),  # was a 500 (a fuzzer's find)
-    ({"model": "tiny", "input": "x", "include": ["nothing.we.know"]}, "include"),
-    ({"model": "tiny", "input": "x", "background": True}, "background"),
-    ({"model": "tiny", "input": "x", "truncation": "auto"}, "truncation"),
-    ({"model": "tiny", "input": [{"type": "input_image", "image_url": "x"}]}, None),
-    ({"model": "tiny", "input": []}, "input"),
-    ({"model": "nope", "input": "x"}, "model"),
+@pytest.mark.parametrize("body, param, says", [
+    ({"model": "tiny", "input": 3}, "input", ""),
+    ({"model": "tiny", "input": "x", "frobnicate": 1}, "frobnicate", ""),
+    ({"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}, None, ""),
+    ({"model": "tiny", "input": "x", "tools": [{"name": "f", "type": {}}]}, "tools", ""),  # was a 500 (a fuzzer's find)
+    ({"model": "tiny", "input": "x", "include": ["nothing.we.know"]}, "include", ""),
+    ({"model": "tiny", "input": "x", "background": True}, "background", ""),
+    ({"model": "tiny", "input": "x", "truncation": "auto"}, "truncation", ""),
+    ({"model": "tiny", "input": [{"type": "input_image", "image_url": "x"}]}, None, ""),
+    ({"model": "tiny", "input": []}, "input", ""),
+    ({"model": "nope", "input": "x"}, "model", ""),
+    # Each names what is wrong with the item, not why it is not a string (a union's first choice).
+    ({"model": "tiny", "input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item types are not supported"),
+    ({"model": "tiny", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": "data:"}]}]},
+     "input[0].content", "input_image parts are not supported"),
+    ({"model": "tiny", "input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_file", "file_id": "f"}]}]}, "input[0].output", "input_file parts are not supported"),
+    ({"model": "tiny", "input": [{"role": "user", "content": "hi", "colour": "red"}]}, "input[0].colour", "unsupported"),
+    ({"model": "tiny", "input": [{"role": "tool", "content": "hi"}]}, "input[0].role", "'developer'"),
+    ({"model": "tiny", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
+                                  "caller": {"type": "program", "caller_id": "p"}}]}, "input[0].caller", "'direct'"),
+    ({"model": "tiny", "input": "x", "tools": [{"type": "custom", "name": "f", "colour": "red"}]}, "tools[0].colour",
+     "unsupported"),
 ], ids=["input-type", "unknown-field", "tool-type", "tool-type-not-a-string", "include", "background", "truncation",
-        "image", "empty", "model"])
-def test_bad_input_is_a_400_in_openai_shape(live, body, param):
+        "image", "empty", "model", "item-reference", "image-part", "file-output", "item-field", "tool-role",
+        "program-caller", "custom-tool-field"])
+def test_bad_input_is_a_400_in_openai_shape(live, body, param, says):
     response = httpx.post(live.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == (404 if body["model"] == "nope" else 400), response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     if param is not None:
         assert error["param"] == param or error["param"].startswith(param)
+    if says:
+        assert says in error["message"] and "valid string" not in error["message"], error["message"]
     assert live.client.responses.create(model="tiny", input="ok", max_output_tokens=2, temperature=0).usage.output_tokens == 2
 
 
@@ -235,5 +268,6 @@ def test_a_failing_generation_ends_the_stream_with_response_failed(scripted):
     finally:
         target.fail_after = None
     assert events[-1].type == "response.failed" and "planted failure" in events[-1].response.error.message
+    assert events[-1].response.output[-1].status == "incomplete"  # the message it was writing
     EVENTS.validate_python(events[-1].model_dump())
     assert scripted.client.responses.create(model="scripted", input="go", max_output_tokens=2).usage.output_tokens == 2
