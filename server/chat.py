@@ -171,6 +171,8 @@ def check_context(prompt_tokens: int, max_context: Optional[int], param: str = "
         f"{prompt_tokens} tokens, leaving no room for the completion. Please reduce the length of the prompt.",
         param=param,
         code="context_length_exceeded",
+        # Anthropic's words for it, which Claude Code looks for to compact its conversation.
+        anthropic_message=f"prompt is too long: {prompt_tokens} tokens > {max_context - 1} maximum",
     )
 
 

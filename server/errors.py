@@ -29,16 +29,19 @@ class APIError(Exception):
         param: Optional[str] = None,
         code: Optional[str] = None,
         headers: Optional[dict[str, str]] = None,
+        anthropic_message: Optional[str] = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+        self.anthropic_message = anthropic_message  # where Anthropic's API words it otherwise
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict:
-        return {"type": "error", "error": {"type": _anthropic_type(self.status, self.type), "message": self.message}}
+        return {"type": "error", "error": {"type": _anthropic_type(self.status, self.type),
+                                           "message": self.anthropic_message or self.message}}
 
     def response(self, path: str = "") -> JSONResponse:
         body = self.anthropic_body() if is_anthropic_path(path) else self.body()

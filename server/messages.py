@@ -165,9 +165,12 @@ def _id(prefix: str) -> str:
 class MessageBuilder:
     """Parsed deltas -> content blocks, and the content_block_* events that build them."""
 
-    def __init__(self):
+    def __init__(self, omit_thinking: bool = False):
         self.blocks: list[dict] = []
         self._open: Optional[str] = None  # the type of the block being written
+        # thinking.display "omitted": the thinking blocks come without their text (as Anthropic
+        # sends them then); the model still thinks, and the answer after it is the same.
+        self.omit_thinking = omit_thinking
 
     def feed(self, delta: Delta) -> list[dict]:
         if delta.tool_call is not None:
@@ -185,6 +188,8 @@ class MessageBuilder:
         if self._open != kind:
             empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
             events = self.close() + self._start(empty)
+        if kind == "thinking" and self.omit_thinking:
+            return events
         self.blocks[-1][kind] += text
         name = "thinking_delta" if kind == "thinking" else "text_delta"
         return events + [self._delta({"type": name, kind: text})]
@@ -210,7 +215,7 @@ class MessageBuilder:
 class MessagesResponder:
     def __init__(self, body: MessagesRequest, run: Run, output: ChatOutput):
         self.body, self.run, self.output = body, run, output
-        self.builder = MessageBuilder()
+        self.builder = MessageBuilder(omit_thinking=bool(body.thinking and body.thinking.display == "omitted"))
         self.id = _id("msg")
 
     def stop(self) -> tuple[str, Optional[str]]:
@@ -218,6 +223,9 @@ class MessagesResponder:
         if reason == "tool_calls":
             return "tool_use", None
         if reason == "length":
+            # Cut by the model's context before max_tokens: a larger max_tokens would not help.
+            if self.output.usage()["completion_tokens"] < self.body.max_tokens:
+                return "model_context_window_exceeded", None
             return "max_tokens", None
         matched = self.output.parser.stop_matched
         return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
@@ -274,6 +282,12 @@ def router(state: ServerState) -> APIRouter:
     @routes.post("/v1/messages")
     async def create(body: MessagesRequest, request: Request):
         chat.refuse_surrogates(body)
+        if body.messages[-1].role == "assistant":
+            # Anthropic's API continues a final assistant message (a prefill); the chat templates
+            # here close it and open a new turn, so it is refused as Anthropic refuses it for
+            # models without prefill, rather than answered as a fresh turn.
+            raise bad_request("a final assistant message (prefill) is not supported: the conversation must end "
+                              "with a user message", param=f"messages[{len(body.messages) - 1}]")
         started = await start_chat(state, to_chat(body, body.max_tokens), time.perf_counter())
         responder = MessagesResponder(body, started.run, started.output)
         return await respond(state, "messages", request, started.run, responder, stream=bool(body.stream))

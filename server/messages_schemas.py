@@ -7,9 +7,9 @@ generated say why next to them (README.md, "Messages API", lists them too).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from .schemas import DflashOptions, StrictModel
 
@@ -37,6 +37,19 @@ class TextBlock(StrictModel):
         return value
 
 
+# Blocks that carry no text: the served models read text only, so these are refused by name.
+NOT_TEXT = {"image": "images", "document": "documents", "search_result": "search results",
+            "container_upload": "files"}
+
+
+def _text_blocks_only(value):
+    for block in value if isinstance(value, list) else ():
+        kind = block.get("type") if isinstance(block, dict) else None
+        if isinstance(kind, str) and kind in NOT_TEXT:
+            raise ValueError(f"{kind} blocks are not supported: the served models read text only, not {NOT_TEXT[kind]}")
+    return value
+
+
 class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
@@ -44,6 +57,7 @@ class ToolUseBlock(StrictModel):
     input: dict[str, Any]
     cache_control: Optional[CacheControl] = None
     caller: Optional[Any] = None  # who made the call (Claude Code hands back "direct"): the model did
+    toolset_name: None = None  # MCP toolsets run on Anthropic's side: only "none" is meaningful
 
 
 class ToolReferenceBlock(StrictModel):
@@ -52,14 +66,34 @@ class ToolReferenceBlock(StrictModel):
 
     type: Literal["tool_reference"]
     tool_name: str
+    cache_control: Optional[CacheControl] = None
+
+
+def _block_kind(tags: dict):
+    """A content block's kind by its `type` (tagged by class name, so an error's path reads
+    messages[2].content[0].text): pydantic validates it as that kind only, and an error names
+    what is wrong with it, or that its type is not one this server takes."""
+
+    def kind(block) -> Optional[str]:
+        value = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+        return tags.get(value) if isinstance(value, str) else None
+
+    return kind
 
 
 class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[Union[TextBlock, ToolReferenceBlock]], None] = None
+    content: Union[str, list[Annotated[
+        Union[Annotated[TextBlock, Tag("TextBlock")], Annotated[ToolReferenceBlock, Tag("ToolReferenceBlock")]],
+        Discriminator(_block_kind({"text": "TextBlock", "tool_reference": "ToolReferenceBlock"}),
+                      custom_error_type="invalid_block",
+                      custom_error_message="a tool result's blocks must be text or tool_reference blocks")]], None] = None
     is_error: Optional[bool] = None
     cache_control: Optional[CacheControl] = None
+    toolset_name: None = None  # as on ToolUseBlock
+
+    _blocks = field_validator("content", mode="before")(_text_blocks_only)
 
 
 class ThinkingBlock(StrictModel):
@@ -76,13 +110,23 @@ class RedactedThinkingBlock(StrictModel):
     data: str
 
 
-ContentBlock = Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock]
+BLOCKS = (TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock)
+ContentBlock = Annotated[
+    Union[tuple(Annotated[b, Tag(b.__name__)] for b in BLOCKS)],
+    Discriminator(_block_kind({"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock",
+                               "thinking": "ThinkingBlock", "redacted_thinking": "RedactedThinkingBlock"}),
+                  custom_error_type="invalid_block",
+                  custom_error_message="a content block's type must be text, tool_use, tool_result, thinking or "
+                  "redacted_thinking (other block types are not supported)"),
+]
 
 
 class Message(StrictModel):
     # "system" mid-conversation: Claude Code's mid-conversation-system beta.
     role: Literal["user", "assistant", "system"]
     content: Union[str, list[ContentBlock]]
+
+    _blocks = field_validator("content", mode="before")(_text_blocks_only)
 
 
 class Tool(StrictModel):
@@ -159,6 +203,7 @@ class MessagesRequest(StrictModel):
 
 class CountTokensRequest(StrictModel):
     model: str
+    cache_control: Optional[CacheControl] = None  # as in MessagesRequest: counting is the same either way
     messages: list[Message] = Field(min_length=1)
     system: Union[str, list[TextBlock], None] = None
     tools: Optional[list[Tool]] = None

@@ -104,6 +104,10 @@ def test_count_tokens_is_the_prompt_length(live):
     counted = live.client.messages.count_tokens(model="tiny", system="Be brief.", messages=HI, tools=[WEATHER])
     out = live.client.messages.create(model="tiny", system="Be brief.", messages=HI, tools=[WEATHER], max_tokens=1)
     assert counted.input_tokens == out.usage.input_tokens + out.usage.cache_read_input_tokens > 10
+    # The request's automatic-caching field, as a client reusing its create arguments sends it.
+    cached = live.client.messages.count_tokens(model="tiny", system="Be brief.", messages=HI, tools=[WEATHER],
+                                               cache_control={"type": "ephemeral"})
+    assert cached.input_tokens == counted.input_tokens
 
 
 def test_both_key_headers_authenticate(live):
@@ -116,20 +120,37 @@ def test_both_key_headers_authenticate(live):
     assert wrong.json() == {"type": "error", "error": {"type": "authentication_error", "message": message}}
 
 
-@pytest.mark.parametrize("body, status", [
-    ({"model": "tiny", "messages": HI}, 400),  # max_tokens is required
-    ({"model": "tiny", "messages": HI, "max_tokens": 5, "frobnicate": 1}, 400),
-    ({"model": "tiny", "messages": "hi", "max_tokens": 5}, 400),
-    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5}, 400),
-    ({"model": "tiny", "messages": HI, "max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "w"}]}, 400),
-    ({"model": "tiny", "messages": HI, "max_tokens": 5, "tool_choice": {"type": "tool"}, "tools": [WEATHER]}, 400),
-    ({"model": "nope", "messages": HI, "max_tokens": 5}, 404),
-], ids=["no-max-tokens", "unknown-field", "messages-type", "image", "server-tool", "tool-without-name", "model"])
-def test_bad_input_is_anthropic_shaped(live, body, status):
+def _user(*blocks) -> list[dict]:
+    return [{"role": "user", "content": list(blocks)}]
+
+
+@pytest.mark.parametrize("body, status, says", [
+    ({"model": "tiny", "messages": HI}, 400, "max_tokens"),  # max_tokens is required
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": "tiny", "messages": "hi", "max_tokens": 5}, 400, "messages"),
+    ({"model": "tiny", "messages": _user({"type": "text", "text": "What is it?"}, {"type": "image", "source": {}}),
+      "max_tokens": 5}, 400, "image blocks are not supported"),
+    ({"model": "tiny", "messages": _user({"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "document", "source": {}}]}), "max_tokens": 5}, 400, "document blocks are not supported"),
+    ({"model": "tiny", "messages": _user({"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}),
+      "max_tokens": 5}, 400, "other block types are not supported"),
+    ({"model": "tiny", "messages": _user({"type": "text", "text": "x", "colour": "red"}), "max_tokens": 5}, 400,
+     "messages[0].content[0].colour"),
+    ({"model": "tiny", "messages": [*HI, {"role": "assistant", "content": "The sea is"}], "max_tokens": 5}, 400,
+     "prefill"),
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "w"}]}, 400,
+     ""),
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "tool_choice": {"type": "tool"}, "tools": [WEATHER]}, 400,
+     "name"),
+    ({"model": "nope", "messages": HI, "max_tokens": 5}, 404, "nope"),
+], ids=["no-max-tokens", "unknown-field", "messages-type", "image", "document-in-result", "server-block",
+        "block-field", "prefill", "server-tool", "tool-without-name", "model"])
+def test_bad_input_is_anthropic_shaped(live, body, status, says):
     response = httpx.post(live.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
     assert response.status_code == status, response.text
     error = response.json()
     assert error["type"] == "error" and set(error["error"]) == {"type", "message"} and error["error"]["message"]
+    assert says in error["error"]["message"] and "valid string" not in error["error"]["message"], error
     assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert live.client.messages.create(model="tiny", messages=HI, max_tokens=2, **GREEDY).usage.output_tokens == 2
 
@@ -155,6 +176,12 @@ def test_tool_use_round_trip(scripted):
                                             "content": [{"type": "text", "text": "sunny"}]}]}]
     answer = scripted.client.messages.create(model="scripted", messages=follow, tools=[WEATHER], max_tokens=50)
     assert answer.content[0].text == "Sunny." and answer.stop_reason == "end_turn"
+    # The blocks handed back as the SDK writes them out with every field (toolset_name, caller,
+    # citations: nulls) are the same conversation.
+    follow[1]["content"] = [b.model_dump() for b in out.content]
+    assert any(v is None for b in follow[1]["content"] for v in b.values())
+    again = scripted.client.messages.create(model="scripted", messages=follow, tools=[WEATHER], max_tokens=50)
+    assert again.content[0].text == "Sunny." and again.usage.input_tokens == answer.usage.input_tokens
 
 
 def test_blocks_render_as_one_conversation(scripted):
@@ -187,6 +214,46 @@ def test_stop_sequences_and_stop_reasons(scripted):
     beta = scripted.client.beta.messages.create(model="scripted", messages=HI, max_tokens=50,
                                                 betas=["interleaved-thinking-2025-05-14"])
     assert beta.stop_reason == "end_turn"
+
+
+def test_the_context_limit_is_told_as_anthropic_tells_it(scripted):
+    """A prompt that fills the context is Anthropic's "prompt is too long" (Claude Code compacts its
+    conversation on it); an answer cut by the context before max_tokens stops with
+    model_context_window_exceeded (a larger max_tokens would not help), not max_tokens."""
+    engine = scripted.state.pool._served["scripted"].engine
+    script(scripted, "scripted", "</think>\n\n" + "word " * 30)
+    prompt = scripted.client.messages.count_tokens(model="scripted", messages=HI).input_tokens
+    try:
+        engine.max_context = prompt + 4
+        cut = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50)
+        assert cut.stop_reason == "model_context_window_exceeded" and cut.usage.output_tokens == 4
+        engine.max_context = prompt
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50)
+        assert refused.value.body["error"]["message"] == f"prompt is too long: {prompt} tokens > {prompt - 1} maximum"
+        # The OpenAI APIs keep OpenAI's words.
+        chat_refused = httpx.post(scripted.url + "/v1/chat/completions", timeout=30, json={
+            "model": "scripted", "messages": HI, "max_tokens": 5})
+        assert chat_refused.json()["error"]["code"] == "context_length_exceeded"
+        assert "maximum context length" in chat_refused.json()["error"]["message"]
+    finally:
+        engine.max_context = None
+    assert scripted.client.messages.create(model="scripted", messages=HI, max_tokens=3).stop_reason == "max_tokens"
+
+
+def test_thinking_display_omitted_sends_thinking_blocks_without_their_text(scripted):
+    script(scripted, "scripted", "Weighing it up.\n</think>\n\nCalm.")
+    shown = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50)
+    omitted = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50,
+                                              thinking={"type": "enabled", "budget_tokens": 40, "display": "omitted"})
+    assert [b.type for b in shown.content] == [b.type for b in omitted.content] == ["thinking", "text"]
+    assert shown.content[0].thinking == "Weighing it up." and omitted.content[0].thinking == ""
+    assert omitted.content[1].text == shown.content[1].text == "Calm."
+    events = _raw_events(scripted, {"model": "scripted", "messages": HI, "max_tokens": 50,
+                                    "thinking": {"type": "enabled", "budget_tokens": 40, "display": "omitted"}},
+                         key="unused")
+    deltas = [data["delta"]["type"] for name, data in events if name == "content_block_delta"]
+    assert "thinking_delta" not in deltas and "text_delta" in deltas
 
 
 def test_a_failing_generation_ends_the_stream_with_an_error_event(scripted):
