@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import secrets
 import time
@@ -86,9 +87,18 @@ def create_app(settings: Settings, channel=None) -> FastAPI:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_entry(name: str) -> dict:
+        """OpenAI's fields and Anthropic's (`type`, `display_name`, `created_at`,
+        `max_input_tokens`) side by side: both SDKs list models from this one route."""
         loaded = {m.name: m for m in state.pool.served()}
-        return {"id": name, "object": "model", "owned_by": "dflash",
-                "created": loaded[name].created if name in loaded else 0}
+        created = loaded[name].created if name in loaded else 0
+        spec = next((m for m in state.settings.models if m.name == name), None)
+        context = loaded[name].engine.max_context if name in loaded else (spec.max_context if spec else None)
+        entry = {"id": name, "object": "model", "owned_by": "dflash", "created": created, "type": "model",
+                 "display_name": name,
+                 "created_at": datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat()}
+        if context:
+            entry["max_input_tokens"] = context - 1  # a prompt leaves room for one token
+        return entry
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -115,7 +125,10 @@ def create_app(settings: Settings, channel=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_entry(name) for name in state.pool.servable()]}
+        data = [model_entry(name) for name in state.pool.servable()]
+        # (Anthropic's list is paged: one page here.)
+        return {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):

@@ -55,7 +55,7 @@ def is_anthropic_path(path: str) -> bool:
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+                    503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 
 def _anthropic_type(status: int, openai_type: str) -> str:

@@ -150,12 +150,16 @@ def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
         "max_reasoning_tokens": body.thinking.budget_tokens if body.thinking and body.thinking.type == "enabled" else None,
     }
     if isinstance(body, MessagesRequest):
-        request.update(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
+        request.update(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                        user=body.metadata.user_id if body.metadata else None, dflash=body.dflash)
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in request.items() if v is not None})
+        chat_request = ChatCompletionRequest.model_validate({k: v for k, v in request.items() if v is not None})
     except ValueError as e:
         raise bad_request(f"invalid request: {e}") from e
+    if isinstance(body, MessagesRequest) and body.stop_sequences:
+        # Set after validation: the chat request's limit of 4 is OpenAI's; Anthropic's API has none.
+        chat_request.stop = list(body.stop_sequences)
+    return chat_request
 
 
 def _id(prefix: str) -> str:

@@ -19,7 +19,7 @@ class CacheControl(StrictModel):
     asks for nothing more."""
 
     type: Literal["ephemeral"]
-    ttl: Optional[str] = None
+    ttl: Optional[Literal["5m", "1h"]] = None
     scope: Optional[str] = None
 
 
@@ -139,12 +139,21 @@ class Tool(StrictModel):
     # true: left out of the prompt's tool list; a tool_reference block in a tool result (a tool
     # search's, Claude Code's ToolSearch) shows its definition there, and the model may call it.
     defer_loading: Optional[bool] = None
+    eager_input_streaming: Optional[bool] = None  # a call's input streams as it is written here anyway
+    allowed_callers: Optional[list[Literal["direct"]]] = None  # the model calls tools; programs do not here
 
 
 class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: Optional[bool] = None  # true: the output ends with its first call
+
+    @field_validator("name")
+    @classmethod
+    def _name_only_for_a_tool(cls, value, info):
+        if value is not None and info.data.get("type") != "tool":
+            raise ValueError(f"a name is for tool_choice of type tool, not {info.data.get('type')!r}")
+        return value
 
 
 class Thinking(StrictModel):
@@ -197,6 +206,7 @@ class MessagesRequest(StrictModel):
     output_config: Optional[OutputConfig] = None
     context_management: Optional[ContextManagement] = None
     service_tier: Optional[Literal["auto", "standard_only"]] = None  # one tier here
+    speed: Optional[Literal["standard"]] = None  # the one speed here (a faster mode is not offered)
     cache_control: Optional[CacheControl] = None  # automatic caching: what the prefix cache does
     dflash: Optional[DflashOptions] = None  # dflash's extension (docs/api.md)
 

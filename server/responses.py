@@ -292,6 +292,14 @@ class ResponseBuilder:
         return input_messages(items, self.names)
 
 
+def _tool_echo(tool) -> dict:
+    """A request's tool as the response lists it (a namespace's `description` is required there)."""
+    out = tool.model_dump(exclude_none=True)
+    if out["type"] == "namespace":
+        out.setdefault("description", "")
+    return out
+
+
 def _failure_code(error: APIError) -> str:
     """A failed response's `error.code`, one of the Responses API's codes (clients validate it);
     the message keeps the detail (a timeout, a shutdown)."""
@@ -337,9 +345,10 @@ class ResponsesResponder:
                      if body.text and body.text.format else {"type": "text"}},
             "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedTool)
             else (body.tool_choice or "auto"),
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tools": [_tool_echo(t) for t in body.tools or []],
             "top_logprobs": body.top_logprobs, "truncation": "disabled", "service_tier": "default",
-            "user": body.user, "usage": None, "dflash": self.run.report(),
+            "user": body.user, "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
+            "usage": None, "dflash": self.run.report(),
         }
         if status in ("completed", "incomplete"):
             out["completed_at"] = int(time.time())
@@ -420,8 +429,24 @@ def router(state: ServerState) -> APIRouter:
         return await respond(state, "responses", request, started.run, responder, stream=bool(body.stream))
 
     @routes.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str):
+    async def retrieve(response_id: str, request: Request):
+        # Streaming a stored response again (`stream`, `starting_after`) and `include` are not
+        # offered: a 400 rather than the response whole, which the client would not expect.
+        unsupported = [name for name in request.query_params if name in ("stream", "starting_after", "include",
+                                                                         "include[]", "include_obfuscation")]
+        if unsupported:
+            raise bad_request(f"retrieving a response takes no {unsupported[0]}: stored responses are returned whole",
+                              param=unsupported[0])
         return state.responses.get(response_id)["response"]
+
+    # The Responses API's other endpoints, named rather than left to a 404 or 405 of the route above.
+    @routes.post("/v1/responses/compact", include_in_schema=False)
+    @routes.post("/v1/responses/input_tokens", include_in_schema=False)
+    @routes.post("/v1/responses/{response_id}/cancel", include_in_schema=False)
+    @routes.get("/v1/responses/{response_id}/input_items", include_in_schema=False)
+    async def not_offered(request: Request):
+        raise APIError(404, f"{request.method} {request.url.path} is not offered by this server: it serves "
+                       "POST /v1/responses and GET/DELETE /v1/responses/{id}", type="not_found_error")
 
     @routes.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):

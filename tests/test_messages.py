@@ -110,6 +110,24 @@ def test_count_tokens_is_the_prompt_length(live):
     assert cached.input_tokens == counted.input_tokens
 
 
+def test_models_list_in_both_sdks_shapes(live):
+    """One /v1/models for both SDKs: Anthropic's fields beside OpenAI's."""
+    anthropic_models = live.client.models.list()
+    model = anthropic_models.data[0]
+    assert (model.id, model.type, model.display_name) == ("tiny", "model", "tiny") and model.created_at.year >= 2026
+    assert model.max_input_tokens == 511 and anthropic_models.has_more is False
+    assert live.client.models.retrieve("tiny").max_input_tokens == 511
+    openai_models = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0).models.list()
+    assert [(m.id, m.object, m.owned_by) for m in openai_models.data] == [("tiny", "model", "dflash")]
+
+
+@pytest.mark.parametrize("extra", [{"speed": "standard"}, {"cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                                   {"tools": [{**WEATHER, "eager_input_streaming": True, "allowed_callers": ["direct"]}]}],
+                         ids=["speed", "ttl", "tool-fields"])
+def test_fields_asking_for_what_the_server_does_are_accepted(live, extra):
+    assert live.client.messages.create(model="tiny", messages=HI, max_tokens=2, extra_body={"temperature": 0, **extra})
+
+
 def test_both_key_headers_authenticate(live):
     body = {"model": "tiny", "messages": HI, "max_tokens": 1}
     for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}):
@@ -143,8 +161,12 @@ def _user(*blocks) -> list[dict]:
     ({"model": "tiny", "messages": HI, "max_tokens": 5, "tool_choice": {"type": "tool"}, "tools": [WEATHER]}, 400,
      "name"),
     ({"model": "nope", "messages": HI, "max_tokens": 5}, 404, "nope"),
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "tool_choice": {"type": "auto", "name": "get_weather"},
+      "tools": [WEATHER]}, 400, "a name is for tool_choice of type tool"),
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "cache_control": {"type": "ephemeral", "ttl": "2d"}}, 400, "ttl"),
+    ({"model": "tiny", "messages": HI, "max_tokens": 5, "speed": "fast"}, 400, "speed"),
 ], ids=["no-max-tokens", "unknown-field", "messages-type", "image", "document-in-result", "server-block",
-        "block-field", "prefill", "server-tool", "tool-without-name", "model"])
+        "block-field", "prefill", "server-tool", "tool-without-name", "model", "choice-name-unused", "ttl", "speed"])
 def test_bad_input_is_anthropic_shaped(live, body, status, says):
     response = httpx.post(live.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
     assert response.status_code == status, response.text
@@ -209,6 +231,10 @@ def test_stop_sequences_and_stop_reasons(scripted):
     script(scripted, "scripted", "</think>\n\nOne two STOP three.")
     out = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50, stop_sequences=["STOP"])
     assert out.content[0].text == "One two " and out.stop_reason == "stop_sequence" and out.stop_sequence == "STOP"
+    # More than OpenAI's 4: Anthropic's API sets no limit.
+    many = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50,
+                                           stop_sequences=["a1", "b2", "c3", "d4", "two"])
+    assert many.content[0].text == "One " and many.stop_sequence == "two"
     short = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=3)
     assert short.stop_reason == "max_tokens"
     beta = scripted.client.beta.messages.create(model="scripted", messages=HI, max_tokens=50,

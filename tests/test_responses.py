@@ -194,9 +194,13 @@ def test_namespace_and_custom_tools(scripted):
              {"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
               "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]
     script(scripted, "scripted", "</think>\n\n<tool_call>\n<function=agents.spawn>\n</function>\n</tool_call>")
-    out = scripted.client.responses.create(model="scripted", input="go", tools=tools)
+    # (A namespace may come without a description; the response's list of tools has one.)
+    undescribed = {"type": "namespace", "name": "more", "tools": [{"type": "function", "name": "wait"}]}
+    out = scripted.client.responses.create(model="scripted", input="go", tools=[*tools, undescribed],
+                                           prompt_cache_key="thread-1")
     call = out.output[0]
     assert call.type == "function_call" and call.name == "spawn" and call.namespace == "agents"
+    assert Response.model_validate(out.model_dump()).prompt_cache_key == "thread-1"  # the SDK's type, strictly
     script(scripted, "scripted", "</think>\n\n<tool_call>\n<function=apply_patch>\n<parameter=input>\n*** Begin Patch\n"
            "</parameter>\n</function>\n</tool_call>")
     events = _events(scripted.client.responses.create(model="scripted", input="go", tools=tools, stream=True))
@@ -257,6 +261,18 @@ def test_bad_input_is_a_400_in_openai_shape(live, body, param, says):
 def test_unknown_response_id_is_a_404(live):
     response = httpx.get(live.url + "/v1/responses/resp_nope", headers={"Authorization": f"Bearer {KEY}"})
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+
+
+def test_what_the_responses_api_has_and_this_server_does_not_is_named(live):
+    stored = live.client.responses.create(model="tiny", input="hi", max_output_tokens=2, temperature=0)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    replay = httpx.get(live.url + f"/v1/responses/{stored.id}?stream=true", headers=auth)
+    assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream"
+    for method, path in (("POST", "/v1/responses/compact"), ("POST", "/v1/responses/input_tokens"),
+                         ("POST", f"/v1/responses/{stored.id}/cancel"), ("GET", f"/v1/responses/{stored.id}/input_items")):
+        refused = httpx.request(method, live.url + path, headers=auth, json={"model": "tiny", "input": "hi"})
+        assert refused.status_code == 404 and "is not offered by this server" in refused.json()["error"]["message"]
+    assert live.client.responses.retrieve(stored.id).id == stored.id
 
 
 def test_a_failing_generation_ends_the_stream_with_response_failed(scripted):
