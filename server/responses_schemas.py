@@ -112,7 +112,9 @@ class ReasoningItem(StrictModel):
     summary: list[ReasoningText] = Field(default_factory=list)
     content: Optional[list[ReasoningText]] = None
     # Handed back by clients that asked for include=["reasoning.encrypted_content"]: we never
-    # encrypt (the reasoning text itself is in `content`), so only null is meaningful here.
+    # encrypt (the reasoning text itself is in `content`, null here). Another provider's encrypted
+    # reasoning is dropped, as no model here can read it (a reasoning item of only that, whole),
+    # as the Messages API drops redacted_thinking.
     encrypted_content: Optional[str] = None
     status: ITEM_STATUS = None
 
