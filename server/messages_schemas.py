@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from .schemas import DflashOptions, StrictModel
+from .schemas import DflashOptions, StrictModel, text_only
 
 
 class CacheControl(StrictModel):
@@ -37,17 +37,8 @@ class TextBlock(StrictModel):
         return value
 
 
-# Blocks that carry no text: the served models read text only, so these are refused by name.
-NOT_TEXT = {"image": "images", "document": "documents", "search_result": "search results",
-            "container_upload": "files"}
-
-
-def _text_blocks_only(value):
-    for block in value if isinstance(value, list) else ():
-        kind = block.get("type") if isinstance(block, dict) else None
-        if isinstance(kind, str) and kind in NOT_TEXT:
-            raise ValueError(f"{kind} blocks are not supported: the served models read text only, not {NOT_TEXT[kind]}")
-    return value
+_text_blocks_only = text_only({"image": "images", "document": "documents", "search_result": "search results",
+                               "container_upload": "files"}, "blocks")
 
 
 class ToolUseBlock(StrictModel):

@@ -10,20 +10,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from .schemas import Sampling, StrictModel
+from .schemas import Sampling, StrictModel, text_only
 
 ITEM_STATUS = Optional[Literal["in_progress", "completed", "incomplete"]]  # as we reported it: asks nothing
-# Parts that carry no text: the served models read text only, so they are refused by name rather
-# than left to a union's error (which would name the first alternative, a plain string).
-NOT_TEXT = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
-
-
-def _text_parts_only(value):
-    for part in value if isinstance(value, list) else ():
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind in NOT_TEXT:
-            raise ValueError(f"{kind} parts are not supported: the served models read text only, not {NOT_TEXT[kind]}")
-    return value
+_text_parts_only = text_only({"input_image": "images", "input_file": "files", "input_audio": "audio"}, "parts")
 
 
 class InputText(StrictModel):

@@ -18,6 +18,21 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def text_only(kinds: dict[str, str], noun: str):
+    """A before-validator for a list of content parts or blocks: those of `kinds` (type -> what
+    they carry) are refused by name, since the served models read text only; left to the field's
+    union, the error would name its first alternative (a plain string) instead."""
+
+    def check(value):
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in kinds:
+                raise ValueError(f"{kind} {noun} are not supported: the served models read text only, not {kinds[kind]}")
+        return value
+
+    return check
+
+
 class TextPart(StrictModel):
     type: Literal["text"]
     text: str

@@ -51,6 +51,16 @@ def _alone(engine, row: Row) -> list[int]:
     return [t for c in steps for t in c.token_ids]
 
 
+def _assert_each_as_alone(engine, rows: list[Row], together: list[list[int]]) -> None:
+    """Each row's tokens batched are its tokens alone (a cancelled row's, up to its cancel)."""
+    for i, row in enumerate(rows):
+        alone = _alone(engine, row)
+        if row.cancel_at >= 0:
+            assert together[i] == alone[: len(together[i])] and 0 < len(together[i]) < len(alone)
+        else:
+            assert together[i] == alone, f"row {i}"
+
+
 def _policy(speculation):
     return Scheduled(speculation.plans) if isinstance(speculation, Scheduled) else speculation
 
@@ -104,12 +114,7 @@ def test_random_drafter_rows_are_each_exactly_alone(engines, family, monkeypatch
     together = _together(engine, rows)
     assert max(sizes) >= 4
     monkeypatch.undo()
-    for i, row in enumerate(rows):
-        alone = _alone(engine, row)
-        if row.cancel_at >= 0:
-            assert together[i] == alone[: len(together[i])] and 0 < len(together[i]) < len(alone)
-        else:
-            assert together[i] == alone, f"row {i}"
+    _assert_each_as_alone(engine, rows, together)
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
@@ -130,12 +135,7 @@ def test_grammar_rows_in_a_batch_are_each_exactly_alone(engines, family):
         Row(_prompt(engine, 9, 6), 60, SEEDED, cancel_at=6),
     ]
     together = _together(engine, rows)
-    for i, row in enumerate(rows):
-        alone = _alone(engine, row)
-        if row.cancel_at >= 0:
-            assert together[i] == alone[: len(together[i])] and 0 < len(together[i]) < len(alone)
-        else:
-            assert together[i] == alone, f"row {i}"
+    _assert_each_as_alone(engine, rows, together)
     # The schema and regex rows completed their grammar (they have no stop token to end on).
     assert all(len(together[i]) < rows[i].max_tokens for i in (0, 2, 4))
 
