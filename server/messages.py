@@ -137,6 +137,12 @@ def _shown_tools(body) -> list[Tool]:
 
 
 def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
+    forced = body.tool_choice is not None and body.tool_choice.type in ("any", "tool")
+    if forced and body.thinking is not None and body.thinking.type == "enabled":
+        # A forced call starts the answer, so there is no room to think first: Anthropic refuses
+        # the combination, rather than turning thinking off unasked.
+        raise bad_request("thinking may not be enabled when tool_choice forces tool use (type any or tool)",
+                          param="thinking")
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema, "strict": t.strict}}
              for t in _shown_tools(body)]

@@ -165,8 +165,11 @@ def _user(*blocks) -> list[dict]:
       "tools": [WEATHER]}, 400, "a name is for tool_choice of type tool"),
     ({"model": "tiny", "messages": HI, "max_tokens": 5, "cache_control": {"type": "ephemeral", "ttl": "2d"}}, 400, "ttl"),
     ({"model": "tiny", "messages": HI, "max_tokens": 5, "speed": "fast"}, 400, "speed"),
+    ({"model": "tiny", "messages": HI, "max_tokens": 50, "tools": [WEATHER], "tool_choice": {"type": "any"},
+      "thinking": {"type": "enabled", "budget_tokens": 20}}, 400, "thinking may not be enabled"),
 ], ids=["no-max-tokens", "unknown-field", "messages-type", "image", "document-in-result", "server-block",
-        "block-field", "prefill", "server-tool", "tool-without-name", "model", "choice-name-unused", "ttl", "speed"])
+        "block-field", "prefill", "server-tool", "tool-without-name", "model", "choice-name-unused", "ttl", "speed",
+        "forced-call-and-thinking"])
 def test_bad_input_is_anthropic_shaped(live, body, status, says):
     response = httpx.post(live.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
     assert response.status_code == status, response.text
