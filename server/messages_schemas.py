@@ -7,11 +7,11 @@ generated say why next to them (README.md, "Messages API", lists them too).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Field, field_validator
 
-from .schemas import DflashOptions, StrictModel, text_only
+from .schemas import DflashOptions, StrictModel, by_type, text_only
 
 
 class CacheControl(StrictModel):
@@ -60,26 +60,14 @@ class ToolReferenceBlock(StrictModel):
     cache_control: Optional[CacheControl] = None
 
 
-def _block_kind(tags: dict):
-    """A content block's kind by its `type` (tagged by class name, so an error's path reads
-    messages[2].content[0].text): pydantic validates it as that kind only, and an error names
-    what is wrong with it, or that its type is not one this server takes."""
-
-    def kind(block) -> Optional[str]:
-        value = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
-        return tags.get(value) if isinstance(value, str) else None
-
-    return kind
+ResultBlock = by_type({"text": TextBlock, "tool_reference": ToolReferenceBlock},
+                      "a tool result's blocks must be text or tool_reference blocks")
 
 
 class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[Annotated[
-        Union[Annotated[TextBlock, Tag("TextBlock")], Annotated[ToolReferenceBlock, Tag("ToolReferenceBlock")]],
-        Discriminator(_block_kind({"text": "TextBlock", "tool_reference": "ToolReferenceBlock"}),
-                      custom_error_type="invalid_block",
-                      custom_error_message="a tool result's blocks must be text or tool_reference blocks")]], None] = None
+    content: Union[str, list[ResultBlock], None] = None
     is_error: Optional[bool] = None
     cache_control: Optional[CacheControl] = None
     toolset_name: None = None  # as on ToolUseBlock
@@ -101,15 +89,11 @@ class RedactedThinkingBlock(StrictModel):
     data: str
 
 
-BLOCKS = (TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock)
-ContentBlock = Annotated[
-    Union[tuple(Annotated[b, Tag(b.__name__)] for b in BLOCKS)],
-    Discriminator(_block_kind({"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock",
-                               "thinking": "ThinkingBlock", "redacted_thinking": "RedactedThinkingBlock"}),
-                  custom_error_type="invalid_block",
-                  custom_error_message="a content block's type must be text, tool_use, tool_result, thinking or "
-                  "redacted_thinking (other block types are not supported)"),
-]
+ContentBlock = by_type(
+    {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock,
+     "redacted_thinking": RedactedThinkingBlock},
+    "a content block's type must be text, tool_use, tool_result, thinking or redacted_thinking (other block types "
+    "are not supported)")
 
 
 class Message(StrictModel):

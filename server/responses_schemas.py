@@ -6,11 +6,11 @@ is generated say why next to them (README.md, "Responses API", lists them too).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Field, field_validator
 
-from .schemas import Sampling, StrictModel, text_only
+from .schemas import Sampling, StrictModel, by_type, text_only
 
 ITEM_STATUS = Optional[Literal["in_progress", "completed", "incomplete"]]  # as we reported it: asks nothing
 _text_parts_only = text_only({"input_image": "images", "input_file": "files", "input_audio": "audio"}, "parts")
@@ -113,27 +113,13 @@ class ReasoningItem(StrictModel):
         return "\n\n".join(p.text for p in parts)
 
 
-def _item_kind(item) -> Optional[str]:
-    """An input item's kind, by its `type` (a message may leave it out): pydantic then validates
-    it as that kind only, and an error names what is wrong with it (or that the kind is not one
-    this server takes) instead of why it is not a string."""
-    kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else getattr(item, "type", None)
-    return ITEM_KINDS.get(kind) if isinstance(kind, str) else None
-
-
-# Tagged by class name: an error's path then reads input[3].content, as pydantic's union members do.
-ITEM_KINDS = {"message": "MessageItem", "function_call": "FunctionCallItem", "custom_tool_call": "CustomToolCallItem",
-              "function_call_output": "FunctionCallOutputItem", "custom_tool_call_output": "FunctionCallOutputItem",
-              "reasoning": "ReasoningItem"}
-InputItem = Annotated[
-    Union[Annotated[MessageItem, Tag("MessageItem")], Annotated[FunctionCallItem, Tag("FunctionCallItem")],
-          Annotated[CustomToolCallItem, Tag("CustomToolCallItem")],
-          Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
-          Annotated[ReasoningItem, Tag("ReasoningItem")]],
-    Discriminator(_item_kind, custom_error_type="invalid_item",
-                  custom_error_message="an input item must have a type: message, function_call, custom_tool_call, "
-                  "function_call_output, custom_tool_call_output or reasoning (other item types are not supported)"),
-]
+InputItem = by_type(
+    {"message": MessageItem, "function_call": FunctionCallItem, "custom_tool_call": CustomToolCallItem,
+     "function_call_output": FunctionCallOutputItem, "custom_tool_call_output": FunctionCallOutputItem,
+     "reasoning": ReasoningItem},
+    "an input item must have a type: message, function_call, custom_tool_call, function_call_output, "
+    "custom_tool_call_output or reasoning (other item types are not supported)",
+    implied=lambda item: "message" if "role" in item else None)  # a message may leave its type out
 
 
 class FunctionTool(StrictModel):
@@ -163,12 +149,7 @@ class CustomTool(StrictModel):
     defer_loading: Optional[bool] = None  # as on FunctionTool
 
 
-TOOL_KINDS = {"function": "FunctionTool", "custom": "CustomTool", "namespace": "NamespaceTool"}
-
-
-def _tool_kind(tool) -> Optional[str]:
-    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
-    return TOOL_KINDS.get(kind) if isinstance(kind, str) else None
+NamespacedTool = by_type({"function": FunctionTool, "custom": CustomTool}, "a namespace's tools must be function or custom tools")
 
 
 class NamespaceTool(StrictModel):
@@ -177,15 +158,11 @@ class NamespaceTool(StrictModel):
     type: Literal["namespace"]
     name: str
     description: Optional[str] = None
-    tools: list[Annotated[Union[Annotated[FunctionTool, Tag("FunctionTool")], Annotated[CustomTool, Tag("CustomTool")]],
-                          Discriminator(_tool_kind, custom_error_type="invalid_tool",
-                                        custom_error_message="a namespace's tools must be function or custom tools")]]
+    tools: list[NamespacedTool]
 
 
-_TOOL_KINDS = Discriminator(_tool_kind, custom_error_type="invalid_tool",
-                            custom_error_message="a tool's type must be function, custom or namespace")
-Tool = Annotated[Union[Annotated[FunctionTool, Tag("FunctionTool")], Annotated[CustomTool, Tag("CustomTool")],
-                       Annotated[NamespaceTool, Tag("NamespaceTool")]], _TOOL_KINDS]
+TOOL_TYPES = {"function": FunctionTool, "custom": CustomTool, "namespace": NamespaceTool}
+Tool = by_type(TOOL_TYPES, "a tool's type must be function, custom or namespace")
 
 
 class NamedTool(StrictModel):
@@ -263,7 +240,7 @@ class ResponsesRequest(Sampling):
         run them, so they are refused by name rather than left to a union's error."""
         for tool in value if isinstance(value, list) else ():
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if isinstance(kind, str) and kind not in ("function", "custom", "namespace"):
+            if isinstance(kind, str) and kind not in TOOL_TYPES:
                 hint = ' (Codex: set web_search = "disabled" in config.toml)' if kind.startswith("web_search") else ""
                 raise ValueError(f"tool type {kind!r} runs on OpenAI's servers and is not available here; "
                                  f"only function, custom and namespace tools are{hint}")

@@ -6,9 +6,9 @@ with the value that changes nothing (`n: 1`, `echo: false`, ...): see `NEUTRAL_O
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 
 class StrictModel(BaseModel):
@@ -16,6 +16,26 @@ class StrictModel(BaseModel):
     are a 400: nothing is coerced."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def by_type(kinds: dict[str, type], error: str, implied: Optional[Callable[[dict], Optional[str]]] = None):
+    """A union of models told apart by their `type` field (`kinds`: type -> model): pydantic
+    validates an item as the model its type names and no other, so an error says what is wrong
+    with that item (a union left to try every member reports the first one's complaint, such as
+    a plain string's). An item of another type, or none, gets `error`. Members are tagged by
+    class name, which the error handler leaves out of a field's path (input[3].content).
+    `implied(item)`: the type of an item that gives none."""
+    tags = {kind: model.__name__ for kind, model in kinds.items()}
+
+    def tag(item) -> Optional[str]:
+        if isinstance(item, dict):
+            kind = item["type"] if "type" in item else implied(item) if implied else None
+        else:
+            kind = getattr(item, "type", None)
+        return tags.get(kind) if isinstance(kind, str) else None
+
+    members = tuple(Annotated[model, Tag(model.__name__)] for model in dict.fromkeys(kinds.values()))
+    return Annotated[Union[members], Discriminator(tag, custom_error_type="invalid_type", custom_error_message=error)]
 
 
 def text_only(kinds: dict[str, str], noun: str):
