@@ -335,3 +335,52 @@ def test_default_target_layer_ids_match_released_drafters():
     for n in (4, 5, 6):
         ids = default_target_layer_ids(n)
         assert len(ids) >= 2 and ids == sorted(set(ids)) and ids[-1] < n
+
+
+def test_forced_acceptance_forces_a_batch_as_it_forces_each_row():
+    """The benchmarks' forced target (`random_models.ForcedAcceptance`) makes a batch's choices
+    in a few ops for all rows: each row gets exactly what it gets forced alone (choices and
+    boosted logits, the schedule's cycles taken in row order), and generations stepping together
+    accept the schedule's drafts, cycle after cycle."""
+    from dflash_core.adapters import ForwardRow
+    from dflash_core.batching import step_together
+    from dflash_core.engine import Engine
+    from dflash_core.random_models import ByteTokenizer, ForcedAcceptance, parse_shape, random_drafter, random_target
+
+    name, tiny = parse_shape("tiny-qwen3_5")
+    target = random_target(name, tiny=tiny)
+    schedule = [0, 15, 3, 7, 1]
+    prompts = [list(range(20 + r, 50 + 3 * r)) for r in range(3)]
+    blocks = [mx.array([[5 + r + j for j in range(w)]]) for r, w in enumerate([16, 4, 16])]
+
+    def rows():
+        caches = []
+        for p in prompts:
+            cache = target.make_cache(16)
+            target.forward(mx.array([p]), cache)
+            caches.append(cache)
+        return [ForwardRow(b, c, record=True) for b, c in zip(blocks, caches)]
+
+    together = ForcedAcceptance(target, schedule).forward_rows(rows())
+    one_by_one = ForcedAcceptance(target, schedule)
+    alone = [one_by_one.forward_rows([row])[0] for row in rows()]
+    for r, (a, b) in enumerate(zip(together, alone)):
+        # The schedule's drafts, the next one bumped (rejected), the rest, then token 0.
+        drafts, accept = blocks[r][0, 1:].tolist(), min(schedule[r], blocks[r].shape[1] - 1)
+        expected = (drafts[:accept] + [(d + 1) % target.vocab_size for d in drafts[accept:accept + 1]]
+                    + drafts[accept + 1:] + [0])
+        assert a.choices.tolist() == b.choices.tolist() == expected
+        assert a.logits.argmax(-1)[0].tolist() == expected
+
+    drafter = random_drafter(name, target, tiny)
+    engine = Engine(ForcedAcceptance(target, [4]), ByteTokenizer(target.vocab_size), drafter)
+    streams = [engine.generate(p, max_tokens=41, stop_token_ids=set(), batched=True, speculation="on") for p in prompts]
+    stats = [None] * len(streams)
+    live = list(range(len(streams)))
+    while live:
+        for i, r in zip(list(live), step_together(engine, [streams[i] for i in live])):
+            if r.chunk is not None and r.chunk.stats is not None:
+                stats[i] = r.chunk.stats
+            if r.done or (r.chunk is not None and r.chunk.finish_reason):
+                live.remove(i)
+    assert all(s.generated_tokens == 41 and s.cycles == 8 for s in stats)  # the first token, then 8 x (4 + 1)
