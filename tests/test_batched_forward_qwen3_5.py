@@ -217,6 +217,25 @@ def test_rows_carry_their_states_to_the_next_forward(setup, monkeypatch, step_st
     assert stacked.reused - before == (len(adapter.layers) if step_states else attention_layers)
 
 
+def test_rows_of_two_widths_roll_back_together_from_step_states(setup, monkeypatch):
+    """Verifies of two widths in one forward (auto plans narrower cycles) are two batches of step
+    states, whose rows are numbered from 0 in each: a batched rollback where both batches have the
+    same rows and keeps takes each row's state from its own batch, as alone."""
+    from dflash_core.adapters import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    adapter, taps, prompts = setup
+    batched, solo = _world(adapter, prompts), _world(adapter, prompts)
+    outs, alone = _round(adapter, taps, batched, solo, _tokens(adapter, [16, 16, 4, 4], 14), [False] * 4)
+    keeps = [3, 2, 3, 2]
+    adapter.rollback_rows([(b, out.rollback, keep) for b, out, keep in zip(batched, outs, keeps)])
+    for s, ref, keep in zip(solo, alone, keeps):
+        adapter.rollback(s, ref.rollback, keep)
+    for b, s in zip(batched, solo):
+        _same_caches(b, s)
+    _round(adapter, taps, batched, solo, _tokens(adapter, [4, 16, 16, 4], 15), [False] * 4)
+
+
 def test_a_batched_forward_leaves_the_gated_delta_rows_in_their_batch(setup):
     """After a batched forward each row's GatedDeltaNet caches hold their row of the stacked conv
     windows and states with no slice made (four ops a row and layer every round); reading one makes

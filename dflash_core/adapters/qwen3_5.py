@@ -363,15 +363,19 @@ class Qwen35Adapter(TargetAdapter):
                 batches.setdefault(id(record.states[n].batch[0]), []).append((cache, record.states[n], keep))
             for members in batches.values():
                 conv_input, kept, _ = members[0][1].batch
-                # The same rows and keeps in every layer: their index arrays are made once.
-                key = (kernel, *((m.row, keep) for _, m, keep in members))
+                # The same rows and keeps in every layer: their index arrays are made once (per
+                # verify width: rows of two widths are two batches, whose row numbers may coincide).
+                key = (kernel, kept.shape[1], *((m.row, keep) for _, m, keep in members))
                 if key not in indices:
                     rows = mx.array([m.row for _, m, _ in members])
                     keeps = mx.array([keep for _, _, keep in members])
-                    indices[key] = rows, keeps[:, None] + mx.arange(kernel - 1)[None], keeps - 1
+                    indices[key] = rows, keeps[:, None] + mx.arange(kernel - 1)[None], rows * kept.shape[1] + keeps - 1
                 rows, window_at, state_at = indices[key]
                 windows = conv_input[rows[:, None], window_at]
-                states = kept[rows, state_at]
+                # Each row's state after its kept steps: whole rows of the states laid out as one
+                # [R * T, state size] (a gather's cost is its index arithmetic per element: two
+                # dimensions here, against five for kept[rows, keeps - 1]).
+                states = mx.take(kept.reshape(kept.shape[0] * kept.shape[1], -1), state_at, axis=0).reshape(-1, *kept.shape[2:])
                 for b, (cache, _, _) in enumerate(members):
                     cache[i].hold_row((windows, states), b)  # its slices made only if read
                 # Already one batch: the rows' next forward starts from it, if they run in this order.
