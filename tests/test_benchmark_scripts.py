@@ -210,3 +210,13 @@ def test_agent_prefix_cache_runs_a_short_conversation(tmp_path):
     assert [r["prompt_tokens"] for r in cold] == [r["prompt_tokens"] for r in cached]  # the same conversation
     assert all(r["cached_tokens"] == 0 for r in cold)
     assert cached[0]["cached_tokens"] == 0 and all(r["cached_tokens"] > 0 for r in cached[1:])
+
+
+def test_rollback_gather_times_both_forms_of_the_state_gather(tmp_path):
+    """The script checks the two forms give the same states before timing them."""
+    out = tmp_path / "gather.json"
+    done = _run("benchmarks/rollback_gather.py", "--tiny", "--rows", "3", "--layers", "2", "--repeats", "2",
+                "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    forms = json.loads(out.read_text())["forms"]
+    assert len(forms) == 3 and all(f["total_ms"] > 0 for f in forms.values())
