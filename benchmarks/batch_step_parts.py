@@ -12,6 +12,14 @@ argmax, as the engine takes it), each row's rollback to 6 tokens (one by one, an
 one as the engine reads a round). Each part is timed twice: building its graph on the host
 (Python and MLX's graph, no device work) and building plus evaluating it, median of --repeat runs
 after a warm-up; a part whose build time is close to its total is host-bound.
+
+With --ncu it also runs a round's device work (the draft; the batched rollback with the next verify;
+the context update) between marker kernels, for a trace of kernel-only time per part:
+
+    MLX_USE_CUDA_GRAPHS=0 ncu --clock-control none --metrics gpu__time_duration.sum,launch__grid_size -o parts \\
+        python benchmarks/batch_step_parts.py --rows 1,8 --repeat 1 --ncu > parts_configs.jsonl
+    ncu --import parts.ncu-rep --csv --page raw > parts.csv
+    python benchmarks/parse_ncu.py --trace parts.csv --configs parts_configs.jsonl --out parts_ncu.json
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _timed(fn, repeat: int, evaluate, before=None):
@@ -48,7 +57,7 @@ def _timed(fn, repeat: int, evaluate, before=None):
     return statistics.median(builds), statistics.median(totals)
 
 
-def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
+def profile(target, drafter, rows: int, context: int, repeat: int, trace=None) -> dict:
     import mlx.core as mx
 
     from dflash_core.adapters import ForwardRow
@@ -104,6 +113,13 @@ def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
 
     parts["verify_after_rollback"] = _timed(verify_after_rollback, repeat, lambda o: mx.eval(
         [(x.logits, x.tapped_hidden) for x in o[0]], cache_arrays([c for cs in o[1] for c in cs])), roll_back_last)
+
+    def rollback_and_verify():  # the round's target work as one graph, as the engine builds it
+        target.rollback_rows([(c, o.rollback, 6) for c, o in zip(caches, last)])
+        return verify_after_rollback()
+
+    parts["rollback_and_verify"] = _timed(rollback_and_verify, repeat, lambda o: mx.eval(
+        [(x.logits, x.tapped_hidden) for x in o[0]], cache_arrays([c for cs in o[1] for c in cs])))
     outs, verified = verify()
     mx.eval([x.logits for x in outs])
     samplers = [Sampler(SamplingParams(), target.vocab_size) for _ in range(rows)]
@@ -155,7 +171,42 @@ def profile(target, drafter, rows: int, context: int, repeat: int) -> dict:
     hidden = mx.random.normal((1, rows * block, target.hidden_size)).astype(target.dtype)
     parts["lm_head_verify_rows"] = _timed(lambda: target.lm_head(hidden), repeat, evaluate)
     parts["lm_head_one_row"] = _timed(lambda: target.lm_head(hidden[:, :1]), repeat, evaluate)
+    if trace is not None:
+        # A round's device work as the engine queues it, for an ncu trace (--ncu): the drafter's
+        # block; the rows' batched rollback of the last verify to 6 tokens with the next verify
+        # (one graph, as a round builds them); the drafter's context update.
+        def round_target():
+            outs, verified = rollback_and_verify()
+            mx.eval([(x.logits, x.tapped_hidden) for x in outs], cache_arrays([c for cs in verified for c in cs]))
+
+        trace(rows, "draft", lambda: mx.eval(draft()))
+        trace(rows, "rollback_and_verify", round_target)
+        trace(rows, "context_rows", lambda: ctx_eval(context_rows()))
     return {name: {"build_ms": b * 1e3, "total_ms": t * 1e3} for name, (b, t) in parts.items()}
+
+
+def kernel_tracer(weight_bytes: int):
+    """`trace(rows, part, run)` for --ncu: runs `run` three times between marker kernels
+    (benchmarks/small_m_stream_cuda.py) and prints the range's configuration as a JSON line, which
+    parse_ncu.py matches to the trace's kernels (their kernel-only time per run, by kind)."""
+    import mlx.core as mx
+    import small_m_stream_cuda as stream
+
+    count = [0]
+
+    def trace(rows: int, part: str, run) -> None:
+        run()  # (anything traced or allocated the first time, outside the range)
+        index = count[0]
+        count[0] += 1
+        mx.eval(stream.marker(index))
+        for _ in range(3):
+            run()
+        mx.eval(stream.marker(stream.IGNORE))
+        mx.synchronize()
+        print(json.dumps({"index": index, "rows": rows, "part": part, "weight_bytes": weight_bytes, "launches": 3}),
+              flush=True)
+
+    return trace
 
 
 def main() -> None:
@@ -169,11 +220,14 @@ def main() -> None:
                         help="comma list: default, replay (verifies keep no per-step GatedDeltaNet states; "
                              "rollbacks replay the recurrence), unqueued (a forward starts on the device "
                              "only once its whole graph is built)")
+    parser.add_argument("--ncu", action="store_true",
+                        help="also run a round's parts between marker kernels, for an ncu trace (CUDA; see the docstring)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import mlx.core as mx
 
     from dflash_core.kernels import DEFAULT_KERNELS, KernelOptions
+    from dflash_core.loading import parameter_bytes
     from dflash_core.random_models import parse_shape, random_drafter, random_target
 
     name, tiny = parse_shape(args.shape)
@@ -181,11 +235,12 @@ def main() -> None:
     drafter = random_drafter(name, target, tiny)
     report = {"device": mx.device_info().get("device_name"), "shape": args.shape, "quant": args.quant,
               "context": args.context, "date": time.strftime("%Y-%m-%d"), "rows": {}}
+    trace = kernel_tracer(parameter_bytes(target.model)) if args.ncu else None
     kernels = {"default": DEFAULT_KERNELS, "replay": KernelOptions(step_states=False),
                "unqueued": KernelOptions(queue_layers=False)}
     for path in args.paths.split(","):
         for n in args.rows:
-            parts = profile(target.with_kernels(kernels[path]), drafter, n, args.context, args.repeat)
+            parts = profile(target.with_kernels(kernels[path]), drafter, n, args.context, args.repeat, trace)
             report["rows"][n if path == "default" else f"{n} {path}"] = parts
             print(f"rows {n} {path}: " + "  ".join(f"{k} {v['build_ms']:.1f}/{v['total_ms']:.1f}" for k, v in parts.items())
                     + "  (ms: build/total)", flush=True)
