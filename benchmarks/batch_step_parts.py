@@ -16,7 +16,8 @@ after a warm-up; a part whose build time is close to its total is host-bound.
 With --ncu it also runs a round's device work (the draft; the batched rollback with the next verify;
 the context update) between marker kernels, for a trace of kernel-only time per part:
 
-    MLX_USE_CUDA_GRAPHS=0 ncu --clock-control none --metrics gpu__time_duration.sum,launch__grid_size -o parts \\
+    MLX_USE_CUDA_GRAPHS=0 ncu --clock-control none --profile-from-start off \\
+        --metrics gpu__time_duration.sum,launch__grid_size -o parts \\
         python benchmarks/batch_step_parts.py --rows 1,8 --repeat 1 --ncu > parts_configs.jsonl
     ncu --import parts.ncu-rep --csv --page raw > parts.csv
     python benchmarks/parse_ncu.py --trace parts.csv --configs parts_configs.jsonl --out parts_ncu.json
@@ -193,20 +194,43 @@ def kernel_tracer(weight_bytes: int):
     import small_m_stream_cuda as stream
 
     count = [0]
+    profiler = _cuda_profiler()
 
     def trace(rows: int, part: str, run) -> None:
         run()  # (anything traced or allocated the first time, outside the range)
         index = count[0]
         count[0] += 1
+        mx.synchronize()
+        profiler.cudaProfilerStart()
         mx.eval(stream.marker(index))
         for _ in range(3):
             run()
         mx.eval(stream.marker(stream.IGNORE))
         mx.synchronize()
+        profiler.cudaProfilerStop()
         print(json.dumps({"index": index, "rows": rows, "part": part, "weight_bytes": weight_bytes, "launches": 3}),
               flush=True)
 
     return trace
+
+
+def _cuda_profiler():
+    """CUDA's runtime library, for cudaProfilerStart/Stop around the traced ranges: with ncu's
+    `--profile-from-start off` only they are profiled. ncu costs some 14 ms a kernel on the H100
+    (2026-12-05), so a trace of the whole process, whose set-up (random weights, prefill) launches
+    some 17,000 kernels, did not reach the parts in 4 minutes. (The primary context that MLX uses is
+    the runtime's, whichever copy of the library calls it.)"""
+    import ctypes
+    import ctypes.util
+    import os
+
+    for name in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "lib64", "libcudart.so"),
+                 ctypes.util.find_library("cudart") or "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise SystemExit("--ncu needs CUDA's runtime library (libcudart.so; set CUDA_HOME)")
 
 
 def main() -> None:
