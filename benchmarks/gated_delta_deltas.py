@@ -1,0 +1,269 @@
+"""An experiment, not in the engine: a verify records each GatedDeltaNet step's delta instead of its
+state, and a rollback replays the kept steps' rank-one updates.
+
+    python benchmarks/gated_delta_deltas.py --rows 1,8,16 --out gated_delta_deltas.json
+
+Why. A verify with step states (`gated_delta_cuda`, step_states=True) writes the float32 state after
+every step, [B, T, Hv, Dv, Dk]: for the Qwen3.5-9B shape 2 MB a step and row, so 268 MB a layer and
+6.4 GB a round for 8 rows of 16 tokens, and the rollback gathers each row's state after its kept
+steps from them. But a step changes the state by a rank-one update whose factors are already at hand:
+
+    s_t = s_{t-1} * g_t + k_t (x) delta_t,   delta_t = (v_t - (s_{t-1} * g_t) k_t) * beta_t
+
+with g_t a scalar per head, k_t the step's key (an input) and delta_t one float per state row. So a
+verify can record delta_t only ([B, T, Hv, Dv], 1/Dk of the states: 2 MB a layer for 8 rows), and
+a rollback to `keep` steps recomputes s_keep from the state before the verify (kept anyway) in
+`keep` element-wise updates, no reductions: the same multiply and fused multiply-add per element as
+the verify, so the same bits, if both round alike. Here both kernels write the two operations as
+CUDA's explicit `__fmul_rn` and `__fmaf_rn`, which the compiler never contracts or reorders.
+
+What it checks and measures (random inputs at the 9B's linear-attention shape, T = 16):
+- `replay_exact`: for every keep 1..T-1 and every row (each row keeps a different number), the
+  replayed state equals, bit for bit, the final state of the same kernel run on the first `keep`
+  steps alone (the property the engine's rollback needs: the state as if only those tokens had been
+  fed, which a decode step would have produced);
+- `same_as_engine`: whether the delta kernel's outputs (y and the final state) equal the engine
+  kernel's bit for bit (they may not: the engine's kernel leaves contraction to the compiler);
+- per --rows, ms for --layers layers: the engine's verify recurrence with step states plus its
+  rollback gather (`mx.take`, as `Qwen35Adapter.rollback_rows`), against the delta kernel plus the
+  replay, each evaluated and synchronised, median of --repeats.
+Needs CUDA (the kernels are `mx.fast.cuda_kernel`s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The engine kernel's loop body with the state update written as explicit round-to-nearest
+# operations, and each step's delta written out (one float per state row).
+_UPDATE_DECAY = "        s[i] = s[i] * decay;"
+_UPDATE_DECAY_RN = "        s[i] = __fmul_rn(s[i], decay);"
+_UPDATE_DELTA = "        s[i] = s[i] + kk[i] * delta;"
+_UPDATE_DELTA_RN = "        s[i] = __fmaf_rn(kk[i], delta, s[i]);"
+_DELTA_SETUP = "    auto dl_ = deltas + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;\n"
+_DELTA_WRITE = """      if (lane == 0) *dl_ = delta;
+      dl_ += Hv * Dv;"""
+
+_REPLAY = """
+    constexpr int n_per_lane = Dk / 32;
+    const int lane = threadIdx.x;
+    const int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
+    const int n = blockIdx.z;  // b * Hv + hv
+    const int b_idx = n / Hv;
+    const int hv_idx = n % Hv;
+    const int hk_idx = hv_idx / (Hv / Hk);
+    const int steps = T[0];
+    const int keep = keeps[b_idx];
+
+    auto k_ = k + ((size_t)b_idx * steps * Hk + hk_idx) * Dk + n_per_lane * lane;
+    auto g_ = g + (size_t)b_idx * steps * Hv + hv_idx;
+    auto dl_ = deltas + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
+    auto s_in = state_in + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
+    auto s_out = state_out + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
+
+    float s[n_per_lane];
+    #pragma unroll
+    for (int i = 0; i < n_per_lane; ++i) s[i] = static_cast<float>(s_in[i]);
+    for (int t = 0; t < keep; ++t) {
+      const float decay = static_cast<float>(*g_);
+      const float delta = *dl_;
+      #pragma unroll
+      for (int i = 0; i < n_per_lane; ++i) {
+        const float kk = static_cast<float>(k_[i]);
+        s[i] = __fmul_rn(s[i], decay);
+        s[i] = __fmaf_rn(kk, delta, s[i]);
+      }
+      k_ += Hk * Dk;
+      g_ += Hv;
+      dl_ += Hv * Dv;
+    }
+    #pragma unroll
+    for (int i = 0; i < n_per_lane; ++i) s_out[i] = static_cast<StT>(s[i]);
+"""
+
+
+def _edited(source: str, edits: dict) -> str:
+    for anchor, text in edits.items():
+        assert source.count(anchor) == 1, anchor  # the engine kernel changed: update the edits
+        source = source.replace(anchor, text)
+    return source
+
+
+def delta_source() -> str:
+    """The engine kernel's source with the explicit roundings and the deltas written."""
+    from dflash_core.kernels import gated_delta_cuda as engine
+
+    return _edited(engine._SOURCE, {
+        _UPDATE_DECAY: _UPDATE_DECAY_RN, _UPDATE_DELTA: _UPDATE_DELTA_RN,
+        "    float s[n_per_lane];": _DELTA_SETUP + "    float s[n_per_lane];",
+        "      // per-step state (written here by the step-states variant)": _DELTA_WRITE})
+
+
+@functools.cache
+def delta_kernel():
+    import mlx.core as mx
+
+    return mx.fast.cuda_kernel(name="dflash_gated_delta_deltas", input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
+                               output_names=["y", "state_out", "deltas"], source=delta_source())
+
+
+@functools.cache
+def replay_kernel():
+    import mlx.core as mx
+
+    return mx.fast.cuda_kernel(name="dflash_gated_delta_replay", input_names=["k", "g", "deltas", "state_in", "keeps", "T"],
+                               output_names=["state_out"], source=_REPLAY)
+
+
+def _template(q, k, v, state):
+    Hk, Dk = k.shape[2:]
+    Hv, Dv = v.shape[2:]
+    return [("OutT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)]
+
+
+def with_deltas(q, k, v, g, beta, state):
+    """(y, final state, deltas [B, T, Hv, Dv] float32)."""
+    import mlx.core as mx
+
+    B, T = k.shape[:2]
+    Hv, Dv = v.shape[2:]
+    return delta_kernel()(
+        inputs=[q, k, v, g, beta, state, mx.array([T], dtype=mx.int32)], template=_template(q, k, v, state),
+        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
+        output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv)], output_dtypes=[q.dtype, state.dtype, mx.float32])
+
+
+def replay(k, g, deltas, state, keeps):
+    """Each row's state after its first keeps[b] steps, from the state before them."""
+    import mlx.core as mx
+
+    B, T = k.shape[:2]
+    Hv, Dv = deltas.shape[2:]
+    template = [("StT", state.dtype), ("Dk", k.shape[3]), ("Dv", Dv), ("Hk", k.shape[2]), ("Hv", Hv)]
+    return replay_kernel()(
+        inputs=[k, g, deltas, state, keeps, mx.array([T], dtype=mx.int32)], template=template,
+        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1), output_shapes=[state.shape], output_dtypes=[state.dtype])[0]
+
+
+def inputs(B: int, T: int, seed: int):
+    import mlx.core as mx
+
+    Hk, Hv, Dk, Dv = 16, 32, 128, 128  # Qwen3.5-9B's linear attention
+    key = mx.random.key(seed)
+    ks = mx.random.split(key, 6)
+    q = (mx.random.normal((B, T, Hk, Dk), key=ks[0]) / Dk**0.5).astype(mx.bfloat16)
+    k = (mx.random.normal((B, T, Hk, Dk), key=ks[1]) / Dk**0.5).astype(mx.bfloat16)
+    v = mx.random.normal((B, T, Hv, Dv), key=ks[2]).astype(mx.bfloat16)
+    g = mx.exp(-mx.random.uniform(0.0, 0.5, (B, T, Hv), key=ks[3]))
+    beta = mx.sigmoid(mx.random.normal((B, T, Hv), key=ks[4])).astype(mx.bfloat16)
+    state = mx.random.normal((B, Hv, Dv, Dk), key=ks[5]) * 0.1
+    mx.eval(q, k, v, g, beta, state)
+    return q, k, v, g, beta, state
+
+
+def check(T: int) -> dict:
+    import mlx.core as mx
+
+    from dflash_core.kernels import gated_delta_cuda as engine
+
+    B = T - 1  # row b keeps b + 1 steps: every keep 1..T-1 once
+    q, k, v, g, beta, state = inputs(B, T, 0)
+    y, final, deltas = with_deltas(q, k, v, g, beta, state)
+    keeps = mx.arange(1, T, dtype=mx.int32)
+    replayed = replay(k, g, deltas, state, keeps)
+    exact = []
+    for b in range(B):
+        keep = b + 1
+        one = [x[b : b + 1, :keep] for x in (q, k, v, g, beta)]
+        _, alone, _ = with_deltas(*one, state[b : b + 1])
+        exact.append(mx.array_equal(replayed[b : b + 1], alone).item())
+    y_engine, final_engine = engine.gated_delta_cuda(q, k, v, g, beta, state)
+    return {"T": T, "replay_exact_per_keep": exact, "replay_exact": all(exact),
+            "same_as_engine": mx.array_equal(y, y_engine).item() and mx.array_equal(final, final_engine).item()}
+
+
+def timed(fn, repeats: int) -> float:
+    import mlx.core as mx
+
+    times = []
+    for i in range(repeats + 2):
+        mx.synchronize()
+        start = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure(B: int, layers: int, repeats: int) -> dict:
+    import mlx.core as mx
+
+    from dflash_core.kernels import gated_delta_cuda as engine
+
+    T = 16
+    q, k, v, g, beta, _ = inputs(B, T, 1)
+    states = [mx.random.normal((B, 32, 128, 128), key=mx.random.key(100 + i)) * 0.1 for i in range(layers)]
+    mx.eval(states)
+    keeps = mx.array([1 + (5 * b + 3) % (T - 1) for b in range(B)], dtype=mx.int32)
+    flat = mx.arange(B) * T + keeps - 1
+
+    def engine_way():  # the verify with step states, then the rollback's take
+        out = []
+        for s in states:
+            y, final, kept = engine.gated_delta_cuda(q, k, v, g, beta, s, step_states=True)
+            out += [y, final, mx.take(kept.reshape(B * T, -1), flat, axis=0)]
+        return out
+
+    def delta_way():  # the verify recording deltas, then the replay
+        out = []
+        for s in states:
+            y, final, deltas = with_deltas(q, k, v, g, beta, s)
+            out += [y, final, replay(k, g, deltas, s, keeps)]
+        return out
+
+    def verify_only(step_states: bool):
+        return lambda: [engine.gated_delta_cuda(q, k, v, g, beta, s, step_states=step_states) for s in states]
+
+    return {"rows": B, "layers": layers,
+            "engine_step_states_and_take_ms": timed(engine_way, repeats),
+            "deltas_and_replay_ms": timed(delta_way, repeats),
+            "engine_verify_with_step_states_ms": timed(verify_only(True), repeats),
+            "engine_verify_without_step_states_ms": timed(verify_only(False), repeats),
+            "deltas_verify_only_ms": timed(lambda: [with_deltas(q, k, v, g, beta, s) for s in states], repeats)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 16])
+    parser.add_argument("--layers", type=int, default=24, help="GatedDeltaNet layers (Qwen3.5-9B: 24)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import mlx.core as mx
+
+    from dflash_core.kernels import backend
+
+    if backend() != "cuda":
+        raise SystemExit("gated_delta_deltas.py needs MLX's CUDA backend (its kernels are mx.fast.cuda_kernel)")
+    report = {"device": mx.device_info().get("device_name"), "date": time.strftime("%Y-%m-%d"),
+              "check": check(16), "timings": []}
+    print(json.dumps(report["check"]), flush=True)
+    for B in args.rows:
+        row = measure(B, args.layers, args.repeats)
+        report["timings"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
