@@ -1,5 +1,5 @@
-"""An experiment, not in the engine: a verify records each GatedDeltaNet step's delta instead of its
-state, and a rollback replays the kept steps' rank-one updates.
+"""A verify that records each GatedDeltaNet step's delta instead of its state, and a rollback that
+replays the kept steps' rank-one updates (`KernelOptions.step_deltas`), against step states.
 
     python benchmarks/gated_delta_deltas.py --rows 1,8,16 --out gated_delta_deltas.json
 
@@ -14,16 +14,18 @@ with g_t a scalar per head, k_t the step's key (an input) and delta_t one float 
 verify can record delta_t only ([B, T, Hv, Dv], 1/Dk of the states: 2 MB a layer for 8 rows), and
 a rollback to `keep` steps recomputes s_keep from the state before the verify (kept anyway) in
 `keep` element-wise updates, no reductions: the same multiply and fused multiply-add per element as
-the verify, so the same bits, if both round alike. Here both kernels write the two operations as
-CUDA's explicit `__fmul_rn` and `__fmaf_rn`, which the compiler never contracts or reorders.
+the verify, so the same bits, if both round alike. Both kernels (dflash_core/kernels/gated_delta_cuda.py)
+write the two operations as CUDA's explicit `__fmul_rn` and `__fmaf_rn`, which the compiler never
+contracts or reorders. (The first run of this script, 2026-12-05, built them here by editing the
+engine's kernel, which then left the roundings to the compiler; `same_as_engine` compared the two.)
 
 What it checks and measures (random inputs at the 9B's linear-attention shape, T = 16):
 - `replay_exact`: for every keep 1..T-1 and every row (each row keeps a different number), the
   replayed state equals, bit for bit, the final state of the same kernel run on the first `keep`
   steps alone (the property the engine's rollback needs: the state as if only those tokens had been
   fed, which a decode step would have produced);
-- `same_as_engine`: whether the delta kernel's outputs (y and the final state) equal the engine
-  kernel's bit for bit (they may not: the engine's kernel leaves contraction to the compiler);
+- `same_as_engine`: whether the delta kernel's outputs (y and the final state) equal the plain
+  kernel's bit for bit;
 - per --rows, ms for --layers layers: the engine's verify recurrence with step states plus its
   rollback gather (`mx.take`, as `Qwen35Adapter.rollback_rows`), against the delta kernel plus the
   replay, each evaluated and synchronised, median of --repeats.
@@ -33,7 +35,6 @@ Needs CUDA (the kernels are `mx.fast.cuda_kernel`s).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -42,115 +43,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# The engine kernel's loop body with the state update written as explicit round-to-nearest
-# operations, and each step's delta written out (one float per state row).
-_UPDATE_DECAY = "        s[i] = s[i] * decay;"
-_UPDATE_DECAY_RN = "        s[i] = __fmul_rn(s[i], decay);"
-_UPDATE_DELTA = "        s[i] = s[i] + kk[i] * delta;"
-_UPDATE_DELTA_RN = "        s[i] = __fmaf_rn(kk[i], delta, s[i]);"
-_DELTA_SETUP = "    auto dl_ = deltas + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;\n"
-_DELTA_WRITE = """      if (lane == 0) *dl_ = delta;
-      dl_ += Hv * Dv;"""
-
-_REPLAY = """
-    constexpr int n_per_lane = Dk / 32;
-    const int lane = threadIdx.x;
-    const int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
-    const int n = blockIdx.z;  // b * Hv + hv
-    const int b_idx = n / Hv;
-    const int hv_idx = n % Hv;
-    const int hk_idx = hv_idx / (Hv / Hk);
-    const int steps = T[0];
-    const int keep = keeps[b_idx];
-
-    auto k_ = k + ((size_t)b_idx * steps * Hk + hk_idx) * Dk + n_per_lane * lane;
-    auto g_ = g + (size_t)b_idx * steps * Hv + hv_idx;
-    auto dl_ = deltas + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
-    auto s_in = state_in + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
-    auto s_out = state_out + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
-
-    float s[n_per_lane];
-    #pragma unroll
-    for (int i = 0; i < n_per_lane; ++i) s[i] = static_cast<float>(s_in[i]);
-    for (int t = 0; t < keep; ++t) {
-      const float decay = static_cast<float>(*g_);
-      const float delta = *dl_;
-      #pragma unroll
-      for (int i = 0; i < n_per_lane; ++i) {
-        const float kk = static_cast<float>(k_[i]);
-        s[i] = __fmul_rn(s[i], decay);
-        s[i] = __fmaf_rn(kk, delta, s[i]);
-      }
-      k_ += Hk * Dk;
-      g_ += Hv;
-      dl_ += Hv * Dv;
-    }
-    #pragma unroll
-    for (int i = 0; i < n_per_lane; ++i) s_out[i] = static_cast<StT>(s[i]);
-"""
-
-
-def _edited(source: str, edits: dict) -> str:
-    for anchor, text in edits.items():
-        assert source.count(anchor) == 1, anchor  # the engine kernel changed: update the edits
-        source = source.replace(anchor, text)
-    return source
-
-
-def delta_source() -> str:
-    """The engine kernel's source with the explicit roundings and the deltas written."""
-    from dflash_core.kernels import gated_delta_cuda as engine
-
-    return _edited(engine._SOURCE, {
-        _UPDATE_DECAY: _UPDATE_DECAY_RN, _UPDATE_DELTA: _UPDATE_DELTA_RN,
-        "    float s[n_per_lane];": _DELTA_SETUP + "    float s[n_per_lane];",
-        "      // per-step state (written here by the step-states variant)": _DELTA_WRITE})
-
-
-@functools.cache
-def delta_kernel():
-    import mlx.core as mx
-
-    return mx.fast.cuda_kernel(name="dflash_gated_delta_deltas", input_names=["q", "k", "v", "g", "beta", "state_in", "T"],
-                               output_names=["y", "state_out", "deltas"], source=delta_source())
-
-
-@functools.cache
-def replay_kernel():
-    import mlx.core as mx
-
-    return mx.fast.cuda_kernel(name="dflash_gated_delta_replay", input_names=["k", "g", "deltas", "state_in", "keeps", "T"],
-                               output_names=["state_out"], source=_REPLAY)
-
-
-def _template(q, k, v, state):
-    Hk, Dk = k.shape[2:]
-    Hv, Dv = v.shape[2:]
-    return [("OutT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)]
-
 
 def with_deltas(q, k, v, g, beta, state):
-    """(y, final state, deltas [B, T, Hv, Dv] float32)."""
-    import mlx.core as mx
+    from dflash_core.kernels import gated_delta as gd
 
-    B, T = k.shape[:2]
-    Hv, Dv = v.shape[2:]
-    return delta_kernel()(
-        inputs=[q, k, v, g, beta, state, mx.array([T], dtype=mx.int32)], template=_template(q, k, v, state),
-        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
-        output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv)], output_dtypes=[q.dtype, state.dtype, mx.float32])
+    return gd.gated_delta_deltas(q, k, v, g, beta, state)
 
 
 def replay(k, g, deltas, state, keeps):
-    """Each row's state after its first keeps[b] steps, from the state before them."""
-    import mlx.core as mx
+    from dflash_core.kernels import gated_delta as gd
 
-    B, T = k.shape[:2]
-    Hv, Dv = deltas.shape[2:]
-    template = [("StT", state.dtype), ("Dk", k.shape[3]), ("Dv", Dv), ("Hk", k.shape[2]), ("Hv", Hv)]
-    return replay_kernel()(
-        inputs=[k, g, deltas, state, keeps, mx.array([T], dtype=mx.int32)], template=template,
-        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1), output_shapes=[state.shape], output_dtypes=[state.dtype])[0]
+    return gd.replay(k, g, deltas, state, keeps)
 
 
 def inputs(B: int, T: int, seed: int):
@@ -177,8 +80,7 @@ def check(T: int) -> dict:
     B = T - 1  # row b keeps b + 1 steps: every keep 1..T-1 once
     q, k, v, g, beta, state = inputs(B, T, 0)
     y, final, deltas = with_deltas(q, k, v, g, beta, state)
-    keeps = mx.arange(1, T, dtype=mx.int32)
-    replayed = replay(k, g, deltas, state, keeps)
+    replayed = replay(k, g, deltas, state, list(range(1, T)))
     exact = []
     for b in range(B):
         keep = b + 1
@@ -213,8 +115,8 @@ def measure(B: int, layers: int, repeats: int) -> dict:
     q, k, v, g, beta, _ = inputs(B, T, 1)
     states = [mx.random.normal((B, 32, 128, 128), key=mx.random.key(100 + i)) * 0.1 for i in range(layers)]
     mx.eval(states)
-    keeps = mx.array([1 + (5 * b + 3) % (T - 1) for b in range(B)], dtype=mx.int32)
-    flat = mx.arange(B) * T + keeps - 1
+    keeps = [1 + (5 * b + 3) % (T - 1) for b in range(B)]
+    flat = mx.arange(B) * T + mx.array(keeps) - 1
 
     def engine_way():  # the verify with step states, then the rollback's take
         out = []

@@ -78,6 +78,9 @@ def _same_output(a, b):
             _equal(ra.conv_input, rb.conv_input, "record conv input")
             _equal(ra.state, rb.state, "record state")
             _equal(ra.step_states, rb.step_states, "record step states")
+            assert (ra.deltas is None) == (rb.deltas is None)
+            for x, y in zip(ra.deltas or (), rb.deltas or ()):
+                _equal(x, y, "record deltas")
             assert (ra.steps is None) == (rb.steps is None)
             for x, y in zip(ra.steps or (), rb.steps or ()):
                 _equal(x, y, "record steps")
@@ -217,14 +220,35 @@ def test_rows_carry_their_states_to_the_next_forward(setup, monkeypatch, step_st
     assert stacked.reused - before == (len(adapter.layers) if step_states else attention_layers)
 
 
-def test_rows_of_two_widths_roll_back_together_from_step_states(setup, monkeypatch):
+def _with_step_deltas(adapter, monkeypatch):
+    """The adapter recording deltas (`KernelOptions.step_deltas`), the pure-MLX recurrence on the
+    uncompiled steps whose roundings a replay repeats, as tests/test_lossless.py runs it."""
+    from dataclasses import replace
+
+    from dflash_core.adapters import qwen3_5
+    from dflash_core.kernels import gated_delta
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    monkeypatch.setattr(gated_delta, "reference", gated_delta.reference_steps)
+    return adapter.with_kernels(replace(adapter.kernels, step_deltas=True))
+
+
+def test_rows_match_with_recorded_step_deltas(setup, monkeypatch):
+    adapter, taps, prompts = setup
+    _check_rows(_with_step_deltas(adapter, monkeypatch), taps, prompts)
+
+
+@pytest.mark.parametrize("record", ["states", "deltas"])
+def test_rows_of_two_widths_roll_back_together_from_step_states(setup, monkeypatch, record):
     """Verifies of two widths in one forward (auto plans narrower cycles) are two batches of step
-    states, whose rows are numbered from 0 in each: a batched rollback where both batches have the
-    same rows and keeps takes each row's state from its own batch, as alone."""
+    states (or deltas), whose rows are numbered from 0 in each: a batched rollback where both
+    batches have the same rows and keeps takes each row's state from its own batch, as alone."""
     from dflash_core.adapters import qwen3_5
 
     monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
     adapter, taps, prompts = setup
+    if record == "deltas":
+        adapter = _with_step_deltas(adapter, monkeypatch)
     batched, solo = _world(adapter, prompts), _world(adapter, prompts)
     outs, alone = _round(adapter, taps, batched, solo, _tokens(adapter, [16, 16, 4, 4], 14), [False] * 4)
     keeps = [3, 2, 3, 2]

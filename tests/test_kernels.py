@@ -90,6 +90,30 @@ def test_step_states_are_the_states_of_shorter_runs(shape):
     assert mx.array_equal(states[:, -1], final).item()
 
 
+@pytest.mark.parametrize("shape", [SHAPES[1], (3, 16, 2, 4, 64, 32)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_replayed_deltas_are_the_states_of_shorter_runs(shape, dtype):
+    """A verify that records each step's delta (`gated_delta_deltas`) lets `replay` rebuild each
+    row's state after its first `keep` steps bit for bit as running only those steps gives it (on
+    CUDA the kernels; elsewhere the uncompiled steps, `reference_steps`), rows keeping different
+    numbers of steps in one replay; and the steps' outputs are the recurrence's."""
+    inputs = _inputs(*shape, dtype)
+    y, final, deltas = gd.gated_delta_deltas(*inputs)
+    B, T = shape[:2]
+    assert deltas.shape == (B, T, shape[3], shape[5]) and deltas.dtype == mx.float32
+    plain = gd.gated_delta if backend() == "cuda" else gd.reference_steps
+    y_plain, final_plain = plain(*inputs)
+    assert mx.array_equal(y, y_plain).item() and mx.array_equal(final, final_plain).item()
+    y_mlx_lm, final_mlx_lm = gd.reference(*inputs)
+    np.testing.assert_allclose(np.array(final.astype(mx.float32)), np.array(final_mlx_lm), rtol=1e-4, atol=1e-4)
+    q, k, v, g, beta, state = inputs
+    for keeps in ([T] * B, [1 + (5 * b + 3) % (T - 1) for b in range(B)], [1] * B):
+        replayed = gd.replay(k, g, deltas, state, keeps)
+        for b, keep in enumerate(keeps):
+            _, alone = plain(*(x[b : b + 1, :keep] for x in inputs[:5]), state[b : b + 1])
+            assert mx.array_equal(replayed[b : b + 1], alone).item(), (keeps, b)
+
+
 @pytest.mark.skipif(backend() != "metal", reason="needs Metal")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_metal_kernel_matches_reference(shape):

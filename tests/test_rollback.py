@@ -59,9 +59,25 @@ def test_rollback_from_recorded_step_states(request, family, monkeypatch):
     _check_rollback(request, family)
 
 
-def _check_rollback(request, family):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_rollback_from_recorded_step_deltas(request, family, monkeypatch):
+    """`KernelOptions.step_deltas` (for CUDA: the verify keeps each step's delta, the rollback
+    replays the kept updates), run on the uncompiled pure-MLX steps whose roundings it repeats."""
+    from dflash_core.adapters import qwen3_5
+    from dflash_core.kernels import gated_delta
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    monkeypatch.setattr(gated_delta, "reference", gated_delta.reference_steps)
+    _check_rollback(request, family, deltas=True)
+
+
+def _check_rollback(request, family, deltas: bool = False):
     target_dir, _ = request.getfixturevalue(f"{family}_pair")
     adapter, _, _ = load_target(target_dir)
+    if deltas:
+        from dataclasses import replace
+
+        adapter = adapter.with_kernels(replace(adapter.kernels, step_deltas=True))
     rng = np.random.default_rng(0)
     prompt = mx.array(rng.integers(0, adapter.vocab_size, size=(1, 21)), dtype=mx.int32)
     block = mx.array(rng.integers(0, adapter.vocab_size, size=(1, BLOCK)), dtype=mx.int32)
@@ -75,7 +91,8 @@ def _check_rollback(request, family):
         if family.startswith("qwen3_5"):  # the record holds what this backend's rollback uses
             from dflash_core.adapters.qwen3_5 import records_step_states
 
-            assert all((r.step_states is not None) == records_step_states() for r in verify.rollback.states)
+            assert all((r.step_states is not None) == (records_step_states() and not deltas)
+                       and (r.deltas is not None) == deltas for r in verify.rollback.states)
         adapter.rollback(rolled, verify.rollback, keep=keep)
 
         fresh = adapter.make_cache(max_rollback=BLOCK)

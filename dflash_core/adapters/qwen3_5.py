@@ -3,11 +3,12 @@
 A GatedDeltaNet layer carries a conv state (the last K-1 inputs) and a recurrent state that cannot
 be trimmed. The adapter runs the mixer itself over mlx-lm's projections so that, during a verify
 forward, it can keep the pre-verify states and either the step inputs (q, k, v, g, beta) or, where
-the kernel writes them in the same launch (CUDA), the state after every step. MLX arrays are
+the kernel writes them in the same launch (CUDA), the state after every step, or (with
+`KernelOptions.step_deltas`) each step's delta, the factor of its rank-one update. MLX arrays are
 immutable, so keeping references is the snapshot. Rolling back to `keep` tokens then picks the
-state after `keep` steps, or replays only the recurrence over those steps from the snapshot with
-the same kernel; either way no weight is read again and the state is the one a forward of the
-kept tokens alone would give.
+state after `keep` steps, replays the kept updates from the snapshot, or replays the recurrence over
+those steps with the same kernel; either way no weight is read again and the state is the one a
+forward of the kept tokens alone would give.
 
 Decode and verify forwards (at most `compile_max_tokens` tokens) run as rows (`forward_rows`), a
 plain forward being the one-row case: the rows' tokens are concatenated along the token axis, and
@@ -32,7 +33,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..cache import RowsArraysCache, RowsKVCache
-from ..kernels.gated_delta import gated_delta, gated_delta_step_states, records_step_states
+from ..kernels.gated_delta import gated_delta, gated_delta_deltas, gated_delta_step_states, records_step_states, replay
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary
 
@@ -48,14 +49,15 @@ class GatedDeltaRecord:
     a rollback of this row alone reads them: the rows of one batch roll back in one gather per layer
     (`Qwen35Adapter.rollback_rows`), and a record that is never rolled back is never sliced."""
 
-    __slots__ = ("_conv_input", "_state", "steps", "_step_states", "row")
+    __slots__ = ("_conv_input", "_state", "steps", "_step_states", "_deltas", "row")
 
     def __init__(self, conv_input: mx.array, state: mx.array, steps: Optional[tuple] = None,
-                 step_states: Optional[mx.array] = None, row: int = 0):
+                 step_states: Optional[mx.array] = None, row: int = 0, deltas: Optional[tuple] = None):
         self._conv_input = conv_input  # the conv state before the forward, then its inputs
         self._state = state  # the recurrent state before the forward
         self.steps = steps  # the row's own (q, k, v, g, beta), replayed up to `keep`; or
-        self._step_states = step_states  # the state after every step [R, T, Hv, Dv, Dk]
+        self._step_states = step_states  # the state after every step [R, T, Hv, Dv, Dk]; or
+        self._deltas = deltas  # the steps' keys, decays and deltas ([R, T, ...] each), replayed
         self.row = row
 
     @property
@@ -71,10 +73,16 @@ class GatedDeltaRecord:
         return _row_of(self._step_states, self.row)
 
     @property
+    def deltas(self) -> Optional[tuple]:
+        return None if self._deltas is None else tuple(_row_of(x, self.row) for x in self._deltas)
+
+    @property
     def batch(self) -> Optional[tuple]:
-        """With step states: the batch's conv inputs [R, T + K - 1, C], its states after each step
-        [R, T, ...] and this row's index there."""
-        return None if self._step_states is None else (self._conv_input, self._step_states, self.row)
+        """With step states or deltas: the batch's conv inputs [R, T + K - 1, C], its states after
+        each step [R, T, ...] or its (keys, decays, deltas), its states before the forward, and this
+        row's index there."""
+        kept = self._step_states if self._step_states is not None else self._deltas
+        return None if kept is None else (self._conv_input, kept, self._state, self.row)
 
 
 def gated_delta_inputs(layer, groups: dict, kernels):
@@ -90,10 +98,11 @@ def gated_delta_inputs(layer, groups: dict, kernels):
     return pre
 
 
-def gated_delta_mixer(m, step_states: bool):
+def gated_delta_mixer(m, step_states: bool, deltas: bool = False):
     """One sequence's conv and recurrence from its conv state and recurrent state; returns the
     output, the new states and what a rollback needs: the conv input and either the recurrence's
-    q, k, v (g and beta are the caller's) or its per-step states."""
+    q, k, v (g and beta are the caller's), its per-step states, or (with `deltas`) its k and
+    per-step deltas."""
 
     def mix(qkv, conv_state, state, g, beta):
         B, S, _ = qkv.shape
@@ -108,7 +117,10 @@ def gated_delta_mixer(m, step_states: bool):
             )
         ]
         q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
-        if step_states:
+        if step_states and deltas:
+            y, new_state, stepped = gated_delta_deltas(q, k, v, g, beta, state)
+            kept = (k, stepped)
+        elif step_states:
             y, new_state, kept = gated_delta_step_states(q, k, v, g, beta, state)
         else:
             y, new_state = gated_delta(q, k, v, g, beta, state)
@@ -286,9 +298,11 @@ class Qwen35Adapter(TargetAdapter):
                     recurrent.append(state)
                 last = join(conv_states, 0), join(recurrent, 0)
             conv_before, state_before = last
-            mix = block(("gdn_mix", step_states), lambda: gated_delta_mixer(m, step_states))
+            deltas = step_states and kernels.step_deltas
+            mix = block(("gdn_mix", step_states, deltas), lambda: gated_delta_mixer(m, step_states, deltas))
+            g_rows = _stack(g, planned)
             y, conv_state, state, conv_input, kept = mix(_stack(qkv, planned), conv_before, state_before,
-                                                         _stack(g, planned), _stack(beta, planned))
+                                                         g_rows, _stack(beta, planned))
             batch = (conv_state, state)
             for j, r in enumerate(rows):
                 layer_cache, (s, e) = caches[r], bounds[r]
@@ -301,6 +315,8 @@ class Qwen35Adapter(TargetAdapter):
                 if e - s == 1:
                     # A one-token step is only ever undone whole (keep 0): what the row held before.
                     states[r].append(GatedDeltaRecord(conv_before, state_before, row=j))
+                elif deltas:
+                    states[r].append(GatedDeltaRecord(conv_input, state_before, row=j, deltas=(kept[0], g_rows, kept[1])))
                 elif step_states:
                     states[r].append(GatedDeltaRecord(conv_input, state_before, None, kept, row=j))
                 else:
@@ -362,20 +378,26 @@ class Qwen35Adapter(TargetAdapter):
             for cache, record, keep in together:
                 batches.setdefault(id(record.states[n].batch[0]), []).append((cache, record.states[n], keep))
             for members in batches.values():
-                conv_input, kept, _ = members[0][1].batch
+                conv_input, kept, before, _ = members[0][1].batch
+                steps = (kept[2] if isinstance(kept, tuple) else kept).shape[1]
                 # The same rows and keeps in every layer: their index arrays are made once (per
                 # verify width: rows of two widths are two batches, whose row numbers may coincide).
-                key = (kernel, kept.shape[1], *((m.row, keep) for _, m, keep in members))
+                key = (kernel, steps, *((m.row, keep) for _, m, keep in members))
                 if key not in indices:
                     rows = mx.array([m.row for _, m, _ in members])
                     keeps = mx.array([keep for _, _, keep in members])
-                    indices[key] = rows, keeps[:, None] + mx.arange(kernel - 1)[None], rows * kept.shape[1] + keeps - 1
+                    indices[key] = rows, keeps[:, None] + mx.arange(kernel - 1)[None], rows * steps + keeps - 1
                 rows, window_at, state_at = indices[key]
                 windows = conv_input[rows[:, None], window_at]
-                # Each row's state after its kept steps: whole rows of the states laid out as one
-                # [R * T, state size] (a gather's cost is its index arithmetic per element: two
-                # dimensions here, against five for kept[rows, keeps - 1]).
-                states = mx.take(kept.reshape(kept.shape[0] * kept.shape[1], -1), state_at, axis=0).reshape(-1, *kept.shape[2:])
+                if isinstance(kept, tuple):  # deltas: each row's kept updates replayed (one launch)
+                    if [m.row for _, m, _ in members] != list(range(before.shape[0])):
+                        kept, before = tuple(mx.take(x, rows, axis=0) for x in kept), mx.take(before, rows, axis=0)
+                    states = replay(*kept, before, [keep for _, _, keep in members])
+                else:
+                    # Each row's state after its kept steps: whole rows of the states laid out as
+                    # one [R * T, state size] (a gather's cost is its index arithmetic per element:
+                    # two dimensions here, against five for kept[rows, keeps - 1]).
+                    states = mx.take(kept.reshape(kept.shape[0] * steps, -1), state_at, axis=0).reshape(-1, *kept.shape[2:])
                 for b, (cache, _, _) in enumerate(members):
                     cache[i].hold_row((windows, states), b)  # its slices made only if read
                 # Already one batch: the rows' next forward starts from it, if they run in this order.
@@ -396,6 +418,8 @@ class Qwen35Adapter(TargetAdapter):
             conv_state = mx.contiguous(layer_record.conv_input[:, keep : keep + kernel - 1])
             if keep == 0:
                 state = layer_record.state
+            elif layer_record.deltas is not None:
+                state = replay(*layer_record.deltas, layer_record.state, [keep])
             elif layer_record.step_states is not None:
                 # A copy (MLX copies a view much smaller than its buffer), so that the cache and
                 # prefix-cache snapshots of it do not pin all T states.

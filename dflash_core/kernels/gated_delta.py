@@ -9,6 +9,8 @@ reference, which tests compare every available path against.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
 from mlx_lm.models import gated_delta as mlx_lm_gated_delta
 
@@ -45,6 +47,56 @@ def gated_delta_step_states(q, k, v, g, beta, state) -> tuple[mx.array, mx.array
         ys.append(y)
         states.append(state)
     return mx.concatenate(ys, axis=1), state, mx.stack(states, axis=1)
+
+
+def gated_delta_deltas(q, k, v, g, beta, state) -> tuple[mx.array, mx.array, mx.array]:
+    """`gated_delta` plus each step's delta, [B, T, Hv, Dv] float32: the factor of the step's
+    rank-one update, `state_t = state_{t-1} * g_t + k_t (x) delta_t`, so that `replay` of the first
+    `keep` steps gives exactly the final state of running those steps alone, from 1/Dk of the
+    memory step states take (`KernelOptions.step_deltas`)."""
+    if path_for(q, v, g) == "cuda":
+        return gated_delta_cuda.gated_delta_cuda(q, k, v, g, beta, state, deltas=True)
+    return reference_steps(q, k, v, g, beta, state, deltas=True)
+
+
+def replay(k, g, deltas, state, keeps: Sequence[int]) -> mx.array:
+    """Each row's state after its first keeps[b] steps ([B, Hv, Dv, Dk]), from the state before
+    them and the steps' keys, decays and deltas (`gated_delta_deltas`)."""
+    if backend() == "cuda" and gated_delta_cuda.supported(k, deltas, g):
+        return gated_delta_cuda.replay_cuda(k, g, deltas, state, mx.array(list(keeps), dtype=mx.int32))
+    if (repeat := deltas.shape[2] // k.shape[2]) > 1:
+        k = mx.repeat(k, repeat, -2)
+    for t in range(max(keeps)):
+        updated = _update(state, k[:, t], g[:, t], deltas[:, t])
+        state = updated if min(keeps) > t else mx.where(mx.array([keep > t for keep in keeps])[:, None, None, None],
+                                                          updated, state)
+    return state
+
+
+def _update(state, k, g, delta):
+    # A step's update as `reference_steps` makes it: the decay, then the rank-one write.
+    return state * g[..., None, None] + k[..., None, :] * delta[..., None]
+
+
+def reference_steps(q, k, v, g, beta, state, deltas: bool = False) -> tuple:
+    """The recurrence in plain MLX ops, step by step and not compiled (mlx-lm's step compiled, on
+    the CPU, does not promise the roundings of its separate ops), so that each step's state is
+    exactly `_update` of the one before: (y, final state), and the steps' deltas with `deltas`.
+    Scalar gates only. Tests run the whole pure-MLX path on it where they check rollbacks that
+    replay deltas."""
+    B, T, Hk, Dk = q.shape
+    if (repeat := v.shape[2] // Hk) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    ys, kept = [], []
+    for t in range(T):
+        k_t = k[:, t]
+        decayed = state * g[:, t][..., None, None]
+        delta = (v[:, t] - (decayed * k_t[..., None, :]).sum(axis=-1)) * beta[:, t][..., None]
+        state = decayed + k_t[..., None, :] * delta[..., None]
+        ys.append((state * q[:, t][..., None, :]).sum(axis=-1))
+        kept.append(delta)
+    out = (mx.stack(ys, axis=1), state)
+    return out + (mx.stack(kept, axis=1),) if deltas else out
 
 
 def gated_delta(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:

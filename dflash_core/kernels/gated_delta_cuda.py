@@ -5,7 +5,11 @@ verify costs 16 x (layers) launches and prefill crawls. Here one warp owns one r
 of the state; each lane keeps Dk/32 state elements in registers and the two dot products per step
 are warp reductions. All T steps run inside the kernel: one launch per layer, whatever T is.
 The arithmetic and its order per element follow mlx-lm's Metal kernel (float32 state, decay, then
-delta rule), so results match the pure-MLX reference to rounding.
+delta rule), so results match the pure-MLX reference to rounding. The state update is written as
+explicit roundings (`__fmul_rn`, `__fmaf_rn`), which the compiler never contracts or reorders, so
+that a rollback's replay of the updates (`replay_cuda`) gives the bits the verify gave (on an H100
+the explicit form gave the same bits as the form before, which left them to the compiler:
+docs/performance.md, "Record each step's delta").
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ _SOURCE = """
       #pragma unroll
       for (int i = 0; i < n_per_lane; ++i) {
         kk[i] = static_cast<float>(k_[i]);
-        s[i] = s[i] * decay;
+        s[i] = __fmul_rn(s[i], decay);
         kv_mem += s[i] * kk[i];
       }
       #pragma unroll
@@ -53,7 +57,7 @@ _SOURCE = """
       float out = 0.0f;
       #pragma unroll
       for (int i = 0; i < n_per_lane; ++i) {
-        s[i] = s[i] + kk[i] * delta;
+        s[i] = __fmaf_rn(kk[i], delta, s[i]);
         out += s[i] * static_cast<float>(q_[i]);
       }
       #pragma unroll
@@ -83,18 +87,75 @@ _STEP_STATES_SETUP = """
 """
 
 
+# Or each step's delta, [B, T, Hv, Dv] (one float per state row, 1/Dk of the states): a step's update
+# is rank one, s_t = s_{t-1} * g_t + k_t (x) delta_t, so a rollback can replay the kept steps' updates
+# from the state before the verify (`replay_cuda`), element-wise, with the same two roundings.
+_DELTAS = """
+      if (lane == 0) *dl_ = delta;
+      dl_ += Hv * Dv;"""
+_DELTAS_SETUP = """
+    auto dl_ = deltas + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
+"""
+
+_REPLAY = """
+    constexpr int n_per_lane = Dk / 32;
+    const int lane = threadIdx.x;
+    const int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
+    const int n = blockIdx.z;  // b * Hv + hv
+    const int b_idx = n / Hv;
+    const int hv_idx = n % Hv;
+    const int hk_idx = hv_idx / (Hv / Hk);
+    const int steps = T[0];
+    const int keep = keeps[b_idx];
+
+    auto k_ = k + ((size_t)b_idx * steps * Hk + hk_idx) * Dk + n_per_lane * lane;
+    auto g_ = g + (size_t)b_idx * steps * Hv + hv_idx;
+    auto dl_ = deltas + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
+    auto s_in = state_in + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
+    auto s_out = state_out + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
+
+    float s[n_per_lane];
+    #pragma unroll
+    for (int i = 0; i < n_per_lane; ++i) s[i] = static_cast<float>(s_in[i]);
+    for (int t = 0; t < keep; ++t) {
+      const float decay = static_cast<float>(*g_);
+      const float delta = *dl_;
+      #pragma unroll
+      for (int i = 0; i < n_per_lane; ++i) {
+        const float kk = static_cast<float>(k_[i]);
+        s[i] = __fmul_rn(s[i], decay);
+        s[i] = __fmaf_rn(kk, delta, s[i]);
+      }
+      k_ += Hk * Dk;
+      g_ += Hv;
+      dl_ += Hv * Dv;
+    }
+    #pragma unroll
+    for (int i = 0; i < n_per_lane; ++i) s_out[i] = static_cast<StT>(s[i]);
+"""
+
+
 @functools.cache
-def _kernel(step_states: bool = False):
+def _kernel(record: str = ""):
+    """The recurrence kernel; `record` "step_states" or "deltas" also writes those."""
     name, outputs, source = "dflash_gated_delta", ["y", "state_out"], _SOURCE
-    if step_states:
-        name, outputs = name + "_step_states", outputs + ["states"]
-        edits = {"    float s[n_per_lane];": _STEP_STATES_SETUP + "    float s[n_per_lane];",
-                 "      // per-step state (written here by the step-states variant)": _STEP_STATES}
+    if record:
+        setup, write, output = {"step_states": (_STEP_STATES_SETUP, _STEP_STATES, "states"),
+                                "deltas": (_DELTAS_SETUP, _DELTAS, "deltas")}[record]
+        name, outputs = f"{name}_{record}", outputs + [output]
+        edits = {"    float s[n_per_lane];": setup + "    float s[n_per_lane];",
+                 "      // per-step state (written here by the step-states variant)": write}
         for anchor, text in edits.items():
-            assert source.count(anchor) == 1, anchor  # else `states` would be left unwritten
+            assert source.count(anchor) == 1, anchor  # else the record would be left unwritten
             source = source.replace(anchor, text)
     return mx.fast.cuda_kernel(
         name=name, input_names=["q", "k", "v", "g", "beta", "state_in", "T"], output_names=outputs, source=source)
+
+
+@functools.cache
+def _replay_kernel():
+    return mx.fast.cuda_kernel(name="dflash_gated_delta_replay", input_names=["k", "g", "deltas", "state_in", "keeps", "T"],
+                               output_names=["state_out"], source=_REPLAY)
 
 
 def supported(q: mx.array, v: mx.array, g: mx.array) -> bool:
@@ -102,8 +163,9 @@ def supported(q: mx.array, v: mx.array, g: mx.array) -> bool:
     return g.ndim == 3 and q.shape[-1] % 32 == 0 and v.shape[-1] % 4 == 0
 
 
-def gated_delta_cuda(q, k, v, g, beta, state, step_states: bool = False) -> tuple[mx.array, ...]:
-    """(y, final state), plus the state after every step [B, T, Hv, Dv, Dk] with step_states."""
+def gated_delta_cuda(q, k, v, g, beta, state, step_states: bool = False, deltas: bool = False) -> tuple[mx.array, ...]:
+    """(y, final state), plus the state after every step [B, T, Hv, Dv, Dk] with step_states, or
+    each step's delta [B, T, Hv, Dv] (float32) with deltas."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     rows_per_block = 4
@@ -111,7 +173,11 @@ def gated_delta_cuda(q, k, v, g, beta, state, step_states: bool = False) -> tupl
     if step_states:
         shapes.append((B, T) + tuple(state.shape[1:]))
         dtypes.append(state.dtype)
-    return tuple(_kernel(step_states)(
+    elif deltas:
+        shapes.append((B, T, Hv, Dv))
+        dtypes.append(mx.float32)
+    record = "step_states" if step_states else "deltas" if deltas else ""
+    return tuple(_kernel(record)(
         inputs=[q, k, v, g, beta, state, mx.array([T], dtype=mx.int32)],
         template=[("OutT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
         grid=(32, Dv, B * Hv),
@@ -119,3 +185,15 @@ def gated_delta_cuda(q, k, v, g, beta, state, step_states: bool = False) -> tupl
         output_shapes=shapes,
         output_dtypes=dtypes,
     ))
+
+
+def replay_cuda(k, g, deltas, state, keeps: mx.array) -> mx.array:
+    """Each row's state after its first keeps[b] steps (int32 [B]), from the state before them
+    and the steps' keys, decays and deltas (`gated_delta_cuda(..., deltas=True)`): the same bits as
+    running those steps alone, since each element takes the same two roundings in the same order."""
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = deltas.shape[2:]
+    return _replay_kernel()(
+        inputs=[k, g, deltas, state, keeps, mx.array([T], dtype=mx.int32)],
+        template=[("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1), output_shapes=[state.shape], output_dtypes=[state.dtype])[0]
