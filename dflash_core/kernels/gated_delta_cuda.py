@@ -18,7 +18,9 @@ import functools
 
 import mlx.core as mx
 
-_SOURCE = """
+# Which state row a thread works on: one warp per (b, head, dv), Dk/32 elements per lane. The
+# recurrence and the replay share it.
+_ROW = """
     constexpr int n_per_lane = Dk / 32;
     const int lane = threadIdx.x;
     const int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
@@ -27,20 +29,25 @@ _SOURCE = """
     const int hv_idx = n % Hv;
     const int hk_idx = hv_idx / (Hv / Hk);
     const int steps = T[0];
-
-    auto q_ = q + ((size_t)b_idx * steps * Hk + hk_idx) * Dk + n_per_lane * lane;
-    auto k_ = k + ((size_t)b_idx * steps * Hk + hk_idx) * Dk + n_per_lane * lane;
-    auto v_ = v + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
-    auto y_ = y + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
-    auto g_ = g + (size_t)b_idx * steps * Hv + hv_idx;
-    auto beta_ = beta + (size_t)b_idx * steps * Hv + hv_idx;
+"""
+# Its state row in registers (s), and where the new one goes.
+_STATE_IN = """
     auto s_in = state_in + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
     auto s_out = state_out + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
 
     float s[n_per_lane];
     #pragma unroll
     for (int i = 0; i < n_per_lane; ++i) s[i] = static_cast<float>(s_in[i]);
+"""
 
+_SOURCE = _ROW + """
+    auto q_ = q + ((size_t)b_idx * steps * Hk + hk_idx) * Dk + n_per_lane * lane;
+    auto k_ = k + ((size_t)b_idx * steps * Hk + hk_idx) * Dk + n_per_lane * lane;
+    auto v_ = v + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
+    auto y_ = y + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
+    auto g_ = g + (size_t)b_idx * steps * Hv + hv_idx;
+    auto beta_ = beta + (size_t)b_idx * steps * Hv + hv_idx;
+""" + _STATE_IN + """
     for (int t = 0; t < steps; ++t) {
       const float decay = static_cast<float>(*g_);
       float kv_mem = 0.0f;
@@ -97,27 +104,12 @@ _DELTAS_SETUP = """
     auto dl_ = deltas + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
 """
 
-_REPLAY = """
-    constexpr int n_per_lane = Dk / 32;
-    const int lane = threadIdx.x;
-    const int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
-    const int n = blockIdx.z;  // b * Hv + hv
-    const int b_idx = n / Hv;
-    const int hv_idx = n % Hv;
-    const int hk_idx = hv_idx / (Hv / Hk);
-    const int steps = T[0];
-    const int keep = keeps[b_idx];
+_REPLAY = _ROW + """    const int keep = keeps[b_idx];
 
     auto k_ = k + ((size_t)b_idx * steps * Hk + hk_idx) * Dk + n_per_lane * lane;
     auto g_ = g + (size_t)b_idx * steps * Hv + hv_idx;
     auto dl_ = deltas + ((size_t)b_idx * steps * Hv + hv_idx) * Dv + dv_idx;
-    auto s_in = state_in + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
-    auto s_out = state_out + ((size_t)n * Dv + dv_idx) * Dk + n_per_lane * lane;
-
-    float s[n_per_lane];
-    #pragma unroll
-    for (int i = 0; i < n_per_lane; ++i) s[i] = static_cast<float>(s_in[i]);
-    for (int t = 0; t < keep; ++t) {
+""" + _STATE_IN + """    for (int t = 0; t < keep; ++t) {
       const float decay = static_cast<float>(*g_);
       const float delta = *dl_;
       #pragma unroll
