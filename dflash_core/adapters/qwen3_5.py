@@ -385,14 +385,14 @@ class Qwen35Adapter(TargetAdapter):
                 key = (kernel, steps, *((m.row, keep) for _, m, keep in members))
                 if key not in indices:
                     rows = mx.array([m.row for _, m, _ in members])
-                    keeps = mx.array([keep for _, _, keep in members])
-                    indices[key] = rows, keeps[:, None] + mx.arange(kernel - 1)[None], rows * steps + keeps - 1
-                rows, window_at, state_at = indices[key]
+                    keeps = mx.array([keep for _, _, keep in members], dtype=mx.int32)
+                    indices[key] = rows, keeps, keeps[:, None] + mx.arange(kernel - 1)[None], rows * steps + keeps - 1
+                rows, keeps, window_at, state_at = indices[key]
                 windows = conv_input[rows[:, None], window_at]
                 if isinstance(kept, tuple):  # deltas: each row's kept updates replayed (one launch)
                     if [m.row for _, m, _ in members] != list(range(before.shape[0])):
                         kept, before = tuple(mx.take(x, rows, axis=0) for x in kept), mx.take(before, rows, axis=0)
-                    states = replay(*kept, before, [keep for _, _, keep in members])
+                    states = replay(*kept, before, [keep for _, _, keep in members], keeps)
                 else:
                     # Each row's state after its kept steps: whole rows of the states laid out as
                     # one [R * T, state size] (a gather's cost is its index arithmetic per element:

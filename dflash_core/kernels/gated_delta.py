@@ -9,7 +9,7 @@ reference, which tests compare every available path against.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import gated_delta as mlx_lm_gated_delta
@@ -59,11 +59,13 @@ def gated_delta_deltas(q, k, v, g, beta, state) -> tuple[mx.array, mx.array, mx.
     return reference_steps(q, k, v, g, beta, state, deltas=True)
 
 
-def replay(k, g, deltas, state, keeps: Sequence[int]) -> mx.array:
+def replay(k, g, deltas, state, keeps: Sequence[int], keeps_array: Optional[mx.array] = None) -> mx.array:
     """Each row's state after its first keeps[b] steps ([B, Hv, Dv, Dk]), from the state before
-    them and the steps' keys, decays and deltas (`gated_delta_deltas`)."""
+    them and the steps' keys, decays and deltas (`gated_delta_deltas`). `keeps_array`: the keeps
+    as int32 on the device, where the caller has them (a batched rollback, for every layer)."""
     if backend() == "cuda" and gated_delta_cuda.supported(k, deltas, g):
-        return gated_delta_cuda.replay_cuda(k, g, deltas, state, mx.array(list(keeps), dtype=mx.int32))
+        keeps_array = mx.array(list(keeps), dtype=mx.int32) if keeps_array is None else keeps_array
+        return gated_delta_cuda.replay_cuda(k, g, deltas, state, keeps_array)
     if (repeat := deltas.shape[2] // k.shape[2]) > 1:
         k = mx.repeat(k, repeat, -2)
     for t in range(max(keeps)):
