@@ -46,7 +46,7 @@ def _row_of(x: Optional[mx.array], row: int) -> Optional[mx.array]:
 class GatedDeltaRecord:
     """What a rollback of one GatedDeltaNet layer needs from the recorded forward, for one row. Its
     arrays are those of the row's batch ([R, ...]), of which it is row `row`, sliced out only when
-    a rollback of this row alone reads them: the rows of one batch roll back in one gather per layer
+    a rollback of this row alone reads them: the rows of one batch roll back in one gather (or replay) per layer
     (`Qwen35Adapter.rollback_rows`), and a record that is never rolled back is never sliced."""
 
     __slots__ = ("_conv_input", "_state", "steps", "_step_states", "_deltas", "row")
@@ -358,8 +358,9 @@ class Qwen35Adapter(TargetAdapter):
 
     def rollback_rows(self, undos) -> None:
         """Rollbacks of several rows at once: the GatedDeltaNet layers of rows that were one batch
-        of a verify with step states get their conv windows and states in one gather per layer
-        (the same numbers `rollback` copies row by row); the others roll back one by one."""
+        of a verify with step states (or deltas) get their conv windows and states in one gather
+        (or one replay) per layer, the same numbers `rollback` gives row by row; the others roll
+        back one by one."""
         together = [(c, r, k) for c, r, k in undos if 0 < k < r.tokens and r.states and r.states[0].batch is not None]
         if len(together) < 2:
             return super().rollback_rows(undos)
