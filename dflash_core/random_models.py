@@ -16,9 +16,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .adapters import TargetAdapter, adapter_for
+from .adapters.base import join
 from .drafter import DFlashDrafter
 from .drafter_config import DrafterConfig, default_target_layer_ids
 from .loading import quantizable
+from .rows import part
 from .shapes import REAL_SHAPES, random_model, target_config
 
 # Released drafters' shapes (docs/formats.md): layers, heads, kv heads, intermediate, taps, mask,
@@ -110,35 +112,31 @@ class ForcedAcceptance:
 
     def forward(self, tokens, cache, tap_ids=(), *, last_logits_only=False, record=False):
         out = self.target.forward(tokens, cache, tap_ids, last_logits_only=last_logits_only, record=record)
-        return self._forced(tokens, out, record)
+        return self._force([tokens], [out])[0] if record and tokens.shape[1] >= 2 else out
 
     def forward_rows(self, rows, tap_ids=()):
-        """The batched forward, each row's verify forced as `forward` forces it. The forced choices
-        of all the rows are made by a few ops for the batch, as a real greedy batch takes its one
-        argmax (`adapters.base.batch_choices`): made row by row they cost 17 graph ops per row, host
-        time a real batch does not spend, which grew the measured round with its rows."""
+        """The batched forward, each row's verify forced as `forward` forces it."""
         outs = self.target.forward_rows(rows, tap_ids)
         forced = [i for i, r in enumerate(rows) if r.record and r.tokens.shape[1] >= 2]
-        if len(forced) < 2:
-            return [self._forced(r.tokens, out, r.record) for r, out in zip(rows, outs)]
-        widths = [rows[i].tokens.shape[1] for i in forced]
-        wanted = self._wanted(mx.concatenate([rows[i].tokens for i in forced], axis=1)[0], widths)
-        boost = self._boost(wanted, outs[forced[0]].logits.dtype)
-        at = 0
-        for i, w in zip(forced, widths):
-            out = outs[i]
-            outs[i] = replace(out, logits=out.logits + boost[at : at + w][None],
-                              choices=None if out.choices is None else wanted[at : at + w])
-            at += w
+        if forced:
+            for i, out in zip(forced, self._force([rows[i].tokens for i in forced], [outs[i] for i in forced])):
+                outs[i] = out
         return outs
 
-    def _forced(self, tokens, out, record: bool):
-        width = tokens.shape[1]
-        if not record or width < 2:
-            return out
-        wanted = self._wanted(tokens[0], [width])
-        return replace(out, logits=out.logits + self._boost(wanted, out.logits.dtype)[None],
-                       choices=None if out.choices is None else wanted)
+    def _force(self, blocks: Sequence[mx.array], outs: list) -> list:
+        """Verify outputs with their choices forced, for verify blocks [1, w] of the rows. The
+        choices of all the rows are made by a few ops for the batch, as a real greedy batch takes
+        its one argmax (`adapters.base.batch_choices`): made row by row they cost 17 graph ops per
+        row, host time a real batch does not spend, which grew the measured round with its rows."""
+        widths = [b.shape[1] for b in blocks]
+        wanted = self._wanted(join(blocks)[0], widths)
+        boost = self._boost(wanted, outs[0].logits.dtype)
+        forced, at = [], 0
+        for out, w in zip(outs, widths):
+            forced.append(replace(out, logits=out.logits + part(boost, at, at + w, axis=0)[None],
+                                  choices=None if out.choices is None else part(wanted, at, at + w, axis=0)))
+            at += w
+        return forced
 
     def _wanted(self, tokens: mx.array, widths: Sequence[int]) -> mx.array:
         """The forced choices of verify blocks laid end to end (`tokens`, int32 [sum widths]): in
