@@ -36,24 +36,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rollback_gather import timed  # noqa: E402
 
-def with_deltas(q, k, v, g, beta, state):
-    from dflash_core.kernels import gated_delta as gd
-
-    return gd.gated_delta_deltas(q, k, v, g, beta, state)
-
-
-def replay(k, g, deltas, state, keeps):
-    from dflash_core.kernels import gated_delta as gd
-
-    return gd.replay(k, g, deltas, state, keeps)
+from dflash_core.kernels import gated_delta as gd  # noqa: E402
 
 
 def inputs(B: int, T: int, seed: int):
@@ -79,31 +71,17 @@ def check(T: int) -> dict:
 
     B = T - 1  # row b keeps b + 1 steps: every keep 1..T-1 once
     q, k, v, g, beta, state = inputs(B, T, 0)
-    y, final, deltas = with_deltas(q, k, v, g, beta, state)
-    replayed = replay(k, g, deltas, state, list(range(1, T)))
+    y, final, deltas = gd.gated_delta_deltas(q, k, v, g, beta, state)
+    replayed = gd.replay(k, g, deltas, state, list(range(1, T)))
     exact = []
     for b in range(B):
         keep = b + 1
         one = [x[b : b + 1, :keep] for x in (q, k, v, g, beta)]
-        _, alone, _ = with_deltas(*one, state[b : b + 1])
+        _, alone, _ = gd.gated_delta_deltas(*one, state[b : b + 1])
         exact.append(mx.array_equal(replayed[b : b + 1], alone).item())
     y_engine, final_engine = engine.gated_delta_cuda(q, k, v, g, beta, state)
     return {"T": T, "replay_exact_per_keep": exact, "replay_exact": all(exact),
             "same_as_engine": mx.array_equal(y, y_engine).item() and mx.array_equal(final, final_engine).item()}
-
-
-def timed(fn, repeats: int) -> float:
-    import mlx.core as mx
-
-    times = []
-    for i in range(repeats + 2):
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def measure(B: int, layers: int, repeats: int) -> dict:
@@ -128,19 +106,17 @@ def measure(B: int, layers: int, repeats: int) -> dict:
     def delta_way():  # the verify recording deltas, then the replay
         out = []
         for s in states:
-            y, final, deltas = with_deltas(q, k, v, g, beta, s)
-            out += [y, final, replay(k, g, deltas, s, keeps)]
+            y, final, deltas = gd.gated_delta_deltas(q, k, v, g, beta, s)
+            out += [y, final, gd.replay(k, g, deltas, s, keeps)]
         return out
 
     def verify_only(step_states: bool):
         return lambda: [engine.gated_delta_cuda(q, k, v, g, beta, s, step_states=step_states) for s in states]
 
-    return {"rows": B, "layers": layers,
-            "engine_step_states_and_take_ms": timed(engine_way, repeats),
-            "deltas_and_replay_ms": timed(delta_way, repeats),
-            "engine_verify_with_step_states_ms": timed(verify_only(True), repeats),
-            "engine_verify_without_step_states_ms": timed(verify_only(False), repeats),
-            "deltas_verify_only_ms": timed(lambda: [with_deltas(q, k, v, g, beta, s) for s in states], repeats)}
+    runs = {"engine_step_states_and_take_ms": engine_way, "deltas_and_replay_ms": delta_way,
+            "engine_verify_with_step_states_ms": verify_only(True), "engine_verify_without_step_states_ms": verify_only(False),
+            "deltas_verify_only_ms": lambda: [gd.gated_delta_deltas(q, k, v, g, beta, s) for s in states]}
+    return {"rows": B, "layers": layers, **{name: timed(run, repeats)["total_ms"] for name, run in runs.items()}}
 
 
 def main() -> None:
