@@ -99,3 +99,18 @@ def cpu_kernels():
             pytest.fail("the CPU kernels did not build in CI (a C++ compiler, CMake and nanobind are needed)")
         pytest.skip("no x86-64 Linux with AVX2/FMA/F16C, C++ compiler, CMake or nanobind here")
     return cpu_extension.extension()
+
+
+@pytest.fixture
+def step_deltas(monkeypatch):
+    """Rollbacks that replay recorded GatedDeltaNet deltas (`KernelOptions.step_deltas`, as on
+    CUDA), with the pure-MLX recurrence on the uncompiled steps whose roundings a replay repeats
+    (`gated_delta.reference_steps`): returns adapter -> that adapter with the option on."""
+    from dataclasses import replace
+
+    from dflash_core.adapters import qwen3_5
+    from dflash_core.kernels import gated_delta
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    monkeypatch.setattr(gated_delta, "reference", gated_delta.reference_steps)
+    return lambda adapter: adapter.with_kernels(replace(adapter.kernels, step_deltas=True))

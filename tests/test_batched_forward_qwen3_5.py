@@ -220,26 +220,13 @@ def test_rows_carry_their_states_to_the_next_forward(setup, monkeypatch, step_st
     assert stacked.reused - before == (len(adapter.layers) if step_states else attention_layers)
 
 
-def _with_step_deltas(adapter, monkeypatch):
-    """The adapter recording deltas (`KernelOptions.step_deltas`), the pure-MLX recurrence on the
-    uncompiled steps whose roundings a replay repeats, as tests/test_lossless.py runs it."""
-    from dataclasses import replace
-
-    from dflash_core.adapters import qwen3_5
-    from dflash_core.kernels import gated_delta
-
-    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
-    monkeypatch.setattr(gated_delta, "reference", gated_delta.reference_steps)
-    return adapter.with_kernels(replace(adapter.kernels, step_deltas=True))
-
-
-def test_rows_match_with_recorded_step_deltas(setup, monkeypatch):
+def test_rows_match_with_recorded_step_deltas(setup, step_deltas):
     adapter, taps, prompts = setup
-    _check_rows(_with_step_deltas(adapter, monkeypatch), taps, prompts)
+    _check_rows(step_deltas(adapter), taps, prompts)
 
 
 @pytest.mark.parametrize("record", ["states", "deltas"])
-def test_rows_of_two_widths_roll_back_together_from_step_states(setup, monkeypatch, record):
+def test_rows_of_two_widths_roll_back_together_from_step_states(setup, monkeypatch, request, record):
     """Verifies of two widths in one forward (auto plans narrower cycles) are two batches of step
     states (or deltas), whose rows are numbered from 0 in each: a batched rollback where both
     batches have the same rows and keeps takes each row's state from its own batch, as alone."""
@@ -248,7 +235,7 @@ def test_rows_of_two_widths_roll_back_together_from_step_states(setup, monkeypat
     monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
     adapter, taps, prompts = setup
     if record == "deltas":
-        adapter = _with_step_deltas(adapter, monkeypatch)
+        adapter = request.getfixturevalue("step_deltas")(adapter)
     batched, solo = _world(adapter, prompts), _world(adapter, prompts)
     outs, alone = _round(adapter, taps, batched, solo, _tokens(adapter, [16, 16, 4, 4], 14), [False] * 4)
     keeps = [3, 2, 3, 2]

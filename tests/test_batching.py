@@ -213,22 +213,17 @@ def test_rows_roll_back_together_from_step_states(engines, family, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_rows_roll_back_together_from_step_deltas(engines, family, monkeypatch):
+def test_rows_roll_back_together_from_step_deltas(engines, family, monkeypatch, step_deltas):
     """Verifies keeping each step's GatedDeltaNet delta (`KernelOptions.step_deltas`, for CUDA; here
     the uncompiled pure-MLX steps whose roundings a replay repeats): the rows of one batch roll back
     in one replay per layer, and every row's output is still the target's, at every acceptance
     length."""
-    from dataclasses import replace
-
     from dflash_core.adapters import qwen3_5
-    from dflash_core.kernels import gated_delta
 
-    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
-    monkeypatch.setattr(gated_delta, "reference", gated_delta.reference_steps)
     replayed_rows, replay = [], qwen3_5.replay
     monkeypatch.setattr(qwen3_5, "replay", lambda *a: replayed_rows.append(len(a[-1])) or replay(*a))
     base = engines[family]
-    target = base.target.with_kernels(replace(base.target.kernels, step_deltas=True))
+    target = step_deltas(base.target)
     _check_every_acceptance_length_in_a_batch(Engine(target, base.tokenizer, base.drafter, prefill_chunk=16))
     assert max(replayed_rows) >= 2  # rows replayed together
 

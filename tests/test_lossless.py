@@ -110,23 +110,17 @@ def test_rollback_from_step_states_is_lossless(engines, references, family, monk
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_rollback_from_step_deltas_is_lossless(engines, family, monkeypatch):
+def test_rollback_from_step_deltas_is_lossless(engines, family, monkeypatch, step_deltas):
     """Verifies keep each step's GatedDeltaNet delta and rollbacks replay the kept updates
     (`KernelOptions.step_deltas`, for CUDA), the whole pure-MLX path on the uncompiled steps whose
     roundings a replay repeats (`gated_delta.reference_steps`): speculative output is the
     target-alone output at every acceptance length, and the rollbacks did replay."""
-    from dataclasses import replace
-
     from dflash_core.adapters import qwen3_5
-    from dflash_core.kernels import gated_delta
 
-    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
-    monkeypatch.setattr(gated_delta, "reference", gated_delta.reference_steps)
     replays, replay = [], qwen3_5.replay
     monkeypatch.setattr(qwen3_5, "replay", lambda *a: replays.append(a[-1]) or replay(*a))
     base = engines[family]
-    target = base.target.with_kernels(replace(base.target.kernels, step_deltas=True))
-    engine = Engine(target, base.tokenizer, base.drafter, prefill_chunk=16)
+    engine = Engine(step_deltas(base.target), base.tokenizer, base.drafter, prefill_chunk=16)
     prompt = _prompt(engine)
     reference, _ = _run(engine, prompt, max_tokens=N_TOKENS + 16, speculative=False)
     _check_every_acceptance_length({family: engine}, {family: (prompt, reference)}, family)

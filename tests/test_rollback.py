@@ -60,24 +60,19 @@ def test_rollback_from_recorded_step_states(request, family, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_rollback_from_recorded_step_deltas(request, family, monkeypatch):
+def test_rollback_from_recorded_step_deltas(request, family, step_deltas):
     """`KernelOptions.step_deltas` (for CUDA: the verify keeps each step's delta, the rollback
     replays the kept updates), run on the uncompiled pure-MLX steps whose roundings it repeats."""
-    from dflash_core.adapters import qwen3_5
-    from dflash_core.kernels import gated_delta
-
-    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
-    monkeypatch.setattr(gated_delta, "reference", gated_delta.reference_steps)
-    _check_rollback(request, family, deltas=True)
+    _check_rollback(request, family, step_deltas)
 
 
-def _check_rollback(request, family, deltas: bool = False):
+def _check_rollback(request, family, recording=None):
+    """`recording`: adapter -> the adapter recording deltas (the `step_deltas` fixture), or None."""
     target_dir, _ = request.getfixturevalue(f"{family}_pair")
     adapter, _, _ = load_target(target_dir)
+    deltas = recording is not None
     if deltas:
-        from dataclasses import replace
-
-        adapter = adapter.with_kernels(replace(adapter.kernels, step_deltas=True))
+        adapter = recording(adapter)
     rng = np.random.default_rng(0)
     prompt = mx.array(rng.integers(0, adapter.vocab_size, size=(1, 21)), dtype=mx.int32)
     block = mx.array(rng.integers(0, adapter.vocab_size, size=(1, BLOCK)), dtype=mx.int32)
