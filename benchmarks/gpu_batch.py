@@ -15,8 +15,8 @@ batched: prompts are prefilled one chunk per step each). One process; MLX's CUDA
 a speculating server. With --rounds R the sweep runs R times in turn and the report adds, per
 stream count, the median aggregate of each mode and the median of its ratio to one stream's
 aggregate in the same round (`medians`): the machine's speed drifts between minutes. With
---step-deltas each round also runs DFlash with `KernelOptions.step_deltas` (GatedDeltaNet rollbacks
-replaying recorded deltas instead of picking recorded states; CUDA) right after the default.
+--step-states each round also runs DFlash with `KernelOptions.step_deltas` off (GatedDeltaNet rollbacks
+picking recorded states instead of replaying recorded deltas; CUDA) right after the default.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _medians(rows: list[dict]) -> list[dict]:
     ratio to one stream's aggregate of the same mode in the same round (the machine drifts between
     rounds; within a round the two were measured minutes apart at most)."""
     out = []
-    modes = [m for m in ("dflash", "target", "mlx_lm", "dflash_step_deltas")
+    modes = [m for m in ("dflash", "target", "mlx_lm", "dflash_step_states")
              if all("aggregate_tok_s" in r.get(m, {}) for r in rows)]
     solo = {(r["round"], m): r[m]["aggregate_tok_s"] for r in rows if r["streams"] == 1 for m in modes}
     for n in sorted({r["streams"] for r in rows}):
@@ -161,9 +161,9 @@ def main() -> None:
     parser.add_argument("--restacked", action="store_true",
                         help="also run each mode with every batched forward stacking the rows' caches anew "
                              "(rows.StackedRows off), alternating with the default")
-    parser.add_argument("--step-deltas", action="store_true",
-                        help="also run DFlash with verifies recording GatedDeltaNet deltas and rollbacks replaying "
-                             "them (KernelOptions.step_deltas; on CUDA), in every round beside the default")
+    parser.add_argument("--step-states", action="store_true",
+                        help="also run DFlash with verifies recording every GatedDeltaNet step state and rollbacks "
+                             "picking one (KernelOptions.step_deltas off; on CUDA), in every round beside the default")
     parser.add_argument("--auto", action="store_true",
                         help="also run speculation: auto, at 6.4 tokens per cycle and at 1 (no draft accepted)")
     parser.add_argument("--rounds", type=_positive, default=1,
@@ -206,12 +206,12 @@ def main() -> None:
                         Engine(plain, tokenizer))
             run_dflash(unqueued[0], warm, 16, "on")
             run_dflash(unqueued[1], warm, 16, "off")
-        deltas = None
-        if args.step_deltas:  # the same model, GatedDeltaNet rollbacks replaying recorded deltas
-            recording = target.with_kernels(replace(target.kernels, step_deltas=True))
-            deltas = Engine(ForcedAcceptance(recording, FORCED, drafter.block_size), tokenizer, drafter)
+        states = None
+        if args.step_states:  # the same model, GatedDeltaNet rollbacks picking recorded step states
+            recording = target.with_kernels(replace(target.kernels, step_deltas=False))
+            states = Engine(ForcedAcceptance(recording, FORCED, drafter.block_size), tokenizer, drafter)
             for n in sorted(set(args.streams) | {2}):
-                run_dflash(deltas, warm if n == 2 else _prompts(target.vocab_size, n, args.context), 16, "on")
+                run_dflash(states, warm if n == 2 else _prompts(target.vocab_size, n, args.context), 16, "on")
         print(f"{quant}: {'N':>3} | {'dflash agg':>10} {'per stream':>10} {'ttft':>6} | {'target agg':>10} "
               f"{'per stream':>10} | {'mlx-lm agg':>10}", flush=True)
         for n, round_ in [(n, r) for r in range(args.rounds) for n in args.streams]:
@@ -226,8 +226,8 @@ def main() -> None:
                 row["target_restacked"] = run_dflash(alone, prompts, args.max_tokens, "off")
                 for part in (target, drafter):
                     part.stacked_rows.enabled = True
-            if deltas is not None:
-                row["dflash_step_deltas"] = run_dflash(deltas, prompts, args.max_tokens, "on")
+            if states is not None:
+                row["dflash_step_states"] = run_dflash(states, prompts, args.max_tokens, "on")
             if unaccepted is not None:
                 row["auto"] = run_dflash(forced, prompts, args.max_tokens, "auto")
                 row["auto_unaccepted"] = run_dflash(unaccepted, prompts, args.max_tokens, "auto")
@@ -246,7 +246,7 @@ def main() -> None:
                   f"{m.get('aggregate_tok_s') or float('nan'):10.1f}"
                   + (f" | unqueued: dflash {row['dflash_unqueued']['aggregate_tok_s']:.1f}"
                      f" target {row['target_unqueued']['aggregate_tok_s']:.1f}" if unqueued else "")
-                  + (f" | step deltas: dflash {row['dflash_step_deltas']['aggregate_tok_s']:.1f}" if deltas else "")
+                  + (f" | step states: dflash {row['dflash_step_states']['aggregate_tok_s']:.1f}" if states else "")
                   + (f" | restacked: dflash {row['dflash_restacked']['aggregate_tok_s']:.1f}"
                      f" target {row['target_restacked']['aggregate_tok_s']:.1f}" if args.restacked else "")
                   + (f" | auto: {row['auto']['aggregate_tok_s']:.1f} ({row['auto']['cycles']} cycles, "
@@ -255,7 +255,7 @@ def main() -> None:
                      if unaccepted else ""), flush=True)
         if args.rounds > 1:
             report.setdefault("medians", []).extend(_medians([r for r in report["rows"] if r["quant"] == quant]))
-        del forced, alone, target, drafter, unqueued, unaccepted, deltas
+        del forced, alone, target, drafter, unqueued, unaccepted, states
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -102,9 +102,22 @@ def cpu_kernels():
 
 
 @pytest.fixture
+def step_states(monkeypatch):
+    """Rollbacks that pick one of the GatedDeltaNet states a verify recorded after every step
+    (`KernelOptions.step_states` with `step_deltas` off), on any backend: returns adapter -> that
+    adapter with the option."""
+    from dataclasses import replace
+
+    from dflash_core.adapters import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    return lambda adapter: adapter.with_kernels(replace(adapter.kernels, step_deltas=False))
+
+
+@pytest.fixture
 def step_deltas(monkeypatch):
-    """Rollbacks that replay recorded GatedDeltaNet deltas (`KernelOptions.step_deltas`, as on
-    CUDA), with the pure-MLX recurrence on the uncompiled steps whose roundings a replay repeats
+    """Rollbacks that replay recorded GatedDeltaNet deltas (`KernelOptions.step_deltas`, CUDA's
+    default), with the pure-MLX recurrence on the uncompiled steps whose roundings a replay repeats
     (`gated_delta.reference_steps`): returns adapter -> that adapter with the option on."""
     from dataclasses import replace
 

@@ -196,19 +196,16 @@ def test_every_acceptance_length_in_a_batch(engines, family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_rows_roll_back_together_from_step_states(engines, family, monkeypatch):
-    """Verifies keeping every step's GatedDeltaNet state (as on CUDA): the rows of one batch roll
-    back in one gather per layer, and every row's output is still the target's, at every
-    acceptance length."""
-    from dflash_core.adapters import qwen3_5
-
-    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
-    target = engines[family].target
+def test_rows_roll_back_together_from_step_states(engines, family, monkeypatch, step_states):
+    """Verifies keeping every step's GatedDeltaNet state: the rows of one batch roll back in one
+    gather per layer, and every row's output is still the target's, at every acceptance length."""
+    base = engines[family]
+    target = step_states(base.target)
     gathered, one_by_one = [], []
     rollback_rows, rollback = target.rollback_rows, target.rollback
     monkeypatch.setattr(target, "rollback_rows", lambda undos: gathered.append(len(undos)) or rollback_rows(undos))
     monkeypatch.setattr(target, "rollback", lambda *a: one_by_one.append(a) or rollback(*a))
-    _check_every_acceptance_length_in_a_batch(engines[family])
+    _check_every_acceptance_length_in_a_batch(Engine(target, base.tokenizer, base.drafter, prefill_chunk=16))
     assert max(gathered) >= 2 and len(one_by_one) < sum(gathered)
 
 

@@ -135,7 +135,7 @@ def test_gpu_batch_runs_on_tiny_shapes(tmp_path):
 def test_gpu_batch_rounds_report_medians_of_same_round_ratios(tmp_path):
     out = tmp_path / "rounds.json"
     done = _run("benchmarks/gpu_batch.py", "--shape", "tiny-qwen3_5", "--streams", "1,2", "--context", "24",
-                "--max-tokens", "6", "--rounds", "3", "--no-mlx-lm", "--step-deltas", "--out", str(out))
+                "--max-tokens", "6", "--rounds", "3", "--no-mlx-lm", "--step-states", "--out", str(out))
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert [(r["round"], r["streams"]) for r in report["rows"]] == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)]
@@ -145,9 +145,9 @@ def test_gpu_batch_rounds_report_medians_of_same_round_ratios(tmp_path):
     assert two["dflash_x_one_stream_each_round"] == [round(x, 2) for x in ratios]
     assert two["dflash_x_one_stream"] == sorted(ratios)[1]
     assert two["target"] == sorted(by[(i, 2)]["target"]["aggregate_tok_s"] for i in range(3))[1]
-    # --step-deltas: DFlash with KernelOptions.step_deltas in every round, with its own medians.
-    assert all(r["dflash_step_deltas"]["tokens"] == 6 * r["streams"] for r in report["rows"])
-    assert two["dflash_step_deltas"] == sorted(by[(i, 2)]["dflash_step_deltas"]["aggregate_tok_s"] for i in range(3))[1]
+    # --step-states: DFlash with KernelOptions.step_deltas off in every round, with its own medians.
+    assert all(r["dflash_step_states"]["tokens"] == 6 * r["streams"] for r in report["rows"])
+    assert two["dflash_step_states"] == sorted(by[(i, 2)]["dflash_step_states"]["aggregate_tok_s"] for i in range(3))[1]
     plot = tmp_path / "rounds.png"
     done = _run("benchmarks/plot_batching.py", str(out), "--out", str(plot))
     assert done.returncode == 0, done.stderr

@@ -50,13 +50,10 @@ def test_rollback_matches_fresh_forward(request, family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_rollback_from_recorded_step_states(request, family, monkeypatch):
-    """The CUDA way (the verify keeps the state after every step, the rollback picks one), run on
-    this backend through the per-step reference."""
-    from dflash_core.adapters import qwen3_5
-
-    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
-    _check_rollback(request, family)
+def test_rollback_from_recorded_step_states(request, family, step_states):
+    """The verify keeps the state after every step and the rollback picks one, run on this backend
+    through the per-step reference."""
+    _check_rollback(request, family, step_states)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
@@ -67,11 +64,11 @@ def test_rollback_from_recorded_step_deltas(request, family, step_deltas):
 
 
 def _check_rollback(request, family, recording=None):
-    """`recording`: adapter -> the adapter recording deltas (the `step_deltas` fixture), or None."""
+    """`recording`: adapter -> the adapter recording step states or deltas (the `step_states` and
+    `step_deltas` fixtures), or None for this backend's default."""
     target_dir, _ = request.getfixturevalue(f"{family}_pair")
     adapter, _, _ = load_target(target_dir)
-    deltas = recording is not None
-    if deltas:
+    if recording is not None:
         adapter = recording(adapter)
     rng = np.random.default_rng(0)
     prompt = mx.array(rng.integers(0, adapter.vocab_size, size=(1, 21)), dtype=mx.int32)
@@ -86,6 +83,7 @@ def _check_rollback(request, family, recording=None):
         if family.startswith("qwen3_5"):  # the record holds what this backend's rollback uses
             from dflash_core.adapters.qwen3_5 import records_step_states
 
+            deltas = records_step_states() and adapter.kernels.step_deltas
             assert all((r.step_states is not None) == (records_step_states() and not deltas)
                        and (r.deltas is not None) == deltas for r in verify.rollback.states)
         adapter.rollback(rolled, verify.rollback, keep=keep)

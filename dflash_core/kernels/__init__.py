@@ -34,9 +34,8 @@ class KernelOptions:
     block_attention: bool = True  # verify and draft blocks as stacked GEMMs (attention.py), else MLX's fused
     step_states: bool = True  # verifies keep every GatedDeltaNet step's state, else rollbacks replay
     # With step_states (CUDA): verifies keep each step's delta (1/Dk of its state) and rollbacks replay
-    # the kept updates (gated_delta.replay). Off until the lossless and batching tests have run with
-    # it on a CUDA device; its kernels' exactness was measured there (docs/performance.md).
-    step_deltas: bool = False
+    # the kept updates (gated_delta.replay), bit-exact and less memory (docs/performance.md).
+    step_deltas: bool = True
     cuda_matmul: bool = True  # the 4-bit small-M kernel and stacked bf16 GEMMs (matmul.py), else MLX's own
     bf16_stream: bool = True  # on CUDA, bf16 products of <= 32 rows in our stream kernel (bf16_matmul_cuda.py)
     one_launch_per_input: bool = True  # projections sharing an input in one launch, else one per weight
