@@ -69,6 +69,9 @@ class TrainOptions:
     # Time budget of this run's data generation: no shard starts after it (one always runs), the
     # run trains on the prompts done, and a later run into the same `out` continues where it stopped.
     generation_minutes: Optional[float] = None
+    # Make (or continue) the data and stop, no drafter trained: a machine's session can go to the
+    # data alone, which a later run into the same `out` (with the same prompts) trains on.
+    generate_only: bool = False
     eval_every: int = 100
     save_every: int = 200
     seed: int = 0
@@ -360,7 +363,7 @@ class TrainReport:
     data: dict = field(default_factory=dict)  # train_data.data_report: sizes by category, generation speed
     trained_block_tokens: int = 0  # drafter block rows trained on this run (after a resume: since it)
     trained_tokens_per_second: float = 0.0
-    ended_by: str = "steps"  # or "time": the --minutes budget ran out first
+    ended_by: str = "steps"  # or "time": the --minutes budget ran out first; "data": generate_only
 
 
 def train(opts: TrainOptions) -> TrainReport:
@@ -390,6 +393,10 @@ def train(opts: TrainOptions) -> TrainReport:
     if not training:
         raise ValueError(f"{opts.data}: no training prompts left after holding out {len(held_out)}")
     data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
+    if opts.generate_only:
+        (cache_file.parent / "data_report.json").write_text(json.dumps(data, indent=2))
+        nan = float("nan")
+        return TrainReport(0, 0.0, len(training), len(held_out), nan, nan, nan, data=data, ended_by="data")
 
     drafter = initial_drafter(target, start_from) if start_from is not None else new_drafter(target, tokenizer, opts)
     weights = position_weights(opts.block_size, opts.gamma)

@@ -235,7 +235,8 @@ def generated_tokens(response: list[int], stop_ids) -> int:
 def data_report(sequences: list[dict], progress_file: Path) -> dict:
     """What the training data holds: sequences and tokens by category and split, and the speed of
     the target's responses."""
-    counters = json.loads(progress_file.read_text()).get("counters", {}) if progress_file.exists() else {}
+    progress = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+    counters = progress.get("counters", {})
     by: dict = {}
     for s in sequences:
         entry = by.setdefault(s.get("category", "unlabelled"), {"sequences": 0, "response_tokens": 0})
@@ -245,7 +246,7 @@ def data_report(sequences: list[dict], progress_file: Path) -> dict:
     return {"sequences": len(sequences), "tokens": sum(len(s["tokens"]) for s in sequences),
             "response_tokens": sum(len(s["tokens"]) - s["response_start"] for s in sequences),
             "held_out_sequences": sum(s.get("split") == "held_out" for s in sequences),
-            "by_category": by, "generated_tokens": generated,
+            "by_category": by, "prompts_done": progress.get("prompts_done"), "generated_tokens": generated,
             "generation_tokens_per_second": generated / seconds if generated and seconds else None}
 
 

@@ -294,3 +294,31 @@ def test_a_generation_budget_trains_on_the_shards_done_and_the_next_run_continue
     every = (out / "data" / "sequences.jsonl").read_text().splitlines()
     assert every[: len(first)] == first  # continued, not started again
     assert sorted({json.loads(line)["prompt_index"] for line in every}) == list(range(8))
+
+
+def test_generate_only_makes_the_data_and_a_later_run_trains_on_it(qwen3_pair, tmp_path, capsys):
+    """`--generate-only` (a machine session spent on data alone): the data and its report, no
+    drafter; with a generation budget it grows over runs; a run without the flag into the same
+    --out trains on that data as made, generating nothing."""
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS[:8]))
+    out = tmp_path / "drafter"
+    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
+              "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "2",
+              "--anchors", "2", "--max-new-tokens", "12", "--steps", "2", "--shard-prompts", "3", "--held-out", "0.25"]
+    sequences = out / "data" / "sequences.jsonl"
+    assert cli.main(common + ["--generate-only", "--generation-minutes", "1e-9"]) == 0
+    assert "3 prompts done" in capsys.readouterr().out
+    report = json.loads((out / "data" / "data_report.json").read_text())
+    assert report["prompts_done"] == 3 and report["sequences"] == len(sequences.read_text().splitlines())
+    assert not (out / "model.safetensors").exists() and not (out / "train_report.json").exists()
+    assert cli.main(common + ["--generate-only"]) == 0
+    made = sequences.read_text()
+    assert sorted({json.loads(line)["prompt_index"] for line in made.splitlines()}) == list(range(8))
+    assert json.loads((out / "data" / "data_report.json").read_text())["prompts_done"] == 8
+    assert not (out / "model.safetensors").exists()
+    assert cli.main(common) == 0
+    assert sequences.read_text() == made  # trained on the data as made, nothing regenerated
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["steps"] == 2 and report["data"]["sequences"] == len(made.splitlines())
+    load_drafter(out)

@@ -47,6 +47,9 @@ def add_train(sub) -> None:
     p.add_argument("--generation-minutes", type=_positive_float,
                    help="time budget of the data generation: no shard starts after it, the run trains on the prompts "
                         "done so far, and a later run into the same --out continues the generation")
+    p.add_argument("--generate-only", action="store_true",
+                   help="make (or continue) the data in OUT/data and stop without training: a later run into the same "
+                        "--out with the same --data trains on it (with --generation-minutes, data can grow over runs)")
     p.add_argument("--held-out", type=_share, default=0.1,
                    help="share of prompts held out where the data has no split (dflash corpus writes one)")
     p.add_argument("--eval-every", type=positive_int, default=100)
@@ -99,6 +102,9 @@ def add_corpus(sub) -> None:
                         "docstrings and code of numpy, transformers, mlx-lm, pydantic, ...: about two minutes to read); "
                         "stdlib alone is the corpus the demo drafter was trained on")
     p.add_argument("--per-category", type=positive_int, help="at most this many prompts of each (default: all)")
+    p.add_argument("--generate-only", action="store_true",
+                   help="make (or continue) the data in OUT/data and stop without training: a later run into the same "
+                        "--out with the same --data trains on it (with --generation-minutes, data can grow over runs)")
     p.add_argument("--held-out", type=_share, default=HELD_OUT, help="share of prompts held out (by a hash of each)")
     p.set_defaults(func=run_corpus)
 
@@ -130,7 +136,7 @@ def run_train(args) -> int:
         generation_batch=args.generation_batch, generator=args.generator,
         samples_per_prompt=args.samples_per_prompt,
         sample_temperature=args.sample_temperature, shard_prompts=args.shard_prompts,
-        generation_minutes=args.generation_minutes, held_out=args.held_out,
+        generation_minutes=args.generation_minutes, generate_only=args.generate_only, held_out=args.held_out,
         max_prompt_tokens=args.max_prompt_tokens,
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -142,6 +148,10 @@ def run_train(args) -> int:
     speed = data.get("generation_tokens_per_second")
     print(f"data: {data.get('sequences')} sequences, {data.get('response_tokens')} response tokens"
           + (f" (target responses at {speed:.1f} tok/s)" if speed else ""))
+    if report.ended_by == "data":
+        print(f"data only (--generate-only): {data.get('prompts_done')} prompts done, in {opts.out / 'data'}; "
+              "train on it (or continue it) with the same --out and --data")
+        return 0
     ended = " (the time budget ran out)" if report.ended_by == "time" else ""
     print(f"trained {report.steps} steps{ended} in {report.seconds:.0f}s ({report.trained_tokens_per_second:.0f} block "
           f"tokens/s): loss {report.first_loss:.3f} -> {report.last_loss:.3f}, held-out estimate "
