@@ -17,6 +17,10 @@
 # Run 10 did so (with code kept in the mix) and came out worse than run 9 on the held-out prompts:
 # docs/train.md.
 #
+# GENERATE_ONLY=1 makes (or continues, within --generation-minutes) the data in WORK/data and stops
+# (`dflash train --generate-only`): a machine session spent on data alone; the same command without
+# it, into the same WORK, trains on that data.
+#
 # A CPU regenerates the responses at a few dozen tokens/s: days for these 2 M tokens on 2 cores.
 # PROMPTS=400 SAMPLES=1 STEPS=600 GENERATION_BATCH=16 LOSS_VOCAB=data scripts/train_demo_drafter.sh
 # is a smaller run of the same recipe (hours).
@@ -31,6 +35,7 @@ LOSS_VOCAB="${LOSS_VOCAB:-full}"
 INIT_FROM="${INIT_FROM:-}"
 USED="${USED:-0}"
 SOURCES="${SOURCES:-stdlib}"
+GENERATE_ONLY="${GENERATE_ONLY:-}"
 TARGET_DIR="${TARGET_DIR:-$(python3 -c 'from dflash_core.demo import demo_target_dir; print(demo_target_dir())')}"
 mkdir -p "$WORK"
 dflash corpus --sources "$SOURCES" --out "$WORK/corpus.jsonl"
@@ -53,11 +58,13 @@ print("\n".join(fresh[:count]))
 PY
 shape=(--layers 3 --heads 4 --kv-heads 1 --head-dim 128 --intermediate-size 1536)
 if [ -n "$INIT_FROM" ]; then shape=(--init-from "$INIT_FROM"); fi
+if [ -n "$GENERATE_ONLY" ]; then shape+=(--generate-only); fi
 dflash train --target "$TARGET_DIR" --data "$WORK/prompts.jsonl" --out "$WORK" --no-chat \
   "${shape[@]}" \
   --max-new-tokens 128 --max-prompt-tokens 256 --generator mlx-lm --generation-batch "$GENERATION_BATCH" \
   --samples-per-prompt "$SAMPLES" --sample-temperature 0.8 --shard-prompts 2048 \
   --steps "$STEPS" --batch 32 --anchors 8 --lr 1e-3 --warmup 200 --eval-every 2000 --save-every 1000 \
   --tap-cache-gb 60 --loss-vocab "$LOSS_VOCAB" --save-dtype bfloat16 --seed 0 "$@"
+if [ -n "$GENERATE_ONLY" ]; then exit 0; fi
 mkdir -p dflash_core/demo/gemma-3-270m-dflash
 cp "$WORK/config.json" "$WORK/model.safetensors" "$WORK/train_report.json" dflash_core/demo/gemma-3-270m-dflash/
