@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -277,13 +278,19 @@ def test_the_estimate_walks_a_sequence_as_the_engine_does(qwen3_pair, tmp_path):
     assert walked > 1.5  # the drafter drafts: the walk measured something
 
 
-def test_a_generation_budget_trains_on_the_shards_done_and_the_next_run_continues(qwen3_pair, tmp_path):
+def _sharded_run(qwen3_pair, tmp_path) -> tuple[Path, list[str]]:
+    """A two-step run over 8 prompts in shards of 3: its --out and its `dflash` arguments."""
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS[:8]))
     out = tmp_path / "drafter"
-    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
-              "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "2",
-              "--anchors", "2", "--max-new-tokens", "12", "--steps", "2", "--shard-prompts", "3", "--held-out", "0.25"]
+    return out, ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
+                 "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "2",
+                 "--anchors", "2", "--max-new-tokens", "12", "--steps", "2", "--shard-prompts", "3",
+                 "--held-out", "0.25"]
+
+
+def test_a_generation_budget_trains_on_the_shards_done_and_the_next_run_continues(qwen3_pair, tmp_path):
+    out, common = _sharded_run(qwen3_pair, tmp_path)
     # A budget that is spent at once: the first shard still runs, the others wait for the next run.
     assert cli.main(common + ["--generation-minutes", "1e-9"]) == 0
     first = (out / "data" / "sequences.jsonl").read_text().splitlines()
@@ -300,12 +307,7 @@ def test_generate_only_makes_the_data_and_a_later_run_trains_on_it(qwen3_pair, t
     """`--generate-only` (a machine session spent on data alone): the data and its report, no
     drafter; with a generation budget it grows over runs; a run without the flag into the same
     --out trains on that data as made, generating nothing."""
-    data = tmp_path / "prompts.txt"
-    data.write_text("\n".join(PROMPTS[:8]))
-    out = tmp_path / "drafter"
-    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
-              "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "2",
-              "--anchors", "2", "--max-new-tokens", "12", "--steps", "2", "--shard-prompts", "3", "--held-out", "0.25"]
+    out, common = _sharded_run(qwen3_pair, tmp_path)
     sequences = out / "data" / "sequences.jsonl"
     assert cli.main(common + ["--generate-only", "--generation-minutes", "1e-9"]) == 0
     assert "3 prompts done" in capsys.readouterr().out
