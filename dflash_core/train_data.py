@@ -136,6 +136,19 @@ def _read_done(cache_file: Path, progress_file: Path, key: dict) -> tuple[int, l
     return done, sequences, progress.get("counters", {})
 
 
+def target_key(target: str) -> str:
+    """The target a data set was made with, as its key says: a local directory by its content (its
+    config.json and its weight files' names and sizes), so that data brought to another machine,
+    where the same model sits at another path, is found again; a repo id or a demo name by name."""
+    path = Path(target).expanduser()
+    if not (path / "config.json").is_file():
+        return target
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    return "sha256:" + digest.hexdigest()
+
+
 def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=None) -> list[dict]:
     """Prompt + the target's response, token ids, for every record and sample: {"tokens",
     "response_start", "prompt_index", "sample", "category", "split"}. `opts` is a TrainOptions
@@ -145,7 +158,7 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
     samples, temperature, shard = max(1, opts.samples_per_prompt), opts.sample_temperature, max(1, opts.shard_prompts)
     prompts = [r["prompt"] for r in records]
     sampled = samples > 1  # the seed and temperature matter only to sampled responses
-    key = {"target": str(opts.target), "max_new_tokens": opts.max_new_tokens,
+    key = {"target": target_key(str(opts.target)), "max_new_tokens": opts.max_new_tokens,
            "max_prompt_tokens": opts.max_prompt_tokens, "chat": opts.chat, "samples": samples,
            "temperature": temperature if sampled else None, "seed": opts.seed if sampled else None,
            "generator": opts.generator if sampled else None,

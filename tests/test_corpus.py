@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -188,3 +189,21 @@ def test_dflash_bench_measures_a_corpus_by_category(qwen3_pair, tmp_path, capsys
     capsys.readouterr()
     assert cli.main(common + ["--server", "http://127.0.0.1:9"]) == 2
     assert "--prompts" in capsys.readouterr().err
+
+
+def test_data_brought_to_another_path_of_the_same_target_is_found_again(qwen3_pair, tmp_path):
+    """The data's key names the target by its content, not its path: the same model copied
+    elsewhere (another machine's cache) continues the data; a target with another config does not."""
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    engine = Engine(target, tokenizer)
+    cache = tmp_path / "data" / "sequences.jsonl"
+    made = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path, "engine"), cache)
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(qwen3_pair[0], moved)
+    ends = []
+    assert regenerate(engine, _records(), _opts(moved, tmp_path, "engine"), cache, ends.append) == made
+    assert ends == []  # nothing generated again
+    config = json.loads((moved / "config.json").read_text())
+    (moved / "config.json").write_text(json.dumps({**config, "rope_theta": config.get("rope_theta", 10000) * 2}))
+    regenerate(engine, _records(), _opts(moved, tmp_path, "engine"), cache, ends.append)
+    assert ends  # another target: made again
