@@ -115,15 +115,27 @@ def mlx_lm_responses(model, prompts: list[list[int]], max_new_tokens: int, stop_
     return [out[u] for u in uids]
 
 
-def _read_done(cache_file: Path, progress_file: Path, key: dict) -> tuple[int, list[dict], dict]:
+# What each part of the data's key comes from, for the error that names them.
+KEY_FLAGS = {"target": "--target", "max_new_tokens": "--max-new-tokens", "max_prompt_tokens": "--max-prompt-tokens",
+             "chat": "--no-chat", "samples": "--samples-per-prompt", "temperature": "--sample-temperature",
+             "seed": "--seed", "generator": "--generator", "prompts": "--data"}
+
+
+def _read_done(cache_file: Path, progress_file: Path, key: dict, target: str) -> tuple[int, list[dict], dict]:
     """The prompts already done, their sequences and the counters, from an earlier run with the
-    same key; (0, [], {}) otherwise."""
+    same key; (0, [], {}) where there is none. Data made with another key is refused, not replaced:
+    it may be a whole machine session's work."""
     if not (cache_file.exists() and progress_file.exists()):
         return 0, [], {}
     progress = json.loads(progress_file.read_text())
-    if progress.get("key") != key:
-        log.info("%s was made for another target, prompts or settings: regenerating", cache_file)
-        return 0, [], {}
+    made = dict(progress.get("key") or {})
+    if made.get("target") == target:  # written before the key named a directory by its content
+        made["target"] = key["target"]
+    differ = [KEY_FLAGS.get(k, k) for k in key if made.get(k) != key[k]]
+    if differ:
+        raise ValueError(f"{cache_file} was made with other settings ({', '.join(differ)} differ from this run's): "
+                         f"give the same ones to continue or train on it, or another --out (or delete "
+                         f"{cache_file.parent}) to make new data")
     done = progress["prompts_done"]
     sequences = []
     for line in cache_file.read_text().splitlines():
@@ -164,7 +176,7 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
            "generator": opts.generator if sampled else None,
            "prompts": hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()}
     progress_file = cache_file.with_name("sequences.progress.json")
-    done, sequences, counters = _read_done(cache_file, progress_file, key)
+    done, sequences, counters = _read_done(cache_file, progress_file, key, str(opts.target))
     if done == len(records):
         return sequences
     if done:
@@ -178,8 +190,8 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
     budget = None if opts.generation_minutes is None else time.perf_counter() + 60 * opts.generation_minutes
     while done < len(records):
         if budget is not None and time.perf_counter() >= budget and sequences:
-            log.info("target responses: the generation budget ran out after %d of %d prompts; training on "
-                     "those (a later run into the same directory continues it)", done, len(records))
+            log.info("target responses: the generation budget ran out after %d of %d prompts (a later run into "
+                     "the same directory continues it)", done, len(records))
             break
         chunk = range(done, min(done + shard, len(records)))
         encoded = {i: encode_prompt(engine.tokenizer, prompts[i], opts.chat, opts.max_prompt_tokens) for i in chunk}

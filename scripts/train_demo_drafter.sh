@@ -38,14 +38,19 @@ SOURCES="${SOURCES:-stdlib}"
 GENERATE_ONLY="${GENERATE_ONLY:-}"
 TARGET_DIR="${TARGET_DIR:-$(python3 -c 'from dflash_core.demo import demo_target_dir; print(demo_target_dir())')}"
 mkdir -p "$WORK"
-dflash corpus --sources "$SOURCES" --out "$WORK/corpus.jsonl"
-used="$WORK/used.jsonl"
-: > "$used"
-if [ "$USED" -gt 0 ]; then
-  dflash corpus --sources stdlib --out "$WORK/stdlib.jsonl"
-  head -n "$USED" "$WORK/stdlib.jsonl" > "$used"
-fi
-python3 - "$WORK/corpus.jsonl" "$used" "$PROMPTS" > "$WORK/prompts.jsonl" <<'PY'
+# Data made already (an earlier run, or brought from another machine) keeps the prompts it was made
+# from: the corpus depends on this machine's Python and packages, and other prompts are refused.
+if [ -f "$WORK/data/sequences.progress.json" ] && [ -s "$WORK/prompts.jsonl" ]; then
+  echo "continuing the data in $WORK/data with its prompts, $WORK/prompts.jsonl"
+else
+  dflash corpus --sources "$SOURCES" --out "$WORK/corpus.jsonl"
+  used="$WORK/used.jsonl"
+  : > "$used"
+  if [ "$USED" -gt 0 ]; then
+    dflash corpus --sources stdlib --out "$WORK/stdlib.jsonl"
+    head -n "$USED" "$WORK/stdlib.jsonl" > "$used"
+  fi
+  python3 - "$WORK/corpus.jsonl" "$used" "$PROMPTS" > "$WORK/prompts.jsonl" <<'PY'
 import sys
 corpus, used, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 seen = set(open(used).read().splitlines())
@@ -56,6 +61,7 @@ if len(lines) - len(fresh) < len(seen):  # another standard library: the used pr
              "the drafter was trained on (another Python?); set USED=0 to take the prompts as they are")
 print("\n".join(fresh[:count]))
 PY
+fi
 shape=(--layers 3 --heads 4 --kv-heads 1 --head-dim 128 --intermediate-size 1536)
 if [ -n "$INIT_FROM" ]; then shape=(--init-from "$INIT_FROM"); fi
 if [ -n "$GENERATE_ONLY" ]; then shape+=(--generate-only); fi

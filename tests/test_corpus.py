@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -193,17 +194,28 @@ def test_dflash_bench_measures_a_corpus_by_category(qwen3_pair, tmp_path, capsys
 
 def test_data_brought_to_another_path_of_the_same_target_is_found_again(qwen3_pair, tmp_path):
     """The data's key names the target by its content, not its path: the same model copied
-    elsewhere (another machine's cache) continues the data; a target with another config does not."""
+    elsewhere (another machine's cache) continues the data; a target with another config, or other
+    response settings, is refused by name, the data left as it is."""
     target, tokenizer, _ = load_target(qwen3_pair[0])
     engine = Engine(target, tokenizer)
     cache = tmp_path / "data" / "sequences.jsonl"
-    made = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path, "engine"), cache)
+    made_data = regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path, "engine"), cache)
     moved = tmp_path / "elsewhere"
     shutil.copytree(qwen3_pair[0], moved)
     ends = []
-    assert regenerate(engine, _records(), _opts(moved, tmp_path, "engine"), cache, ends.append) == made
+    assert regenerate(engine, _records(), _opts(moved, tmp_path, "engine"), cache, ends.append) == made_data
     assert ends == []  # nothing generated again
     config = json.loads((moved / "config.json").read_text())
     (moved / "config.json").write_text(json.dumps({**config, "rope_theta": config.get("rope_theta", 10000) * 2}))
-    regenerate(engine, _records(), _opts(moved, tmp_path, "engine"), cache, ends.append)
-    assert ends  # another target: made again
+    before = cache.read_text()
+    with pytest.raises(ValueError, match="--target differ"):
+        regenerate(engine, _records(), _opts(moved, tmp_path, "engine"), cache, ends.append)
+    longer = replace(_opts(qwen3_pair[0], tmp_path, "engine"), max_new_tokens=20)
+    with pytest.raises(ValueError, match="--max-new-tokens differ"):
+        regenerate(engine, _records(), longer, cache, ends.append)
+    assert ends == [] and cache.read_text() == before
+    # Data whose key named the target by its path (before it named it by content) is still found.
+    progress = cache.with_name("sequences.progress.json")
+    made = json.loads(progress.read_text())
+    progress.write_text(json.dumps({**made, "key": {**made["key"], "target": str(qwen3_pair[0])}}))
+    assert regenerate(engine, _records(), _opts(qwen3_pair[0], tmp_path, "engine"), cache, ends.append) == made_data

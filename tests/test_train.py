@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_core import cli
+from dflash_core import cli, train_data
 from dflash_core.drafter import load_drafter
 from dflash_core.engine import Engine
 from dflash_core.loading import load_target
@@ -111,7 +111,7 @@ def test_train_lowers_loss_and_writes_a_servable_drafter(qwen3_pair, tmp_path, c
     assert chunks[-1].stats.speculative
 
 
-def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path):
+def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path, capsys):
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS))
     out = tmp_path / "drafter"
@@ -123,12 +123,13 @@ def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path):
     assert cli.main(common + ["--steps", "6", "--resume"]) == 0
     report = json.loads((out / "train_report.json").read_text())
     assert [h["step"] for h in report["history"]] == [1, 2, 3, 4, 5, 6]  # the history survives the restart
-    # The regenerated responses are reused only for the same target, prompts and settings.
+    # The regenerated responses are reused only for the same target, prompts and settings; other
+    # prompts are refused by name, the data left as it is (tests/test_corpus.py: the other settings).
     cached = (out / "data" / "sequences.jsonl").read_text()
     data.write_text("\n".join(PROMPTS[:6]))
-    assert cli.main(common + ["--steps", "1"]) == 0
-    assert (out / "data" / "sequences.jsonl").read_text() != cached
-    assert len((out / "data" / "sequences.jsonl").read_text().splitlines()) <= 6
+    assert cli.main(common + ["--steps", "1"]) == 2
+    assert "--data differ" in capsys.readouterr().err
+    assert (out / "data" / "sequences.jsonl").read_text() == cached
 
 
 def test_init_from_trains_an_existing_drafter_further(qwen3_pair, tmp_path, capsys):
@@ -303,24 +304,34 @@ def test_a_generation_budget_trains_on_the_shards_done_and_the_next_run_continue
     assert sorted({json.loads(line)["prompt_index"] for line in every}) == list(range(8))
 
 
-def test_generate_only_makes_the_data_and_a_later_run_trains_on_it(qwen3_pair, tmp_path, capsys):
+def test_generate_only_makes_the_data_and_a_later_run_trains_on_it(qwen3_pair, tmp_path, capsys, monkeypatch):
     """`--generate-only` (a machine session spent on data alone): the data and its report, no
     drafter; with a generation budget it grows over runs; a run without the flag into the same
     --out trains on that data as made, generating nothing."""
     out, common = _sharded_run(qwen3_pair, tmp_path)
     sequences = out / "data" / "sequences.jsonl"
+    generated, responses = [], train_data._responses  # the prompts each run generates for
+
+    def counted(engine, jobs, *rest):
+        generated.extend(i for i, _ in jobs)
+        return responses(engine, jobs, *rest)
+    monkeypatch.setattr(train_data, "_responses", counted)
     assert cli.main(common + ["--generate-only", "--generation-minutes", "1e-9"]) == 0
+    assert sorted(set(generated)) == [0, 1, 2]
     assert "3 prompts done" in capsys.readouterr().out
     report = json.loads((out / "data" / "data_report.json").read_text())
     assert report["prompts_done"] == 3 and report["sequences"] == len(sequences.read_text().splitlines())
     assert not (out / "model.safetensors").exists() and not (out / "train_report.json").exists()
+    generated.clear()
     assert cli.main(common + ["--generate-only"]) == 0
+    assert sorted(set(generated)) == [3, 4, 5, 6, 7]  # continued, not made again
     made = sequences.read_text()
     assert sorted({json.loads(line)["prompt_index"] for line in made.splitlines()}) == list(range(8))
     assert json.loads((out / "data" / "data_report.json").read_text())["prompts_done"] == 8
     assert not (out / "model.safetensors").exists()
+    generated.clear()
     assert cli.main(common) == 0
-    assert sequences.read_text() == made  # trained on the data as made, nothing regenerated
+    assert generated == [] and sequences.read_text() == made  # trained on the data as made
     report = json.loads((out / "train_report.json").read_text())
     assert report["steps"] == 2 and report["data"]["sequences"] == len(made.splitlines())
     load_drafter(out)

@@ -49,7 +49,8 @@ def add_train(sub) -> None:
                         "done so far, and a later run into the same --out continues the generation")
     p.add_argument("--generate-only", action="store_true",
                    help="make (or continue) the data in OUT/data and stop without training: a later run into the same "
-                        "--out with the same --data trains on it (with --generation-minutes, data can grow over runs)")
+                        "--out with the same --target, --data and response settings continues it or trains on it "
+                        "(with --generation-minutes, data can grow over runs)")
     p.add_argument("--held-out", type=_share, default=0.1,
                    help="share of prompts held out where the data has no split (dflash corpus writes one)")
     p.add_argument("--eval-every", type=positive_int, default=100)
@@ -102,9 +103,6 @@ def add_corpus(sub) -> None:
                         "docstrings and code of numpy, transformers, mlx-lm, pydantic, ...: about two minutes to read); "
                         "stdlib alone is the corpus the demo drafter was trained on")
     p.add_argument("--per-category", type=positive_int, help="at most this many prompts of each (default: all)")
-    p.add_argument("--generate-only", action="store_true",
-                   help="make (or continue) the data in OUT/data and stop without training: a later run into the same "
-                        "--out with the same --data trains on it (with --generation-minutes, data can grow over runs)")
     p.add_argument("--held-out", type=_share, default=HELD_OUT, help="share of prompts held out (by a hash of each)")
     p.set_defaults(func=run_corpus)
 
@@ -150,7 +148,7 @@ def run_train(args) -> int:
           + (f" (target responses at {speed:.1f} tok/s)" if speed else ""))
     if report.ended_by == "data":
         print(f"data only (--generate-only): {data.get('prompts_done')} prompts done, in {opts.out / 'data'}; "
-              "train on it (or continue it) with the same --out and --data")
+              "the same command continues it, and without --generate-only trains on it")
         return 0
     ended = " (the time budget ran out)" if report.ended_by == "time" else ""
     print(f"trained {report.steps} steps{ended} in {report.seconds:.0f}s ({report.trained_tokens_per_second:.0f} block "
