@@ -125,5 +125,6 @@ def step_deltas(monkeypatch):
     from dflash_core.kernels import gated_delta
 
     monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    monkeypatch.setattr(qwen3_5, "replays_deltas", lambda head_k_dim, head_v_dim: True)
     monkeypatch.setattr(gated_delta, "reference", gated_delta.reference_steps)
     return lambda adapter: adapter.with_kernels(replace(adapter.kernels, step_deltas=True))

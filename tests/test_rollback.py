@@ -63,6 +63,20 @@ def test_rollback_from_recorded_step_deltas(request, family, step_deltas):
     _check_rollback(request, family, step_deltas)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_deltas_asked_where_no_kernel_replays_them_keep_step_states(request, family, monkeypatch):
+    """`step_deltas` on, verifies recording, but no kernel whose replay repeats the forward's
+    roundings (here: the CPU's compiled steps; on CUDA, head sizes our kernel does not take): the
+    verify keeps step states (the check in `_check_rollback`), and rollbacks are exact."""
+    from dataclasses import replace
+
+    from dflash_core.adapters import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "records_step_states", lambda: True)
+    monkeypatch.setattr(qwen3_5, "replays_deltas", lambda head_k_dim, head_v_dim: False)
+    _check_rollback(request, family, lambda adapter: adapter.with_kernels(replace(adapter.kernels, step_deltas=True)))
+
+
 def _check_rollback(request, family, recording=None):
     """`recording`: adapter -> the adapter recording step states or deltas (the `step_states` and
     `step_deltas` fixtures), or None for this backend's default."""
@@ -81,9 +95,11 @@ def _check_rollback(request, family, recording=None):
         adapter.forward(prompt, rolled)
         verify = adapter.forward(block, rolled, record=True)
         if family.startswith("qwen3_5"):  # the record holds what this backend's rollback uses
-            from dflash_core.adapters.qwen3_5 import records_step_states
+            from dflash_core.adapters.qwen3_5 import records_step_states, replays_deltas
 
-            deltas = records_step_states() and adapter.kernels.step_deltas
+            mixer = next(layer.linear_attn for layer in adapter.layers if layer.is_linear)
+            deltas = (records_step_states() and adapter.kernels.step_deltas
+                      and replays_deltas(mixer.head_k_dim, mixer.head_v_dim))
             assert all((r.step_states is not None) == (records_step_states() and not deltas)
                        and (r.deltas is not None) == deltas for r in verify.rollback.states)
         adapter.rollback(rolled, verify.rollback, keep=keep)

@@ -33,7 +33,14 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..cache import RowsArraysCache, RowsKVCache
-from ..kernels.gated_delta import gated_delta, gated_delta_deltas, gated_delta_step_states, records_step_states, replay
+from ..kernels.gated_delta import (
+    gated_delta,
+    gated_delta_deltas,
+    gated_delta_step_states,
+    records_step_states,
+    replay,
+    replays_deltas,
+)
 from ..kernels.matmul import gated_mlp, linear, linears
 from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary
 
@@ -298,7 +305,7 @@ class Qwen35Adapter(TargetAdapter):
                     recurrent.append(state)
                 last = join(conv_states, 0), join(recurrent, 0)
             conv_before, state_before = last
-            deltas = step_states and kernels.step_deltas
+            deltas = step_states and kernels.step_deltas and replays_deltas(m.head_k_dim, m.head_v_dim)
             mix = block(("gdn_mix", step_states, deltas), lambda: gated_delta_mixer(m, step_states, deltas))
             g_rows = _stack(g, planned)
             y, conv_state, state, conv_input, kept = mix(_stack(qkv, planned), conv_before, state_before,

@@ -36,6 +36,15 @@ def records_step_states() -> bool:
     return backend() == "cuda"
 
 
+def replays_deltas(head_k_dim: int, head_v_dim: int) -> bool:
+    """Whether a verify of a layer of these head sizes records deltas when `KernelOptions.step_deltas`
+    asks for them: where our CUDA kernel runs it, whose replay repeats its roundings. Elsewhere the
+    deltas would come from `reference_steps`, whose roundings the layer's other forwards (mlx-lm's
+    compiled steps) do not promise, so such a verify keeps step states instead. (No released
+    Qwen3.5 has head sizes the kernel does not take.)"""
+    return backend() == "cuda" and head_k_dim % 32 == 0 and head_v_dim % 4 == 0
+
+
 def gated_delta_step_states(q, k, v, g, beta, state) -> tuple[mx.array, mx.array, mx.array]:
     """`gated_delta` plus the state after every step, [B, T, Hv, Dv, Dk]: states[:, t] is exactly
     the final state of running steps 0..t alone."""
