@@ -242,8 +242,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--paths", default="default",
                         help="comma list: default, replay (verifies keep no per-step GatedDeltaNet states; "
-                             "rollbacks replay the recurrence), unqueued (a forward starts on the device "
-                             "only once its whole graph is built)")
+                             "rollbacks replay the recurrence), step_states (verifies keep every step's state and "
+                             "rollbacks pick one, not deltas), unqueued (a forward starts on the device only once "
+                             "its whole graph is built)")
     parser.add_argument("--ncu", action="store_true",
                         help="also run a round's parts between marker kernels, for an ncu trace (CUDA; see the docstring)")
     parser.add_argument("--out", type=Path)
@@ -260,8 +261,9 @@ def main() -> None:
     report = {"device": mx.device_info().get("device_name"), "shape": args.shape, "quant": args.quant,
               "context": args.context, "date": time.strftime("%Y-%m-%d"), "rows": {}}
     trace = kernel_tracer(parameter_bytes(target.model)) if args.ncu else None
+    # (Before 2026-12-05 "default" recorded step states: `step_states` is that now.)
     kernels = {"default": DEFAULT_KERNELS, "replay": KernelOptions(step_states=False),
-               "unqueued": KernelOptions(queue_layers=False)}
+               "step_states": KernelOptions(step_deltas=False), "unqueued": KernelOptions(queue_layers=False)}
     for path in args.paths.split(","):
         for n in args.rows:
             parts = profile(target.with_kernels(kernels[path]), drafter, n, args.context, args.repeat, trace)

@@ -96,7 +96,7 @@ def measure(B: int, layers: int, repeats: int) -> dict:
     keeps = [1 + (5 * b + 3) % (T - 1) for b in range(B)]
     flat = mx.arange(B) * T + mx.array(keeps) - 1
 
-    def engine_way():  # the verify with step states, then the rollback's take
+    def engine_way():  # the verify with step states, then the rollback's take (the engine's way until deltas)
         out = []
         for s in states:
             y, final, kept = engine.gated_delta_cuda(q, k, v, g, beta, s, step_states=True)

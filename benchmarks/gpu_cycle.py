@@ -10,8 +10,8 @@ with the drafts: this measures speed, not acceptance).
     python benchmarks/gpu_cycle.py --models qwen3.5-9b --quant bf16 --contexts 1024,8192 --out r.json
 
 `--paths dflash,replay,mlx,mlx-qmm,unfused` measures each context with this project's CUDA paths
-(block attention, dflash_core/kernels/attention.py; GatedDeltaNet rollback from recorded step
-states; the 4-bit small-M matmul, dflash_core/kernels/matmul.py), with the rollback replaying the
+(block attention, dflash_core/kernels/attention.py; GatedDeltaNet rollback replaying recorded
+step deltas; the 4-bit small-M matmul, dflash_core/kernels/matmul.py), with the rollback replaying the
 recurrence instead, with MLX's fused attention, the replay and MLX's quantized matmul, with only
 MLX's own matmuls swapped back in (no 4-bit kernel, no bf16 stream kernel, no stacked bf16 GEMM),
 with a 4-bit kernel launch or bf16 product per weight instead of one per shared input, with MLX's

@@ -92,7 +92,8 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
             out.setdefault(f"{mode}_{key}", []).append(value)
 
     # Verify + rollback to alternating lengths (a cycle keeps 6, then 7, ...), to 7, and to all 16.
-    # The rollback either replays the recurrence or (CUDA) picks a state the verify recorded.
+    # The rollback either replays the recurrence from its inputs or (CUDA) picks a state the verify
+    # recorded; the default, which replays the deltas a verify recorded, is `..._deltas`.
     adapter.compile_max_tokens = 16
 
     def verify_and_rollback():
@@ -100,8 +101,10 @@ def profile(name: str, quant: str, context: int, layers=None, tiny=False) -> dic
         target.rollback(cache, v.rollback, keep=next(keeps))
         return [v.logits] + [a for c in cache if hasattr(c, "cache") for a in c.cache]
 
-    for label, step_states in (("replay", False), ("step_states", True), ("replay", False), ("step_states", True)):
-        target = adapter.with_kernels(KernelOptions(step_states=step_states))
+    arms = {"replay": KernelOptions(step_states=False), "step_states": KernelOptions(step_deltas=False),
+            "deltas": KernelOptions()}
+    for label in ("replay", "step_states", "deltas", "replay", "step_states", "deltas"):
+        target = adapter.with_kernels(arms[label])
         for keep_label, pattern in (("6_7", [6, 7]), ("7", [7]), ("16", [16])):
             keeps = iter(pattern * 40)
             cache, context_cache = snapshot.restore()

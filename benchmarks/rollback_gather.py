@@ -9,7 +9,8 @@ takes each row's state after its kept steps and its conv window, in every layer.
 median of --repeats: building the ops (host) and building plus evaluating them, for the state
 taken as `kept[rows, keeps - 1]` (a gather over five dimensions: MLX's gather kernel does index
 arithmetic per element over every dimension; the engine's form before 2026-12-05), as `mx.take`
-over the states laid out [R * T, size] (the engine's form since), and the conv windows' gather.
+over the states laid out [R * T, size] (the engine's form since, with `KernelOptions.step_deltas` off),
+and the conv windows' gather.
 """
 
 from __future__ import annotations

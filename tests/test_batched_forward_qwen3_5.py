@@ -57,7 +57,10 @@ def _equal(a, b, what):
     if a is not None:
         assert a.shape == b.shape and a.dtype == b.dtype, what
         if mx.issubdtype(a.dtype, mx.floating):
-            assert_rounds_alike(a, b)
+            try:
+                assert_rounds_alike(a, b)
+            except AssertionError as e:
+                raise AssertionError(f"{what}: {e}") from None
         else:
             assert mx.array_equal(a, b).item(), what
 
@@ -197,12 +200,13 @@ def test_rows_of_one_length_share_the_recurrence(setup, request, record):
 def test_rows_carry_their_states_to_the_next_forward(setup, request, record):
     """The same rows' next forward starts from the batch their last one left, in every layer (the
     GatedDeltaNet windows and states, the attention buffers) instead of stacking each row's again;
-    after a batched rollback (verifies with step states, as on CUDA) the GatedDeltaNet layers start
-    from its gathers. Every round is exact against the rows alone."""
+    after a batched rollback of verifies that recorded every step (step states or deltas, as on
+    CUDA) the GatedDeltaNet layers start from its gathers or replays. Every round agrees with the
+    rows alone (`_equal`)."""
     from dflash_core.adapters import qwen3_5
 
     adapter, taps, prompts = _recording(setup, request, record)
-    step_states = qwen3_5.records_step_states()
+    step_states = qwen3_5.records_step_states()  # verifies record every step: states or deltas
     stacked = adapter.stacked_rows
     batched, solo = _world(adapter, prompts), _world(adapter, prompts)
     _round(adapter, taps, batched, solo, _tokens(adapter, [1] * 4, 10), [True] * 4, record=False)
@@ -222,7 +226,7 @@ def test_rows_carry_their_states_to_the_next_forward(setup, request, record):
     before = stacked.reused
     _round(adapter, taps, batched, solo, _tokens(adapter, [16] * 4, 13), [False] * 4)
     attention_layers = sum(not layer.is_linear for layer in adapter.layers)
-    # Rolled back row by row (no step states), the GatedDeltaNet rows hold arrays of their own.
+    # Rolled back row by row (no per-step records), the GatedDeltaNet rows hold arrays of their own.
     assert stacked.reused - before == (len(adapter.layers) if step_states else attention_layers)
 
 

@@ -51,8 +51,8 @@ def test_rollback_matches_fresh_forward(request, family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_rollback_from_recorded_step_states(request, family, step_states):
-    """The verify keeps the state after every step and the rollback picks one, run on this backend
-    through the per-step reference."""
+    """The verify keeps the state after every step and the rollback picks one (on the CPU through
+    the per-step reference)."""
     _check_rollback(request, family, step_states)
 
 

@@ -32,9 +32,11 @@ class KernelOptions:
     block reads it when it is traced. Frozen, so that a key never changes under a traced block."""
 
     block_attention: bool = True  # verify and draft blocks as stacked GEMMs (attention.py), else MLX's fused
-    step_states: bool = True  # verifies keep every GatedDeltaNet step's state, else rollbacks replay
-    # With step_states (CUDA): verifies keep each step's delta (1/Dk of its state) and rollbacks replay
-    # the kept updates (gated_delta.replay), bit-exact and less memory (docs/performance.md).
+    # Verifies record every GatedDeltaNet step (CUDA), else rollbacks replay the recurrence from its inputs.
+    step_states: bool = True
+    # With step_states: a step's delta (1/Dk of its state) rather than its state, the rollback replaying
+    # the kept updates (gated_delta.replay), bit-exact and less memory (docs/performance.md); where our
+    # kernel does not run the layer (`gated_delta.replays_deltas`) the states still.
     step_deltas: bool = True
     cuda_matmul: bool = True  # the 4-bit small-M kernel and stacked bf16 GEMMs (matmul.py), else MLX's own
     bf16_stream: bool = True  # on CUDA, bf16 products of <= 32 rows in our stream kernel (bf16_matmul_cuda.py)

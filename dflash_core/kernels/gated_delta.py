@@ -29,10 +29,11 @@ def records_step_states() -> bool:
     """Whether a verify should keep the state after every step (`gated_delta_step_states`) so that a
     rollback picks one instead of replaying the recurrence (unless `KernelOptions.step_states` is
     off). On CUDA our kernel writes them in the same launch; elsewhere a replay is cheaper than a
-    per-step loop. The price is memory: a verify's rollback record holds T states per layer (16 x
-    2 MB x 24 layers = 0.8 GB for Qwen3.5-9B, about 2.4 GB for Qwen3.5-27B) until its cycle is
-    accepted or rolled back, one per generation in flight. (Shapes the CUDA kernel does not take
-    would get the per-step loop; no released Qwen3.5 has them.)"""
+    per-step loop. Kept as states, a verify's rollback record holds T states per layer (16 x 2 MB x
+    24 layers = 0.8 GB for Qwen3.5-9B, about 2.4 GB for Qwen3.5-27B) until its cycle is accepted or
+    rolled back, one per generation in flight; kept as deltas (`KernelOptions.step_deltas`, the
+    default), 1/Dk of that. (Shapes the CUDA kernel does not take would get the per-step loop; no
+    released Qwen3.5 has them.)"""
     return backend() == "cuda"
 
 
