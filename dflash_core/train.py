@@ -373,6 +373,8 @@ def train(opts: TrainOptions) -> TrainReport:
     if opts.init_from is not None and given:  # (before anything loads)
         raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in given)}: the drafter's shape comes from "
                          f"--init-from {opts.init_from} (its config.json); drop them")
+    if opts.generate_only and opts.resume:
+        raise ValueError("--resume: a --generate-only run trains nothing to resume (it continues the data by itself)")
     rng = random.Random(opts.seed)
     mx.random.seed(opts.seed)
     opts.out.mkdir(parents=True, exist_ok=True)

@@ -322,6 +322,8 @@ def test_generate_only_makes_the_data_and_a_later_run_trains_on_it(qwen3_pair, t
     report = json.loads((out / "data" / "data_report.json").read_text())
     assert report["prompts_done"] == 3 and report["sequences"] == len(sequences.read_text().splitlines())
     assert not (out / "model.safetensors").exists() and not (out / "train_report.json").exists()
+    assert cli.main(common + ["--generate-only", "--resume"]) == 2
+    assert "--resume: a --generate-only run trains nothing" in capsys.readouterr().err
     generated.clear()
     assert cli.main(common + ["--generate-only"]) == 0
     assert sorted(set(generated)) == [3, 4, 5, 6, 7]  # continued, not made again
