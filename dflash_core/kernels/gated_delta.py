@@ -130,6 +130,6 @@ def active_path() -> str:
     """Which implementation `gated_delta` uses here (for `dflash doctor`)."""
     return {
         "metal": "mlx-lm Metal kernel",
-        "cuda": "dflash CUDA kernel (one launch per layer)",
+        "cuda": "dflash CUDA kernel (one launch per layer; verifies record each step's delta, rollbacks replay them)",
         "cpu": "pure MLX (one compiled step per token)",
     }[backend()]
