@@ -156,6 +156,55 @@ def test_the_primitive_runs_in_compiled_functions_and_has_the_inputs_gradient():
         np.testing.assert_allclose(np.array(grad), np.array(want), rtol=1e-4, atol=1e-4)
 
 
+def test_a_float32_weight_multiplied_as_itself_has_its_gradient():
+    """`fixed_order_weight` hands the parameter itself to the primitive, so training through it (a
+    drafter's layers in `dflash train`, where MKL is loaded) needs the weight's gradient as well as
+    the input's: both are MLX's own products' within float32 rounding, over inputs with batch axes."""
+    weight, x = _random((24, 48), 10), _random((2, 5, 48), 11)
+
+    def loss(w, a, product):
+        return (mx.tanh(product(a, w)) ** 2).sum()
+
+    ours = mx.grad(loss, argnums=(0, 1))(weight, x, lambda a, w: cpu_linear.narrow_linear(a, (w,)))
+    mlx = mx.grad(loss, argnums=(0, 1))(weight, x, lambda a, w: a @ w.T)
+    for got, want in zip(ours, mlx):
+        assert mx.abs(want).max().item() > 0
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+
+
+def test_a_drafter_trains_through_the_primitive_as_through_mlx(qwen3_pair, monkeypatch):
+    """With a BLAS that rounds by rows loaded (as `dflash train` loads MKL), a drafter's layers go
+    through the primitive: every weight gets the gradient it gets through MLX's products (they got
+    none before, which left all but the drafter's input projection and norms untrained)."""
+    from dataclasses import replace
+
+    from mlx.utils import tree_flatten
+
+    from dflash_core.loading import load_target
+    from dflash_core.train import TrainOptions, block_logits, new_drafter
+
+    monkeypatch.setattr(cpu_linear, "rounds_by_rows", lambda: True)
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    opts = TrainOptions(target="x", data=None, out=None, layers=2, head_dim=16, heads=4, kv_heads=2,
+                        intermediate_size=96)
+    drafter = new_drafter(target, tokenizer, opts.with_new_drafter_defaults())
+    tokens = mx.array(tokenizer.encode("A sequence long enough to anchor several blocks in it."), dtype=mx.int32)
+    taps = target.forward(tokens[None], target.make_cache(16), drafter.config.target_layer_ids).tapped_hidden
+    anchors = mx.array([3, 7, 11], dtype=mx.int32)
+    layer = drafter.layers[0].self_attn.q_proj
+    assert cpu_linear.cpu_weight(layer, mx.zeros((1, layer.weight.shape[1])))[0] is layer.weight
+
+    def grads(model):
+        loss = lambda m: (block_logits(m, target, taps, tokens, anchors) ** 2).mean()  # noqa: E731
+        return dict(tree_flatten(nn.value_and_grad(model, loss)(model)[1]))
+
+    ours, mlx = grads(drafter), grads(drafter.with_kernels(replace(drafter.kernels, cpu_narrow_linears=False)))
+    assert ours.keys() == mlx.keys()
+    for name, want in mlx.items():
+        assert mx.abs(want).max().item() > 0, name
+        np.testing.assert_allclose(np.array(ours[name]), np.array(want), rtol=1e-3, atol=1e-6, err_msg=name)
+
+
 def test_bad_inputs_are_refused_with_the_reason(primitive):
     with pytest.raises(ValueError, match="float16"):
         primitive.half_linear(mx.zeros((1, 64)), mx.zeros((8, 64)), 1)  # a float32 weight

@@ -176,11 +176,18 @@ class NarrowLinear : public Primitive {
 
   std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
                          const std::vector<int>& argnums, const std::vector<array>&) override {
-    // The weights are frozen (a target's): the input's gradient only, from MLX's own matmul.
+    // From MLX's own matmuls. The input's gradient; the weight's where it is a float32 weight
+    // multiplied as itself (`fixed_order_weight`: a drafter's layers in `dflash train`, with MKL
+    // loaded), dW = gᵀ x over every row. A narrow copy is no parameter: zeros.
     std::vector<array> grads;
     for (int arg : argnums) {
       if (arg == 0) {
         grads.push_back(matmul(cotangents[0], wide_weight(primals), stream()));
+      } else if (arg == 1 && primals.size() == 2 && primals[1].dtype() == float32) {
+        const int N = primals[1].shape(0), K = primals[1].shape(1);
+        array g = reshape(cotangents[0], {-1, N}, stream());
+        array x = reshape(primals[0], {-1, K}, stream());
+        grads.push_back(matmul(transpose(g, stream()), x, stream()));
       } else {
         grads.push_back(zeros_like(primals[arg], stream()));
       }
