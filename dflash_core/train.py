@@ -389,8 +389,8 @@ def train(opts: TrainOptions) -> TrainReport:
     cache_file = opts.out / "data" / "sequences.jsonl"
     with tqdm(total=len(records) * max(1, opts.samples_per_prompt), desc="target responses", unit="response") as bar:
         sequences = regenerate(engine, records, opts, cache_file, bar.update)
+    data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
     if opts.generate_only:  # (however few: the training run checks what it has)
-        data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
         (cache_file.parent / "data_report.json").write_text(json.dumps(data, indent=2))
         nan, held = float("nan"), data["held_out_sequences"]
         return TrainReport(0, 0.0, len(sequences) - held, held, nan, nan, nan, data=data, ended_by="data")
@@ -399,7 +399,6 @@ def train(opts: TrainOptions) -> TrainReport:
     held_out, training = split_sequences(sequences, rng, opts.held_out)
     if not training:
         raise ValueError(f"{opts.data}: no training prompts left after holding out {len(held_out)}")
-    data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
 
     drafter = initial_drafter(target, start_from) if start_from is not None else new_drafter(target, tokenizer, opts)
     weights = position_weights(opts.block_size, opts.gamma)

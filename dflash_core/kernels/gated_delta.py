@@ -43,7 +43,7 @@ def replays_deltas(head_k_dim: int, head_v_dim: int) -> bool:
     deltas would come from `reference_steps`, whose roundings the layer's other forwards (mlx-lm's
     compiled steps) do not promise, so such a verify keeps step states instead. (No released
     Qwen3.5 has head sizes the kernel does not take.)"""
-    return backend() == "cuda" and head_k_dim % 32 == 0 and head_v_dim % 4 == 0
+    return backend() == "cuda" and gated_delta_cuda.supports_heads(head_k_dim, head_v_dim)
 
 
 def gated_delta_step_states(q, k, v, g, beta, state) -> tuple[mx.array, mx.array, mx.array]:

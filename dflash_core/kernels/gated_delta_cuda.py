@@ -151,8 +151,13 @@ def _replay_kernel():
 
 
 def supported(q: mx.array, v: mx.array, g: mx.array) -> bool:
-    """Shapes this kernel handles: scalar gates, Dk a multiple of 32, Dv a multiple of 4."""
-    return g.ndim == 3 and q.shape[-1] % 32 == 0 and v.shape[-1] % 4 == 0
+    """Shapes this kernel handles: scalar gates and `supports_heads`."""
+    return g.ndim == 3 and supports_heads(q.shape[-1], v.shape[-1])
+
+
+def supports_heads(head_k_dim: int, head_v_dim: int) -> bool:
+    """Head sizes this kernel handles: Dk a multiple of 32, Dv a multiple of 4."""
+    return head_k_dim % 32 == 0 and head_v_dim % 4 == 0
 
 
 def gated_delta_cuda(q, k, v, g, beta, state, step_states: bool = False, deltas: bool = False) -> tuple[mx.array, ...]:
