@@ -389,6 +389,9 @@ def train(opts: TrainOptions) -> TrainReport:
     cache_file = opts.out / "data" / "sequences.jsonl"
     with tqdm(total=len(records) * max(1, opts.samples_per_prompt), desc="target responses", unit="response") as bar:
         sequences = regenerate(engine, records, opts, cache_file, bar.update)
+    # Batched generation leaves its caches (tens of GB at 1024 rows on a GPU) in MLX's buffer cache,
+    # where the tap cache below cannot use them: on an 80 GB card the two together ran out of memory.
+    mx.clear_cache()
     data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
     if opts.generate_only:  # (however few: the training run checks what it has)
         (cache_file.parent / "data_report.json").write_text(json.dumps(data, indent=2))

@@ -18,8 +18,12 @@
 # docs/train.md.
 #
 # GENERATE_ONLY=1 makes (or continues, within --generation-minutes) the data in WORK/data and stops
-# (`dflash train --generate-only`): a machine session spent on data alone; the same command without
-# it, into the same WORK, trains on that data.
+# (`dflash train --generate-only`): a machine session spent on data alone. The same command without
+# it, into the same WORK, first finishes the data (every prompt) and then trains; with
+# `--generation-minutes 0` it trains on the prompts done so far and generates nothing. LAYERS sets
+# the new drafter's depth (the shipped one has 3). GENERATION_BATCH rows are generated at a time
+# (512 for the shipped drafter): 1024 made 10.3 k tok/s on an H100 80GB, where 2048 ran out of
+# memory (docs/train.md, run 11).
 #
 # A CPU regenerates the responses at a few dozen tokens/s: days for these 2 M tokens on 2 cores.
 # PROMPTS=400 SAMPLES=1 STEPS=600 GENERATION_BATCH=16 LOSS_VOCAB=data scripts/train_demo_drafter.sh
@@ -31,6 +35,7 @@ STEPS="${STEPS:-10571}"
 PROMPTS="${PROMPTS:-8192}"
 SAMPLES="${SAMPLES:-2}"
 GENERATION_BATCH="${GENERATION_BATCH:-512}"
+LAYERS="${LAYERS:-3}"
 LOSS_VOCAB="${LOSS_VOCAB:-full}"
 INIT_FROM="${INIT_FROM:-}"
 USED="${USED:-0}"
@@ -62,7 +67,7 @@ if len(lines) - len(fresh) < len(seen):  # another standard library: the used pr
 print("\n".join(fresh[:count]))
 PY
 fi
-shape=(--layers 3 --heads 4 --kv-heads 1 --head-dim 128 --intermediate-size 1536)
+shape=(--layers "$LAYERS" --heads 4 --kv-heads 1 --head-dim 128 --intermediate-size 1536)
 if [ -n "$INIT_FROM" ]; then shape=(--init-from "$INIT_FROM"); fi
 if [ -n "$GENERATE_ONLY" ]; then shape+=(--generate-only); fi
 dflash train --target "$TARGET_DIR" --data "$WORK/prompts.jsonl" --out "$WORK" --no-chat \

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_core import cli, train_data
+from dflash_core import train as train_module
 from dflash_core.drafter import load_drafter
 from dflash_core.engine import Engine
 from dflash_core.loading import load_target
@@ -302,6 +303,30 @@ def test_a_generation_budget_trains_on_the_shards_done_and_the_next_run_continue
     every = (out / "data" / "sequences.jsonl").read_text().splitlines()
     assert every[: len(first)] == first  # continued, not started again
     assert sorted({json.loads(line)["prompt_index"] for line in every}) == list(range(8))
+
+
+def test_generation_minutes_0_trains_on_the_data_made_so_far(qwen3_pair, tmp_path, capsys, monkeypatch):
+    """A budget-cut data set, then `--generation-minutes 0`: training on those prompts alone, nothing
+    generated (without it the run would first finish the data); with no data it is refused. And the
+    generation's buffers are handed back before the drafter is built (on an 80 GB card they and the
+    tap cache together ran out of memory)."""
+    out, common = _sharded_run(qwen3_pair, tmp_path)
+    assert cli.main(common + ["--generation-minutes", "0"]) == 2
+    assert "--generation-minutes 0 trains on the data made already" in capsys.readouterr().err
+    assert cli.main(common + ["--generate-only", "--generation-minutes", "1e-9"]) == 0
+    made = (out / "data" / "sequences.jsonl").read_text()
+    generated, responses = [], train_data._responses
+    monkeypatch.setattr(train_data, "_responses", lambda engine, jobs, *rest: generated.extend(jobs) or
+                        responses(engine, jobs, *rest))
+    cached, build = [], train_module.new_drafter
+    monkeypatch.setattr(train_module, "new_drafter", lambda *a: cached.append(mx.get_cache_memory()) or build(*a))
+    assert cli.main(common + ["--generation-minutes", "0"]) == 0
+    assert generated == [] and (out / "data" / "sequences.jsonl").read_text() == made
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["steps"] == 2 and report["data"]["prompts_done"] == 3
+    assert cached == [0]
+    with pytest.raises(SystemExit):
+        cli.main(common + ["--generation-minutes", "-1"])
 
 
 def test_generate_only_makes_the_data_and_a_later_run_trains_on_it(qwen3_pair, tmp_path, capsys, monkeypatch):

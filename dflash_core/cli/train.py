@@ -44,13 +44,14 @@ def add_train(sub) -> None:
     p.add_argument("--sample-temperature", type=_temperature, default=0.8, help="temperature of the sampled responses")
     p.add_argument("--shard-prompts", type=positive_int, default=256,
                    help="prompts per shard of the data generation (a cut run resumes at its first unfinished shard)")
-    p.add_argument("--generation-minutes", type=_positive_float,
+    p.add_argument("--generation-minutes", type=_non_negative_float,
                    help="time budget of the data generation: no shard starts after it, the run trains on the prompts "
-                        "done so far, and a later run into the same --out continues the generation")
+                        "done so far, and a later run into the same --out continues the generation; 0: generate "
+                        "nothing, train on the data OUT/data holds (without this flag a run first finishes the data)")
     p.add_argument("--generate-only", action="store_true",
                    help="make (or continue) the data in OUT/data and stop without training: a later run into the same "
-                        "--out with the same --target, --data and response settings continues it or trains on it "
-                        "(with --generation-minutes, data can grow over runs)")
+                        "--out with the same --target, --data and response settings continues it, or trains on it "
+                        "(on the prompts done so far with --generation-minutes 0; data can grow over runs)")
     p.add_argument("--held-out", type=_share, default=0.1,
                    help="share of prompts held out where the data has no split (dflash corpus writes one)")
     p.add_argument("--eval-every", type=positive_int, default=100)
@@ -82,6 +83,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"a number above 0 expected, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"a number of at least 0 expected, got {text}")
     return value
 
 
