@@ -66,8 +66,9 @@ class TrainOptions:
     samples_per_prompt: int = 1  # the greedy response, then sampled ones
     sample_temperature: float = 0.8
     shard_prompts: int = 256  # prompts per resumable shard of the data generation
-    # Time budget of this run's data generation: no shard starts after it (one always runs), the
-    # run trains on the prompts done, and a later run into the same `out` continues where it stopped.
+    # Time budget of this run's data generation: no shard starts after it (one always runs where
+    # there is no data yet; 0: none runs), the run trains on the prompts done, and a later run into
+    # the same `out` continues where it stopped.
     generation_minutes: Optional[float] = None
     # Make (or continue) the data and stop, no drafter trained: a machine's session can go to the
     # data alone, which a later run into the same `out` (with the same prompts) trains on.
@@ -86,6 +87,12 @@ class TrainOptions:
     # head's full softmax is the cost (a CPU and a 262k vocabulary); acceptance is always
     # estimated with the full vocabulary.
     loss_vocab: str = "full"
+    # The dtype of the loss's LM-head product: "target" (the head's own) or "bfloat16". With a
+    # float32 target on a GPU the full-vocabulary head is most of a step's work (a 262k x 640 head,
+    # 4096 block rows: ~2.7 TFLOP forward and backward in float32 without tensor cores); in
+    # bfloat16 it runs on them. The logits are upcast before the softmax; acceptance is estimated
+    # with the target's own head either way.
+    head_dtype: str = "target"
     tap_cache_gb: float = 4.0  # target taps kept across steps
     # A DFlash drafter (directory or hub id) to start from instead of a new one: its architecture,
     # taps, block size and mask token are kept, its weights are trained further (a new optimizer and
@@ -205,16 +212,34 @@ def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.arra
     return drafter.logits(drafter.norm(h)[:, 1:], lm_head or target.lm_head)
 
 
-def subset_lm_head(target, token_ids: mx.array):
-    """The target's LM head restricted to `token_ids` (rows of the output matrix)."""
+HEAD_DTYPES = ("target", "bfloat16")
+
+
+def loss_lm_head(target, token_ids: Optional[mx.array] = None, dtype: Optional[mx.Dtype] = None):
+    """The LM head of the training loss, hidden -> logits: over the whole vocabulary or over
+    `token_ids` alone (--loss-vocab data), its product in `dtype` (--head-dtype; None: the target's
+    own). None where that is the target's own head, unchanged: the whole vocabulary in the head's
+    dtype, or a quantized head (its product stays MLX's quantized one)."""
     text_model = target.text_model
-    if getattr(text_model, "lm_head", None) is not None and not getattr(text_model.args, "tie_word_embeddings", False) \
-            and hasattr(text_model.lm_head, "weight") and not hasattr(text_model.lm_head, "scales"):
-        rows = text_model.lm_head.weight[token_ids]
-    else:  # tied: the embedding rows are the output matrix
-        rows = target.inner.embed_tokens(token_ids)
-    rows = mx.stop_gradient(rows)
-    return lambda hidden: hidden @ rows.T
+    head = getattr(text_model, "lm_head", None)
+    untied = (head is not None and hasattr(head, "weight")
+              and not getattr(text_model.args, "tie_word_embeddings", False))
+    source = head if untied else target.inner.embed_tokens  # tied: the embedding rows are the output matrix
+    quantized = hasattr(source, "scales")
+    if token_ids is None:
+        if quantized or dtype is None or source.weight.dtype == dtype:
+            return None
+        rows = source.weight
+    elif quantized and untied:  # the head's own rows, dequantized (the embedding is another matrix)
+        biases = head.biases[token_ids] if "biases" in head else None
+        rows = mx.dequantize(head.weight[token_ids], head.scales[token_ids], biases, group_size=head.group_size,
+                             bits=head.bits, mode=getattr(head, "mode", "affine"))
+    else:
+        rows = head.weight[token_ids] if untied else source(token_ids)
+    rows = mx.stop_gradient(rows if dtype is None else rows.astype(dtype))
+    if dtype is None:
+        return lambda hidden: hidden @ rows.T
+    return lambda hidden: hidden.astype(dtype) @ rows.T
 
 
 def block_labels(tokens: mx.array, anchors: mx.array, block: int) -> mx.array:
@@ -375,6 +400,10 @@ def train(opts: TrainOptions) -> TrainReport:
                          f"--init-from {opts.init_from} (its config.json); drop them")
     if opts.generate_only and opts.resume:
         raise ValueError("--resume: a --generate-only run trains nothing to resume (it continues the data by itself)")
+    if opts.loss_vocab not in ("full", "data"):
+        raise ValueError(f"loss_vocab: {opts.loss_vocab!r} is not 'full' or 'data'")
+    if opts.head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype: {opts.head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}")
     rng = random.Random(opts.seed)
     mx.random.seed(opts.seed)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -419,14 +448,13 @@ def train(opts: TrainOptions) -> TrainReport:
         w = weights[None] * valid
         return (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
 
-    lm_head, remap = None, None
+    head_dtype = None if opts.head_dtype == "target" else getattr(mx, opts.head_dtype)
+    ids, remap = None, None
     if opts.loss_vocab == "data":
         ids = sorted({t for seq in training for t in seq["tokens"][seq["response_start"]:]})
-        lm_head = subset_lm_head(target, mx.array(ids, dtype=mx.int32))
         remap = mx.zeros((target.vocab_size,), mx.int32).at[mx.array(ids)].add(mx.arange(len(ids), dtype=mx.int32))
         log.info("loss over the %d tokens the target produced (--loss-vocab data)", len(ids))
-    elif opts.loss_vocab != "full":
-        raise ValueError(f"loss_vocab: {opts.loss_vocab!r} is not 'full' or 'data'")
+    lm_head = loss_lm_head(target, None if ids is None else mx.array(ids, dtype=mx.int32), head_dtype)
 
     grad_fn = nn.value_and_grad(drafter, loss_fn)
 

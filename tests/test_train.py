@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from dflash_core import train as train_module
 from dflash_core.drafter import load_drafter
 from dflash_core.engine import Engine
 from dflash_core.loading import load_target
-from dflash_core.train import TrainOptions, batch_of, block_labels, block_logits, new_drafter, train
+from dflash_core.train import TrainOptions, batch_of, block_labels, block_logits, loss_lm_head, new_drafter, train
 
 PROMPTS = [
     "Write a short story about a fox.", "Explain how rivers form.", "List three colors.",
@@ -227,22 +228,47 @@ def test_bad_options_are_one_clear_error(qwen3_pair, tmp_path, capsys):
         assert "positive integer" in capsys.readouterr().err
 
 
-def test_data_vocabulary_loss(qwen3_pair, tmp_path):
-    """--loss-vocab data: the restricted head is the full head's columns, and training still learns."""
-    from dflash_core.train import subset_lm_head
-
-    target, tokenizer, _ = load_target(qwen3_pair[0])
+def test_loss_heads_are_the_targets_head(qwen3_pair):
+    """The loss's LM head: the target's own unless asked otherwise; restricted to some tokens it is
+    the head's columns (a quantized untied head's too, not the embedding's); in bfloat16 it is the
+    same product rounded, and a head already in that dtype is left to the target."""
+    target, _, _ = load_target(qwen3_pair[0])
     ids = mx.array([5, 17, 300], dtype=mx.int32)
     hidden = mx.random.normal((2, 3, target.hidden_size))
-    np.testing.assert_allclose(np.array(subset_lm_head(target, ids)(hidden)),
-                               np.array(target.lm_head(hidden)[..., ids]), rtol=1e-5, atol=1e-5)
+    full = np.array(target.lm_head(hidden))
+    assert loss_lm_head(target) is None
+    np.testing.assert_allclose(np.array(loss_lm_head(target, ids)(hidden)), full[..., [5, 17, 300]], rtol=1e-5,
+                               atol=1e-5)
+    rounded = loss_lm_head(target, None, mx.bfloat16)(hidden)
+    assert rounded.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(rounded.astype(mx.float32)), full, rtol=0.02, atol=0.02 * np.abs(full).max())
+    assert np.abs(np.array(rounded.astype(mx.float32)) - full).max() > 0  # it is another product
+    np.testing.assert_allclose(np.array(loss_lm_head(target, ids, mx.bfloat16)(hidden).astype(mx.float32)),
+                               np.array(rounded.astype(mx.float32))[..., [5, 17, 300]], rtol=1e-6, atol=1e-6)
+    target.text_model.set_dtype(mx.bfloat16)
+    assert loss_lm_head(target, None, mx.bfloat16) is None
+    head = nn.Linear(target.hidden_size, target.vocab_size, bias=False)
+    head.weight = mx.random.normal(head.weight.shape) * 0.05
+    target.text_model.lm_head = nn.QuantizedLinear.from_linear(head, group_size=32, bits=4)
+    target.text_model.args.tie_word_embeddings = False
+    if hasattr(target.text_model, "tie_word_embeddings"):
+        target.text_model.tie_word_embeddings = False
+    assert loss_lm_head(target, None, mx.bfloat16) is None  # a quantized head stays the target's
+    x = mx.random.normal((2, target.hidden_size))
+    np.testing.assert_allclose(np.array(loss_lm_head(target, ids)(x)), np.array(target.text_model.lm_head(x)[..., ids]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss_flags", [["--loss-vocab", "data"], ["--head-dtype", "bfloat16"]])
+def test_cheaper_loss_heads_still_learn(qwen3_pair, tmp_path, loss_flags):
+    """--loss-vocab data and --head-dtype bfloat16: training on those heads still learns."""
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS))
     out = tmp_path / "drafter"
     assert cli.main(["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out),
                      "--layers", "1", "--head-dim", "16", "--heads", "4", "--kv-heads", "2",
                      "--intermediate-size", "128", "--steps", "60", "--batch", "2", "--anchors", "4",
-                     "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "32", "--loss-vocab", "data"]) == 0
+                     "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "32"] + loss_flags) == 0
     losses = [h["loss"] for h in json.loads((out / "train_report.json").read_text())["history"]]
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:5]) / 5
     load_drafter(out)

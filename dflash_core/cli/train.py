@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..corpus import CATEGORIES, HELD_OUT, SOURCE_NAMES, build_corpus, write_corpus
-from ..train import TrainOptions, train
+from ..train import HEAD_DTYPES, TrainOptions, train
 from .args import positive_int
 
 
@@ -63,6 +63,9 @@ def add_train(sub) -> None:
     p.add_argument("--mask-token-id", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
+    p.add_argument("--head-dtype", choices=HEAD_DTYPES, default="target",
+                   help="dtype of the loss's LM-head product: the target head's own, or bfloat16 (tensor cores on a "
+                        "GPU, where a float32 target's full-vocabulary head is most of a step; docs/train.md)")
     p.add_argument("--tap-cache-gb", type=_positive_float, default=4.0,
                    help="memory for the target's hidden states of the training sequences, kept across steps "
                         "(a sequence beyond it runs through the target each time it is drawn)")
@@ -147,6 +150,7 @@ def run_train(args) -> int:
         chat=not args.no_chat, eval_every=args.eval_every, save_every=args.save_every,
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
+        head_dtype=args.head_dtype,
         save_dtype=args.save_dtype, tap_cache_gb=args.tap_cache_gb,
     )
     report = train(opts)
