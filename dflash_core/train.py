@@ -220,10 +220,8 @@ def loss_lm_head(target, token_ids: Optional[mx.array] = None, dtype: Optional[m
     `token_ids` alone (--loss-vocab data), its product in `dtype` (--head-dtype; None: the target's
     own). None where that is the target's own head, unchanged: the whole vocabulary in the head's
     dtype, or a quantized head (its product stays MLX's quantized one)."""
-    text_model = target.text_model
-    head = getattr(text_model, "lm_head", None)
-    untied = (head is not None and hasattr(head, "weight")
-              and not getattr(text_model.args, "tie_word_embeddings", False))
+    head = getattr(target.text_model, "lm_head", None)
+    untied = head is not None and hasattr(head, "weight") and not target.tied_head()
     source = head if untied else target.inner.embed_tokens  # tied: the embedding rows are the output matrix
     quantized = hasattr(source, "scales")
     if token_ids is None:
@@ -400,6 +398,9 @@ def train(opts: TrainOptions) -> TrainReport:
                          f"--init-from {opts.init_from} (its config.json); drop them")
     if opts.generate_only and opts.resume:
         raise ValueError("--resume: a --generate-only run trains nothing to resume (it continues the data by itself)")
+    if opts.generate_only and opts.generation_minutes == 0:
+        raise ValueError("--generate-only with --generation-minutes 0 makes nothing: give the generation a budget, "
+                         "or drop --generate-only to train on the data made so far")
     if opts.loss_vocab not in ("full", "data"):
         raise ValueError(f"loss_vocab: {opts.loss_vocab!r} is not 'full' or 'data'")
     if opts.head_dtype not in HEAD_DTYPES:
@@ -419,7 +420,8 @@ def train(opts: TrainOptions) -> TrainReport:
     with tqdm(total=len(records) * max(1, opts.samples_per_prompt), desc="target responses", unit="response") as bar:
         sequences = regenerate(engine, records, opts, cache_file, bar.update)
     # Batched generation leaves its caches (tens of GB at 1024 rows on a GPU) in MLX's buffer cache,
-    # where the tap cache below cannot use them: on an 80 GB card the two together ran out of memory.
+    # held there until reused or freed: on an 80 GB card they and the tap cache below ran it out of
+    # memory.
     mx.clear_cache()
     data = data_report(sequences, cache_file.with_name("sequences.progress.json"))
     if opts.generate_only:  # (however few: the training run checks what it has)

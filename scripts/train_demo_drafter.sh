@@ -21,7 +21,8 @@
 # (`dflash train --generate-only`): a machine session spent on data alone. The same command without
 # it, into the same WORK, first finishes the data (every prompt) and then trains; with
 # `--generation-minutes 0` it trains on the prompts done so far and generates nothing. LAYERS sets
-# the new drafter's depth (the shipped one has 3). GENERATION_BATCH rows are generated at a time
+# the new drafter's depth (the shipped one has 3). INSTALL=0 leaves the result in WORK instead of
+# copying it over the shipped drafter (an experiment that may come out worse, as run 10 did). GENERATION_BATCH rows are generated at a time
 # (512 for the shipped drafter): 1024 made 10.3 k tok/s on an H100 80GB, where 2048 ran out of
 # memory (docs/train.md, run 11).
 #
@@ -41,6 +42,7 @@ INIT_FROM="${INIT_FROM:-}"
 USED="${USED:-0}"
 SOURCES="${SOURCES:-stdlib}"
 GENERATE_ONLY="${GENERATE_ONLY:-}"
+INSTALL="${INSTALL:-1}"  # 0: leave the trained drafter in WORK instead of over the shipped one
 TARGET_DIR="${TARGET_DIR:-$(python3 -c 'from dflash_core.demo import demo_target_dir; print(demo_target_dir())')}"
 mkdir -p "$WORK"
 # Data made already (an earlier run, or brought from another machine) keeps the prompts it was made
@@ -76,6 +78,6 @@ dflash train --target "$TARGET_DIR" --data "$WORK/prompts.jsonl" --out "$WORK" -
   --samples-per-prompt "$SAMPLES" --sample-temperature 0.8 --shard-prompts 2048 \
   --steps "$STEPS" --batch 32 --anchors 8 --lr 1e-3 --warmup 200 --eval-every 2000 --save-every 1000 \
   --tap-cache-gb 60 --loss-vocab "$LOSS_VOCAB" --save-dtype bfloat16 --seed 0 "$@"
-if [ -n "$GENERATE_ONLY" ]; then exit 0; fi
+if [ -n "$GENERATE_ONLY" ] || [ "$INSTALL" = 0 ]; then exit 0; fi
 mkdir -p dflash_core/demo/gemma-3-270m-dflash
 cp "$WORK/config.json" "$WORK/model.safetensors" "$WORK/train_report.json" dflash_core/demo/gemma-3-270m-dflash/

@@ -244,15 +244,13 @@ def test_loss_heads_are_the_targets_head(qwen3_pair):
     np.testing.assert_allclose(np.array(rounded.astype(mx.float32)), full, rtol=0.02, atol=0.02 * np.abs(full).max())
     assert np.abs(np.array(rounded.astype(mx.float32)) - full).max() > 0  # it is another product
     np.testing.assert_allclose(np.array(loss_lm_head(target, ids, mx.bfloat16)(hidden).astype(mx.float32)),
-                               np.array(rounded.astype(mx.float32))[..., [5, 17, 300]], rtol=1e-6, atol=1e-6)
+                               full[..., [5, 17, 300]], rtol=0.02, atol=0.02 * np.abs(full).max())
     target.text_model.set_dtype(mx.bfloat16)
     assert loss_lm_head(target, None, mx.bfloat16) is None
     head = nn.Linear(target.hidden_size, target.vocab_size, bias=False)
     head.weight = mx.random.normal(head.weight.shape) * 0.05
     target.text_model.lm_head = nn.QuantizedLinear.from_linear(head, group_size=32, bits=4)
     target.text_model.args.tie_word_embeddings = False
-    if hasattr(target.text_model, "tie_word_embeddings"):
-        target.text_model.tie_word_embeddings = False
     assert loss_lm_head(target, None, mx.bfloat16) is None  # a quantized head stays the target's
     x = mx.random.normal((2, target.hidden_size))
     np.testing.assert_allclose(np.array(loss_lm_head(target, ids)(x)), np.array(target.text_model.lm_head(x)[..., ids]),
@@ -269,7 +267,9 @@ def test_cheaper_loss_heads_still_learn(qwen3_pair, tmp_path, loss_flags):
                      "--layers", "1", "--head-dim", "16", "--heads", "4", "--kv-heads", "2",
                      "--intermediate-size", "128", "--steps", "60", "--batch", "2", "--anchors", "4",
                      "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "32"] + loss_flags) == 0
-    losses = [h["loss"] for h in json.loads((out / "train_report.json").read_text())["history"]]
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["options"][loss_flags[0][2:].replace("-", "_")] == loss_flags[1]  # the run took the flag
+    losses = [h["loss"] for h in report["history"]]
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:5]) / 5
     load_drafter(out)
 
@@ -339,6 +339,8 @@ def test_generation_minutes_0_trains_on_the_data_made_so_far(qwen3_pair, tmp_pat
     out, common = _sharded_run(qwen3_pair, tmp_path)
     assert cli.main(common + ["--generation-minutes", "0"]) == 2
     assert "--generation-minutes 0 trains on the data made already" in capsys.readouterr().err
+    assert cli.main(common + ["--generate-only", "--generation-minutes", "0"]) == 2
+    assert "--generate-only with --generation-minutes 0 makes nothing" in capsys.readouterr().err
     assert cli.main(common + ["--generate-only", "--generation-minutes", "1e-9"]) == 0
     made = (out / "data" / "sequences.jsonl").read_text()
     generated, responses = [], train_data._responses

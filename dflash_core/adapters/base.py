@@ -332,13 +332,13 @@ class TargetAdapter:
 
     def lm_head(self, hidden: mx.array) -> mx.array:
         """The target's LM head without any family-specific logit post-processing."""
-        if self._tied_head():
+        if self.tied_head():
             return tied_lm_head(self.inner.embed_tokens, hidden, self.kernels)
         logits = linear(self.text_model.lm_head, hidden, self.kernels)
         group = getattr(self.text_model, "sharding_group", None)  # a head split by vocabulary (distributed.py)
         return logits if group is None else gather_last_axis(logits, group)
 
-    def _tied_head(self) -> bool:
+    def tied_head(self) -> bool:
         """Whether the embedding is the LM head: the model's own flag where it has one (Gemma 3
         decides at load time whether the checkpoint carries a head), else its config's."""
         tied = getattr(self.text_model, "tie_word_embeddings", None)
@@ -363,7 +363,7 @@ class TargetAdapter:
 
     def _dense_head_weight(self) -> Optional[mx.array]:
         """The head's [vocab, hidden] weight where it is one plain matrix on this process, else None."""
-        head = self.inner.embed_tokens if self._tied_head() else getattr(self.text_model, "lm_head", None)
+        head = self.inner.embed_tokens if self.tied_head() else getattr(self.text_model, "lm_head", None)
         if head is None or hasattr(head, "scales") or "weight" not in head or "bias" in head \
                 or getattr(self.text_model, "sharding_group", None) is not None:
             return None

@@ -65,7 +65,8 @@ def add_train(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from out/checkpoint")
     p.add_argument("--head-dtype", choices=HEAD_DTYPES, default="target",
                    help="dtype of the loss's LM-head product: the target head's own, or bfloat16 (tensor cores on a "
-                        "GPU, where a float32 target's full-vocabulary head is most of a step; docs/train.md)")
+                        "GPU, where a float32 target's full-vocabulary head is most of a step; a quantized head is "
+                        "left as it is; docs/train.md)")
     p.add_argument("--tap-cache-gb", type=_positive_float, default=4.0,
                    help="memory for the target's hidden states of the training sequences, kept across steps "
                         "(a sequence beyond it runs through the target each time it is drawn)")
