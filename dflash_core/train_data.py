@@ -179,13 +179,9 @@ def regenerate(engine, records: list[dict], opts, cache_file: Path, progress=Non
     done, sequences, counters = _read_done(cache_file, progress_file, key, str(opts.target))
     if done == len(records):
         return sequences
-    if opts.generation_minutes == 0:  # train on the data as it is: a session's budget goes to training alone
-        if not sequences:
-            raise ValueError(f"--generation-minutes 0 trains on the data made already, and {cache_file.parent} holds "
-                             "none for these settings")
-        log.info("target responses: %d of %d prompts done, none generated (--generation-minutes 0)", done,
-                 len(records))
-        return sequences
+    if opts.generation_minutes == 0 and not sequences:  # (with data, the budget below starts no shard)
+        raise ValueError(f"--generation-minutes 0 trains on the data made already, and {cache_file.parent} holds "
+                         "none for these settings")
     if done:
         log.info("target responses: resuming after %d of %d prompts", done, len(records))
     cache_file.parent.mkdir(parents=True, exist_ok=True)

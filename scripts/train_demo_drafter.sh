@@ -22,9 +22,9 @@
 # it, into the same WORK, first finishes the data (every prompt) and then trains; with
 # `--generation-minutes 0` it trains on the prompts done so far and generates nothing. LAYERS sets
 # the new drafter's depth (the shipped one has 3). INSTALL=0 leaves the result in WORK instead of
-# copying it over the shipped drafter (an experiment that may come out worse, as run 10 did). GENERATION_BATCH rows are generated at a time
-# (512 for the shipped drafter): 1024 made 10.3 k tok/s on an H100 80GB, where 2048 ran out of
-# memory (docs/train.md, run 11).
+# copying it over the shipped drafter (an experiment that may come out worse, as run 10 did).
+# GENERATION_BATCH rows are generated at a time (512 for the shipped drafter): 1024 made 10.3 k
+# tok/s on an H100 80GB, where 2048 ran out of memory (docs/train.md, run 11).
 #
 # A CPU regenerates the responses at a few dozen tokens/s: days for these 2 M tokens on 2 cores.
 # PROMPTS=400 SAMPLES=1 STEPS=600 GENERATION_BATCH=16 LOSS_VOCAB=data scripts/train_demo_drafter.sh
