@@ -33,6 +33,7 @@ from .hub import DRAFTER_FILES, TARGET_FILES, resolve
 from .loading import load_target
 from .prompts import hf_tokenizer
 from .train_data import data_report, read_prompt_records, regenerate, split_sequences
+from .train_taps import TapCache, padded_tokens, target_taps
 
 log = logging.getLogger(__name__)
 
@@ -258,12 +259,6 @@ def sample_anchors(rng: random.Random, sequence: dict, count: int) -> Optional[m
     return mx.array(sorted(rng.sample(range(first, last + 1), min(count, last - first + 1))), dtype=mx.int32)
 
 
-def padded_tokens(sequences: list[list[int]]) -> mx.array:
-    """Token ids [N, longest], each sequence padded at its end with 0."""
-    longest = max(len(t) for t in sequences)
-    return mx.array([t + [0] * (longest - len(t)) for t in sequences], dtype=mx.int32)
-
-
 def batch_of(pieces: list[tuple[list[int], mx.array, mx.array]], block: int) -> tuple[mx.array, ...]:
     """Sequences (token ids, taps [1, S_i, D], anchors [K_i]) as one training batch for
     `block_logits`: taps [N, S, D] and tokens [N, S] padded to the longest, every anchor, each
@@ -275,16 +270,6 @@ def batch_of(pieces: list[tuple[list[int], mx.array, mx.array]], block: int) -> 
     sequence = mx.concatenate([mx.full(a.shape, i, mx.int32) for i, (_, _, a) in enumerate(pieces)])
     labels = mx.concatenate([block_labels(mx.array(t, dtype=mx.int32), a, block) for t, _, a in pieces])
     return taps, tokens, anchors, sequence, labels
-
-
-def target_taps(target, sequences: list[list[int]], tap_ids) -> list[mx.array]:
-    """Each sequence's taps [1, S_i, D] from one target forward of them all, padded at their ends
-    (a causal target never lets a position see what comes after it). One forward per sequence was
-    what a training step cost on a GPU: a few hundred small launches each."""
-    tokens = padded_tokens(sequences)
-    out = target.forward(tokens, target.make_cache(max_rollback=0), tap_ids, last_logits_only=True)
-    taps = mx.stop_gradient(out.tapped_hidden)
-    return [taps[i : i + 1, : len(s)] for i, s in enumerate(sequences)]
 
 
 def acceptance_estimate(drafter, target, sequences, rng: random.Random, max_sequences: int = 32,
@@ -460,24 +445,8 @@ def train(opts: TrainOptions) -> TrainReport:
 
     grad_fn = nn.value_and_grad(drafter, loss_fn)
 
-    # The target is frozen, so each sequence's taps never change: keep them (within a budget)
-    # instead of running the target again every time the sequence is drawn.
-    tap_cache: dict[int, mx.array] = {}
-    tap_budget = int(opts.tap_cache_gb * 1e9)
-    kept = 0
-
-    def taps_of(indices: list[int]) -> list[mx.array]:
-        """The taps of these training sequences: kept ones, and the others from one target forward."""
-        nonlocal kept
-        missing = [i for i in indices if i not in tap_cache]
-        new = dict(zip(missing, target_taps(target, [training[i]["tokens"] for i in missing],
-                                            drafter.config.target_layer_ids))) if missing else {}
-        for i, taps in new.items():
-            if kept + taps.nbytes <= tap_budget:
-                mx.eval(taps)
-                tap_cache[i] = taps
-                kept += taps.nbytes
-        return [tap_cache.get(i, new.get(i)) for i in indices]
+    taps_of = TapCache(target, [seq["tokens"] for seq in training], drafter.config.target_layer_ids,
+                       int(opts.tap_cache_gb * 1e9))
     start = time.perf_counter()
     block_tokens = 0  # drafter rows trained on (each block's rows after its anchor)
     estimate = float("nan")

@@ -89,6 +89,38 @@ def test_taps_of_sequences_together_are_each_alone(request, family):
         np.testing.assert_allclose(np.array(taps), np.array(alone), rtol=1e-4, atol=1e-4)
 
 
+def test_tap_cache_holds_what_it_counts(qwen3_pair):
+    """The tap cache keeps each sequence's taps in memory of its own: a slice of the batch's taps
+    kept the whole batch alive, so the cache held many times its budget (a GPU ran out of memory
+    in training). Kept taps are what the target gives, and nothing past the budget is kept."""
+    from dflash_core.train_taps import TapCache, target_taps
+
+    target, _, _ = load_target(qwen3_pair[0])
+    rng = np.random.default_rng(5)
+    # One long sequence beside short ones: a short one's slice of the padded batch is a small
+    # part of it.
+    sequences = [rng.integers(0, target.vocab_size, size=n).tolist() for n in (400, 6, 7, 8, 9, 10, 11, 12)]
+    one = target_taps(target, [sequences[1]], [0, 1])[0].nbytes
+    cache = TapCache(target, sequences, [0, 1], budget_bytes=one * 60)  # the short ones fit, the long one not
+    mx.eval(cache(list(range(len(sequences)))))
+    assert sorted(cache.kept) == [1, 2, 3, 4, 5, 6, 7]
+    assert cache.kept_bytes == sum(t.nbytes for t in cache.kept.values()) <= cache.budget_bytes
+    mx.clear_cache()
+    held = mx.get_active_memory()
+    cache.kept.clear()
+    mx.clear_cache()
+    # What the kept taps held, measured by MLX: their own bytes (the batch's taps of the long
+    # sequence, 50x as many, held without the copy).
+    assert held - mx.get_active_memory() <= 2 * cache.kept_bytes
+    cache = TapCache(target, sequences, [0, 1], budget_bytes=one * 60)
+    first = [np.array(t) for t in cache([3, 0, 5])]
+    again = cache([5, 0, 3])  # 3 and 5 from the cache, 0 (not kept) from the target again
+    assert sorted(cache.kept) == [3, 5]
+    for a, b, i in zip(first, again[::-1], (3, 0, 5)):
+        np.testing.assert_array_equal(a, np.array(b))
+        np.testing.assert_allclose(a, np.array(target_taps(target, [sequences[i]], [0, 1])[0]), rtol=1e-4, atol=1e-4)
+
+
 def test_train_lowers_loss_and_writes_a_servable_drafter(qwen3_pair, tmp_path, capsys):
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS))
