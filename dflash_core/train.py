@@ -372,6 +372,7 @@ class TrainReport:
     trained_block_tokens: int = 0  # drafter block rows trained on this run (after a resume: since it)
     trained_tokens_per_second: float = 0.0
     ended_by: str = "steps"  # or "time": the --minutes budget ran out first; "data": generate_only
+    taps: dict = field(default_factory=dict)  # TapCache.report(): the target's share of the run
 
 
 def train(opts: TrainOptions) -> TrainReport:
@@ -497,7 +498,7 @@ def train(opts: TrainOptions) -> TrainReport:
                          history[0]["loss"] if history else float("nan"),
                          history[-1]["loss"] if history else float("nan"), estimate, history, data,
                          block_tokens, block_tokens / seconds if seconds else 0.0,
-                         "steps" if step >= opts.steps else "time")
+                         "steps" if step >= opts.steps else "time", taps_of.report())
     (opts.out / "train_report.json").write_text(json.dumps({**asdict(report), "options": _jsonable(opts)}, indent=2))
     return report
 

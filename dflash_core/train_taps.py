@@ -6,6 +6,8 @@ budget) instead of running the target again every time the sequence is drawn.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 
 
@@ -31,7 +33,8 @@ def target_taps(target, sequences: list[list[int]], tap_ids) -> list[mx.array]:
 class TapCache:
     """Taps of the training sequences by index: kept ones, and the others from one target forward
     of them together. New taps are kept while their bytes fit `budget_bytes`; `kept_bytes` is what
-    the kept ones hold."""
+    the kept ones hold. `report()` says how often the target ran and for how long, which tells
+    whether the target or the drafter bounds a training step."""
 
     def __init__(self, target, sequences: list[list[int]], tap_ids, budget_bytes: int):
         self.target = target
@@ -40,11 +43,19 @@ class TapCache:
         self.budget_bytes = budget_bytes
         self.kept: dict[int, mx.array] = {}
         self.kept_bytes = 0
+        self.hits = self.misses = 0
+        self.target_seconds = 0.0  # target forwards, evaluated apart from the drafter's step
 
     def __call__(self, indices: list[int]) -> list[mx.array]:
         missing = [i for i in indices if i not in self.kept]
-        new = dict(zip(missing, target_taps(self.target, [self.sequences[i] for i in missing],
-                                            self.tap_ids))) if missing else {}
+        self.hits += len(indices) - len(missing)
+        self.misses += len(missing)
+        new = {}
+        if missing:
+            start = time.perf_counter()
+            new = dict(zip(missing, target_taps(self.target, [self.sequences[i] for i in missing], self.tap_ids)))
+            mx.eval(list(new.values()))
+            self.target_seconds += time.perf_counter() - start
         for i, taps in new.items():
             if self.kept_bytes + taps.nbytes <= self.budget_bytes:
                 # A copy: the slice alone keeps the whole batch's taps alive, many times the bytes
@@ -53,3 +64,8 @@ class TapCache:
                 mx.eval(self.kept[i])
                 self.kept_bytes += taps.nbytes
         return [self.kept.get(i, new.get(i)) for i in indices]
+
+    def report(self) -> dict:
+        return {"kept_sequences": len(self.kept), "kept_gb": round(self.kept_bytes / 1e9, 3),
+                "budget_gb": round(self.budget_bytes / 1e9, 3), "hits": self.hits, "misses": self.misses,
+                "target_seconds": round(self.target_seconds, 2)}

@@ -116,6 +116,9 @@ def test_tap_cache_holds_what_it_counts(qwen3_pair):
     first = [np.array(t) for t in cache([3, 0, 5])]
     again = cache([5, 0, 3])  # 3 and 5 from the cache, 0 (not kept) from the target again
     assert sorted(cache.kept) == [3, 5]
+    report = cache.report()
+    assert (report["hits"], report["misses"], report["kept_sequences"]) == (2, 4, 2)
+    assert report["target_seconds"] > 0
     for a, b, i in zip(first, again[::-1], (3, 0, 5)):
         np.testing.assert_array_equal(a, np.array(b))
         np.testing.assert_allclose(a, np.array(target_taps(target, [sequences[i]], [0, 1])[0]), rtol=1e-4, atol=1e-4)
