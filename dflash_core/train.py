@@ -95,6 +95,11 @@ class TrainOptions:
     # with the target's own head either way.
     head_dtype: str = "target"
     tap_cache_gb: float = 4.0  # target taps kept across steps
+    # The dtype the target is loaded in for training, after the data is made by the target as
+    # stored: "target" (as stored) or "bfloat16"/"float16". A float32 target's forwards for the taps
+    # of sequences not in the tap cache were half a step on a GPU (no tensor cores); the drafter
+    # then learns from the hidden states of the target cast as it would be served in that dtype.
+    target_dtype: str = "target"
     # A DFlash drafter (directory or hub id) to start from instead of a new one: its architecture,
     # taps, block size and mask token are kept, its weights are trained further (a new optimizer and
     # schedule). The shipped demo drafter continued on new data; a released drafter adapted to a
@@ -214,6 +219,7 @@ def block_logits(drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.arra
 
 
 HEAD_DTYPES = ("target", "bfloat16")
+TARGET_DTYPES = ("target", "bfloat16", "float16")
 
 
 def loss_lm_head(target, token_ids: Optional[mx.array] = None, dtype: Optional[mx.Dtype] = None):
@@ -391,6 +397,8 @@ def train(opts: TrainOptions) -> TrainReport:
         raise ValueError(f"loss_vocab: {opts.loss_vocab!r} is not 'full' or 'data'")
     if opts.head_dtype not in HEAD_DTYPES:
         raise ValueError(f"head_dtype: {opts.head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}")
+    if opts.target_dtype not in TARGET_DTYPES:
+        raise ValueError(f"target_dtype: {opts.target_dtype!r} is not one of {', '.join(TARGET_DTYPES)}")
     rng = random.Random(opts.seed)
     mx.random.seed(opts.seed)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -416,6 +424,10 @@ def train(opts: TrainOptions) -> TrainReport:
         return TrainReport(0, 0.0, len(sequences) - held, held, nan, nan, nan, data=data, ended_by="data")
     if len(sequences) < 2:
         raise ValueError(f"{opts.data}: fewer than 2 usable training prompts")
+    if opts.target_dtype != "target":
+        del engine, target
+        mx.clear_cache()
+        target, _, _ = load_target(resolve(opts.target, files=TARGET_FILES), dtype=opts.target_dtype)
     held_out, training = split_sequences(sequences, rng, opts.held_out)
     if not training:
         raise ValueError(f"{opts.data}: no training prompts left after holding out {len(held_out)}")

@@ -292,9 +292,11 @@ def test_loss_heads_are_the_targets_head(qwen3_pair):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("loss_flags", [["--loss-vocab", "data"], ["--head-dtype", "bfloat16"]])
+@pytest.mark.parametrize("loss_flags", [["--loss-vocab", "data"], ["--head-dtype", "bfloat16"],
+                                        ["--target-dtype", "bfloat16"]])
 def test_cheaper_loss_heads_still_learn(qwen3_pair, tmp_path, loss_flags):
-    """--loss-vocab data and --head-dtype bfloat16: training on those heads still learns."""
+    """--loss-vocab data, --head-dtype bfloat16 and --target-dtype bfloat16 (the target's taps and
+    head in bfloat16, after the float32 target made the data): training on them still learns."""
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS))
     out = tmp_path / "drafter"
@@ -304,6 +306,9 @@ def test_cheaper_loss_heads_still_learn(qwen3_pair, tmp_path, loss_flags):
                      "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "32"] + loss_flags) == 0
     report = json.loads((out / "train_report.json").read_text())
     assert report["options"][loss_flags[0][2:].replace("-", "_")] == loss_flags[1]  # the run took the flag
+    # The taps it trained on came from the target in the dtype asked for.
+    assert report["taps"]["dtype"] == ("bfloat16" if loss_flags[0] == "--target-dtype" else "float32")
+    assert report["taps"]["misses"] == report["taps"]["kept_sequences"] > 0
     losses = [h["loss"] for h in report["history"]]
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:5]) / 5
     load_drafter(out)

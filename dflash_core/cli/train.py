@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..corpus import CATEGORIES, HELD_OUT, SOURCE_NAMES, build_corpus, write_corpus
-from ..train import HEAD_DTYPES, TrainOptions, train
+from ..train import HEAD_DTYPES, TARGET_DTYPES, TrainOptions, train
 from .args import positive_int
 
 
@@ -67,6 +67,10 @@ def add_train(sub) -> None:
                    help="dtype of the loss's LM-head product: the target head's own, or bfloat16 (tensor cores on a "
                         "GPU, where a float32 target's full-vocabulary head is most of a step; a quantized head is "
                         "left as it is; docs/train.md)")
+    p.add_argument("--target-dtype", choices=TARGET_DTYPES, default="target",
+                   help="dtype the target is loaded in for training (its taps, embedding and head), after the data "
+                        "is made by the target as stored: bfloat16 runs a float32 target's forwards on a GPU's "
+                        "tensor cores (docs/train.md)")
     p.add_argument("--tap-cache-gb", type=_positive_float, default=4.0,
                    help="memory for the target's hidden states of the training sequences, kept across steps "
                         "(a sequence beyond it runs through the target each time it is drawn)")
@@ -152,6 +156,7 @@ def run_train(args) -> int:
         intermediate_size=args.intermediate_size, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
         head_dtype=args.head_dtype,
+        target_dtype=args.target_dtype,
         save_dtype=args.save_dtype, tap_cache_gb=args.tap_cache_gb,
     )
     report = train(opts)
