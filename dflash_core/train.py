@@ -280,10 +280,19 @@ def batch_of(pieces: list[tuple[list[int], mx.array, mx.array]], block: int) -> 
 
 def acceptance_estimate(drafter, target, sequences, rng: random.Random, max_sequences: int = 32,
                         batch: int = 16) -> float:
+    """Tokens per cycle the drafter reaches on these sequences: `acceptance_walk`'s first figure."""
+    return acceptance_walk(drafter, target, sequences, rng, max_sequences, batch)[0]
+
+
+def acceptance_walk(drafter, target, sequences, rng: random.Random, max_sequences: int = 32,
+                    batch: int = 16) -> tuple[float, list[float]]:
     """Tokens per cycle the drafter reaches on these sequences (greedy, always-on) as the engine
-    walks them: from the response's first token, each cycle accepts the leading drafts equal to the
-    target's tokens and starts again after them, the target's own token counted. Up to
-    `max_sequences` of them, drawn by `rng`.
+    walks them, and its acceptance by block position 1..B-1. From the response's first token, each
+    cycle accepts the leading drafts equal to the target's tokens and starts again after them, the
+    target's own token counted. A position's acceptance is the engine's `acceptance_by_position`
+    at full width: the share of all cycles in which its draft was accepted (a cycle near a
+    sequence's end counts, as the engine counts one cut by max_tokens). Up to `max_sequences`
+    sequences, drawn by `rng`.
 
     The engine's figure is tokens over cycles, so a stretch it drafts well costs few cycles and a
     hard one many: an average of the accepted length over positions drawn at random counts every
@@ -292,6 +301,7 @@ def acceptance_estimate(drafter, target, sequences, rng: random.Random, max_sequ
     picked = [s for s in sequences if len(s["tokens"]) - s["response_start"] >= 2]
     picked = rng.sample(picked, min(max_sequences, len(picked)))
     tokens = cycles = 0
+    accepted_at = mx.zeros((drafter.config.block_size - 1,), mx.int32)
     for first in range(0, len(picked), batch):
         group = picked[first : first + batch]
         taps = target_taps(target, [s["tokens"] for s in group], drafter.config.target_layer_ids)
@@ -301,12 +311,15 @@ def acceptance_estimate(drafter, target, sequences, rng: random.Random, max_sequ
             pieces = [(group[i]["tokens"], taps[i], mx.array([at[i]], dtype=mx.int32)) for i in live]
             x, ids, anchors, sequence, labels = batch_of(pieces, drafter.config.block_size)
             proposals = mx.argmax(block_logits(drafter, target, x, ids, anchors, sequence=sequence), axis=-1)
-            accepted = mx.cumprod((proposals == labels).astype(mx.int32), axis=1).sum(axis=1).tolist()
+            leading = mx.cumprod((proposals == labels).astype(mx.int32), axis=1)  # [blocks, B-1]
+            accepted_at = accepted_at + leading.sum(axis=0)
+            accepted = leading.sum(axis=1).tolist()
             for i, n in zip(live, accepted):
                 committed = min(n + 1, len(group[i]["tokens"]) - 1 - at[i])  # the last may run past the end
                 tokens, cycles, at[i] = tokens + committed, cycles + 1, at[i] + committed
             live = [i for i in live if at[i] < len(group[i]["tokens"]) - 1]
-    return tokens / cycles if cycles else float("nan")
+    shares = [a / cycles if cycles else 0.0 for a in accepted_at.tolist()]
+    return (tokens / cycles if cycles else float("nan")), shares
 
 
 # --------------------------------------------------------------------- checkpoints
@@ -379,6 +392,7 @@ class TrainReport:
     trained_tokens_per_second: float = 0.0
     ended_by: str = "steps"  # or "time": the --minutes budget ran out first; "data": generate_only
     taps: dict = field(default_factory=dict)  # TapCache.report(): the target's share of the run
+    acceptance_by_position: list = field(default_factory=list)  # held out, at the end (acceptance_walk)
 
 
 def train(opts: TrainOptions) -> TrainReport:
@@ -498,8 +512,9 @@ def train(opts: TrainOptions) -> TrainReport:
         progress.set_postfix(loss=f"{total:.3f}", tok_per_cycle=f"{estimate:.2f}")
         progress.update(1)
     progress.close()
+    walked, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1))
     if history and "tokens_per_cycle" not in history[-1]:  # the time budget ended the run between evaluations
-        history[-1]["tokens_per_cycle"] = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
+        history[-1]["tokens_per_cycle"] = walked
         save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained())
     if history:
         estimate = history[-1]["tokens_per_cycle"]
@@ -510,7 +525,8 @@ def train(opts: TrainOptions) -> TrainReport:
                          history[0]["loss"] if history else float("nan"),
                          history[-1]["loss"] if history else float("nan"), estimate, history, data,
                          block_tokens, block_tokens / seconds if seconds else 0.0,
-                         "steps" if step >= opts.steps else "time", taps_of.report())
+                         "steps" if step >= opts.steps else "time", taps_of.report(),
+                         [round(share, 4) for share in by_position])
     (opts.out / "train_report.json").write_text(json.dumps({**asdict(report), "options": _jsonable(opts)}, indent=2))
     return report
 

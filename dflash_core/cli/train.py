@@ -172,6 +172,8 @@ def run_train(args) -> int:
     print(f"trained {report.steps} steps{ended} in {report.seconds:.0f}s ({report.trained_tokens_per_second:.0f} block "
           f"tokens/s): loss {report.first_loss:.3f} -> {report.last_loss:.3f}, held-out estimate "
           f"{report.tokens_per_cycle_estimate:.2f} tokens/cycle; drafter in {opts.out}")
+    if report.acceptance_by_position:
+        print("held-out acceptance by block position: " + " ".join(f"{a:.2f}" for a in report.acceptance_by_position))
     if report.taps:
         taps = report.taps
         print(f"target taps: {taps['target_seconds']:.0f}s of the run in the target, {taps['hits']} of "
