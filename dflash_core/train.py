@@ -318,8 +318,9 @@ def acceptance_walk(drafter, target, sequences, rng: random.Random, max_sequence
                 committed = min(n + 1, len(group[i]["tokens"]) - 1 - at[i])  # the last may run past the end
                 tokens, cycles, at[i] = tokens + committed, cycles + 1, at[i] + committed
             live = [i for i in live if at[i] < len(group[i]["tokens"]) - 1]
-    shares = [a / cycles if cycles else 0.0 for a in accepted_at.tolist()]
-    return (tokens / cycles if cycles else float("nan")), shares
+    if not cycles:
+        return float("nan"), []
+    return tokens / cycles, [a / cycles for a in accepted_at.tolist()]
 
 
 # --------------------------------------------------------------------- checkpoints
@@ -336,13 +337,14 @@ def save_drafter(drafter: DFlashDrafter, out: Path, dtype: Optional[mx.Dtype] = 
 
 
 def save_checkpoint(drafter, optimizer, step: int, history: list, rng: random.Random, out: Path,
-                    seconds: float = 0.0) -> None:
+                    seconds: float = 0.0, target_dtype: str = "target") -> None:
     path = out / "checkpoint"
     save_drafter(drafter, path)
     mx.save_safetensors(str(path / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
     version, internal, gauss = rng.getstate()
     (path / "state.json").write_text(json.dumps(
-        {"step": step, "history": history, "rng": [version, list(internal), gauss], "seconds": seconds}))
+        {"step": step, "history": history, "rng": [version, list(internal), gauss], "seconds": seconds,
+         "target_dtype": target_dtype}))
 
 
 def load_checkpoint(drafter, optimizer, rng: random.Random, out: Path) -> tuple[int, list, float]:
@@ -413,6 +415,12 @@ def train(opts: TrainOptions) -> TrainReport:
         raise ValueError(f"head_dtype: {opts.head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}")
     if opts.target_dtype not in TARGET_DTYPES:
         raise ValueError(f"target_dtype: {opts.target_dtype!r} is not one of {', '.join(TARGET_DTYPES)}")
+    state_file = opts.out / "checkpoint" / "state.json"
+    if opts.resume and state_file.exists():
+        trained_with = json.loads(state_file.read_text()).get("target_dtype", "target")
+        if trained_with != opts.target_dtype:  # the taps would change dtype mid-run
+            raise ValueError(f"--resume: {state_file} was trained with --target-dtype {trained_with}, "
+                             f"not {opts.target_dtype}; give the same")
     rng = random.Random(opts.seed)
     mx.random.seed(opts.seed)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -438,7 +446,8 @@ def train(opts: TrainOptions) -> TrainReport:
         return TrainReport(0, 0.0, len(sequences) - held, held, nan, nan, nan, data=data, ended_by="data")
     if len(sequences) < 2:
         raise ValueError(f"{opts.data}: fewer than 2 usable training prompts")
-    if opts.target_dtype != "target":
+    stored_dtype = target.dtype  # the saved drafter's default dtype: the target's as served
+    if opts.target_dtype != "target" and getattr(mx, opts.target_dtype) != target.dtype:
         del engine, target
         mx.clear_cache()
         target, _, _ = load_target(resolve(opts.target, files=TARGET_FILES), dtype=opts.target_dtype)
@@ -476,7 +485,7 @@ def train(opts: TrainOptions) -> TrainReport:
                        int(opts.tap_cache_gb * 1e9))
     start = time.perf_counter()
     block_tokens = 0  # drafter rows trained on (each block's rows after its anchor)
-    estimate = float("nan")
+    estimate, by_position = float("nan"), []
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
     budget = opts.minutes * 60 if opts.minutes else None
 
@@ -505,20 +514,21 @@ def train(opts: TrainOptions) -> TrainReport:
         step += 1
         history.append({"step": step, "loss": total, "lr": rate})
         if step % opts.eval_every == 0 or step == opts.steps:
-            estimate = acceptance_estimate(drafter, target, held_out, random.Random(opts.seed + 1))
+            estimate, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1))
             history[-1]["tokens_per_cycle"] = estimate
         if step % opts.save_every == 0 or step == opts.steps:
-            save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained())
+            save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained(), opts.target_dtype)
         progress.set_postfix(loss=f"{total:.3f}", tok_per_cycle=f"{estimate:.2f}")
         progress.update(1)
     progress.close()
-    walked, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1))
+    if not (history and "tokens_per_cycle" in history[-1] and by_position):  # not evaluated at its last step
+        walked, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1))
     if history and "tokens_per_cycle" not in history[-1]:  # the time budget ended the run between evaluations
         history[-1]["tokens_per_cycle"] = walked
-        save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained())
+        save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained(), opts.target_dtype)
     if history:
         estimate = history[-1]["tokens_per_cycle"]
-    save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else target.dtype)
+    save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else stored_dtype)
     load_drafter(opts.out)  # the normal loader accepts what was written
     seconds = time.perf_counter() - start
     report = TrainReport(step, seconds, len(training), len(held_out),

@@ -66,8 +66,7 @@ class TapCache:
         return [self.kept.get(i, new.get(i)) for i in indices]
 
     def report(self) -> dict:
-        dtype = next(iter(self.kept.values())).dtype if self.kept else None
-        return {"dtype": str(dtype).removeprefix("mlx.core.") if dtype else None,
+        return {"dtype": str(self.target.dtype).removeprefix("mlx.core."),
                 "kept_sequences": len(self.kept), "kept_gb": round(self.kept_bytes / 1e9, 3),
                 "budget_gb": round(self.budget_bytes / 1e9, 3), "hits": self.hits, "misses": self.misses,
                 "target_seconds": round(self.target_seconds, 2)}

@@ -169,6 +169,24 @@ def test_resume_continues_from_the_checkpoint(qwen3_pair, tmp_path, capsys):
     assert (out / "data" / "sequences.jsonl").read_text() == cached
 
 
+def test_resume_keeps_the_target_dtype(qwen3_pair, tmp_path, capsys):
+    """A run trained against the target cast to bfloat16 resumes only as one: its taps would
+    change dtype mid-run otherwise."""
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(PROMPTS[:6]))
+    out = tmp_path / "drafter"
+    common = ["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out), "--layers", "1",
+              "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--intermediate-size", "64", "--batch", "1",
+              "--anchors", "2", "--max-new-tokens", "16", "--save-every", "2", "--eval-every", "2"]
+    assert cli.main(common + ["--steps", "2", "--target-dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    assert cli.main(common + ["--steps", "4", "--resume"]) == 2
+    assert "--target-dtype bfloat16" in capsys.readouterr().err
+    assert cli.main(common + ["--steps", "4", "--resume", "--target-dtype", "bfloat16"]) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert [h["step"] for h in report["history"]] == [1, 2, 3, 4] and report["taps"]["dtype"] == "bfloat16"
+
+
 def test_init_from_trains_an_existing_drafter_further(qwen3_pair, tmp_path, capsys):
     """--init-from: the run starts from that drafter's weights and keeps its shape (config.json,
     taps, block size); the flags that would set a shape are refused, as is a drafter of another target."""
@@ -309,6 +327,8 @@ def test_cheaper_loss_heads_still_learn(qwen3_pair, tmp_path, loss_flags):
     # The taps it trained on came from the target in the dtype asked for.
     assert report["taps"]["dtype"] == ("bfloat16" if loss_flags[0] == "--target-dtype" else "float32")
     assert report["taps"]["misses"] == report["taps"]["kept_sequences"] > 0
+    # Saved in the dtype of the target as stored (float32 here), whatever it trained against.
+    assert {w.dtype for w in mx.load(str(out / "model.safetensors")).values()} == {mx.float32}
     losses = [h["loss"] for h in report["history"]]
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:5]) / 5
     load_drafter(out)

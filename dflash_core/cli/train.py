@@ -70,7 +70,8 @@ def add_train(sub) -> None:
     p.add_argument("--target-dtype", choices=TARGET_DTYPES, default="target",
                    help="dtype the target is loaded in for training (its taps, embedding and head), after the data "
                         "is made by the target as stored: bfloat16 runs a float32 target's forwards on a GPU's "
-                        "tensor cores (docs/train.md)")
+                        "tensor cores; the drafter is still saved in the stored target's dtype unless --save-dtype "
+                        "(docs/train.md)")
     p.add_argument("--tap-cache-gb", type=_positive_float, default=4.0,
                    help="memory for the target's hidden states of the training sequences, kept across steps "
                         "(a sequence beyond it runs through the target each time it is drawn)")
