@@ -278,12 +278,6 @@ def batch_of(pieces: list[tuple[list[int], mx.array, mx.array]], block: int) -> 
     return taps, tokens, anchors, sequence, labels
 
 
-def acceptance_estimate(drafter, target, sequences, rng: random.Random, max_sequences: int = 32,
-                        batch: int = 16) -> float:
-    """Tokens per cycle the drafter reaches on these sequences: `acceptance_walk`'s first figure."""
-    return acceptance_walk(drafter, target, sequences, rng, max_sequences, batch)[0]
-
-
 def acceptance_walk(drafter, target, sequences, rng: random.Random, max_sequences: int = 32,
                     batch: int = 16) -> tuple[float, list[float]]:
     """Tokens per cycle the drafter reaches on these sequences (greedy, always-on) as the engine
@@ -523,9 +517,9 @@ def train(opts: TrainOptions) -> TrainReport:
     progress.close()
     if not (history and "tokens_per_cycle" in history[-1] and by_position):  # not evaluated at its last step
         walked, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1))
-    if history and "tokens_per_cycle" not in history[-1]:  # the time budget ended the run between evaluations
-        history[-1]["tokens_per_cycle"] = walked
-        save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained(), opts.target_dtype)
+        if history and "tokens_per_cycle" not in history[-1]:  # the time budget ended the run between evaluations
+            history[-1]["tokens_per_cycle"] = walked
+            save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained(), opts.target_dtype)
     if history:
         estimate = history[-1]["tokens_per_cycle"]
     save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else stored_dtype)

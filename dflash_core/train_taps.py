@@ -56,13 +56,15 @@ class TapCache:
             new = dict(zip(missing, target_taps(self.target, [self.sequences[i] for i in missing], self.tap_ids)))
             mx.eval(list(new.values()))
             self.target_seconds += time.perf_counter() - start
+        copies = []
         for i, taps in new.items():
             if self.kept_bytes + taps.nbytes <= self.budget_bytes:
                 # A copy: the slice alone keeps the whole batch's taps alive, many times the bytes
                 # it counts against the budget (what ran an 80 GB GPU out of memory in training).
                 self.kept[i] = mx.contiguous(taps)
-                mx.eval(self.kept[i])
+                copies.append(self.kept[i])
                 self.kept_bytes += taps.nbytes
+        mx.eval(copies)  # together: one wait for the device, not one per sequence
         return [self.kept.get(i, new.get(i)) for i in indices]
 
     def report(self) -> dict:

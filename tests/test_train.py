@@ -341,7 +341,7 @@ def test_the_estimate_walks_a_sequence_as_the_engine_does(qwen3_pair, tmp_path):
     a real drafter's 1.33 tokens per cycle as 2.14)."""
     import random
 
-    from dflash_core.train import acceptance_estimate, acceptance_walk
+    from dflash_core.train import acceptance_walk
 
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS[:4]))
@@ -364,11 +364,9 @@ def test_the_estimate_walks_a_sequence_as_the_engine_does(qwen3_pair, tmp_path):
         tokens, cycles = tokens + len(response) - 1, cycles + chunks[-1].stats.cycles  # the first: prefill's
         accepted_at += chunks[-1].stats.accepted_by_position
         verified_at += chunks[-1].stats.verified_by_position
-    walked = acceptance_estimate(drafter, target, sequences, random.Random(0))
+    walked, by_position = acceptance_walk(drafter, target, sequences, random.Random(0))
     assert walked == pytest.approx(tokens / cycles, rel=1e-9)
     # Acceptance by position too, as the engine counts it.
-    walked_again, by_position = acceptance_walk(drafter, target, sequences, random.Random(0))
-    assert walked_again == walked
     np.testing.assert_allclose(by_position, accepted_at / verified_at, rtol=1e-9)
     report = json.loads((out / "train_report.json").read_text())
     assert len(report["acceptance_by_position"]) == 15 and report["acceptance_by_position"][0] > 0
