@@ -34,7 +34,7 @@ RELEASED_DRAFTERS: dict[str, dict] = {
     "gemma-4-31b": dict(layers=5, heads=64, kv=8, inter=10752, taps=[1, 12, 23, 35, 46, 57], mask=4,
                         sliding=(4, 2048), softcap=30.0),
     # No released drafter: the shipped demo drafter's layout (dflash_core/demo/gemma-3-270m-dflash).
-    "gemma-3-270m": dict(layers=3, heads=4, kv=1, inter=1536, taps=[1, 8, 15], mask=4),
+    "gemma-3-270m": dict(layers=5, heads=4, kv=1, inter=1536, taps=[1, 4, 8, 12, 15], mask=4),
 }
 
 # `tiny-<family>` builds the tiny shapes of the family, with the drafter layout of this model.
