@@ -337,6 +337,20 @@ def test_default_target_layer_ids_match_released_drafters():
         assert len(ids) >= 2 and ids == sorted(set(ids)) and ids[-1] < n
 
 
+def test_the_demo_shape_is_the_shipped_demo_drafters_layout():
+    """The benchmarks' random `gemma-3-270m` drafter stands in for the shipped one: its layout
+    follows the drafter in the package (a new shipped drafter updates both)."""
+    from dflash_core.demo import DEMO_DRAFTER
+    from dflash_core.random_models import RELEASED_DRAFTERS
+
+    shipped = json.loads((DEMO_DRAFTER / "config.json").read_text())
+    shape = RELEASED_DRAFTERS["gemma-3-270m"]
+    assert (shape["layers"], shape["heads"], shape["kv"], shape["inter"], shape["taps"], shape["mask"]) == (
+        shipped["num_hidden_layers"], shipped["num_attention_heads"], shipped["num_key_value_heads"],
+        shipped["intermediate_size"], shipped["dflash_config"]["target_layer_ids"],
+        shipped["dflash_config"]["mask_token_id"])
+
+
 def test_forced_acceptance_forces_a_batch_as_it_forces_each_row():
     """The benchmarks' forced target (`random_models.ForcedAcceptance`) makes a batch's choices
     in a few ops for all rows: each row gets exactly what it gets forced alone (choices and
