@@ -479,7 +479,7 @@ def train(opts: TrainOptions) -> TrainReport:
                        int(opts.tap_cache_gb * 1e9))
     start = time.perf_counter()
     block_tokens = 0  # drafter rows trained on (each block's rows after its anchor)
-    estimate, by_position = float("nan"), []
+    estimate, by_position = float("nan"), None  # by_position: from the last walk of this run
     progress = tqdm(total=opts.steps, initial=step, desc="training", unit="step")
     budget = opts.minutes * 60 if opts.minutes else None
 
@@ -515,7 +515,7 @@ def train(opts: TrainOptions) -> TrainReport:
         progress.set_postfix(loss=f"{total:.3f}", tok_per_cycle=f"{estimate:.2f}")
         progress.update(1)
     progress.close()
-    if not (history and "tokens_per_cycle" in history[-1] and by_position):  # not evaluated at its last step
+    if by_position is None or "tokens_per_cycle" not in history[-1]:  # this run did not walk its last step
         walked, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1))
         if history and "tokens_per_cycle" not in history[-1]:  # the time budget ended the run between evaluations
             history[-1]["tokens_per_cycle"] = walked
