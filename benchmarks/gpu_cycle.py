@@ -15,8 +15,10 @@ step deltas; the 4-bit small-M matmul, dflash_core/kernels/matmul.py), with the 
 recurrence instead, with MLX's fused attention, the replay and MLX's quantized matmul, with only
 MLX's own matmuls swapped back in (no 4-bit kernel, no bf16 stream kernel, no stacked bf16 GEMM),
 with a 4-bit kernel launch or bf16 product per weight instead of one per shared input, with MLX's
-GEMM (cuBLASLt) for bf16 products instead of our stream kernel (`cublas`), and with MLX's fused
-attention (`fused`), all in the same process.
+GEMM (cuBLASLt) for bf16 products instead of our stream kernel (`cublas`), with MLX's fused
+attention (`fused`), and with the target's decode and verify attention as before the exact kernel
+(dflash_core/kernels/attention_cuda.py): MLX's fused attention for one query, the stacked GEMMs for
+a block (`stacked`), all in the same process.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ FORCED = {"3": [2], "5": [4], "6.5": [5, 6]}  # accepted drafts per cycle -> tok
 PATHS = {
     "dflash": KernelOptions(),
     "replay": KernelOptions(step_states=False),
-    "mlx": KernelOptions(block_attention=False, step_states=False, cuda_matmul=False),
+    "mlx": KernelOptions(block_attention=False, exact_attention=False, step_states=False, cuda_matmul=False),
     "mlx-qmm": KernelOptions(cuda_matmul=False),
     "unfused": KernelOptions(one_launch_per_input=False),
     "cublas": KernelOptions(bf16_stream=False),
-    "fused": KernelOptions(block_attention=False),
+    "fused": KernelOptions(block_attention=False, exact_attention=False),
+    "stacked": KernelOptions(exact_attention=False),
 }
 
 
@@ -208,7 +211,7 @@ def main() -> int:
                              "bf16 GEMM), unfused (dflash with a "
                              "4-bit launch or bf16 product per weight, not one per shared input), cublas (dflash with MLX's "
                              "GEMM for bf16 products instead of our stream kernel), fused (dflash with MLX's fused "
-                             "attention)")
+                             "attention), stacked (dflash with the target's attention as before the exact kernel)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

@@ -102,6 +102,26 @@ def cpu_kernels():
 
 
 @pytest.fixture
+def exact_attention_calls(monkeypatch):
+    """The attention gate as on CUDA (kernels/attention.py): a target's decode steps and verify
+    blocks go to the exact kernel (kernels/attention_cuda.py). Without a GPU its stand-in is the
+    CPU's own fixed-order attention (`attention.unfused_cpu`, also exact per row). Returns the
+    query count of every call, in order."""
+    from dflash_core.kernels import attention, attention_cuda, backend
+
+    calls = []
+    if backend() == "cuda":
+        kernel = attention_cuda.attention
+    else:
+        def kernel(q, k, v, scale, mask=None):
+            return attention.unfused_cpu(q, k, v, scale, mask)
+    monkeypatch.setattr(attention, "backend", lambda: "cuda")
+    monkeypatch.setattr(attention_cuda, "attention",
+                        lambda q, k, v, scale, mask=None: calls.append(q.shape[2]) or kernel(q, k, v, scale, mask))
+    return calls
+
+
+@pytest.fixture
 def step_states(monkeypatch):
     """Rollbacks that pick one of the GatedDeltaNet states a verify recorded after every step
     (`KernelOptions.step_states` with `step_deltas` off), on any backend: returns adapter -> that

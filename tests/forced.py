@@ -105,7 +105,7 @@ def verify_and_steps(target, prompt: list[int], block: list[int]):
     verify = target.forward(tokens_block, caches[0]).logits
     steps = mx.concatenate([target.forward(tokens_block[:, i : i + 1], caches[1]).logits
                             for i in range(len(block))], axis=1)
-    return np.array(verify), np.array(steps)
+    return np.array(verify.astype(mx.float32)), np.array(steps.astype(mx.float32))  # (exact from bf16 too)
 
 
 def assert_verify_is_single_steps(target, prompt: list[int], block: list[int]) -> None:

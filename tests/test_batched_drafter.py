@@ -95,9 +95,10 @@ def test_rows_match_with_sliding_layers(tiny_pair_factory):
     _check_rows_match_alone(target, drafter)
 
 
-def test_rows_match_on_the_cuda_paths(qwen3_pair, monkeypatch):
-    """The stacked k/v and gate/up matrices and the stacked block attention CUDA uses, run here on
-    the CPU: rows still get what they get alone."""
+def test_rows_match_on_the_cuda_paths(qwen3_pair, monkeypatch, exact_attention_calls):
+    """The stacked k/v and gate/up matrices and the stacked block attention CUDA uses for drafter
+    blocks (the target's own attention: the exact kernel's gate), run here on the CPU: rows still
+    get what they get alone."""
     monkeypatch.setattr(small_m, "backend", lambda: "cuda")
     monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
     taken = []

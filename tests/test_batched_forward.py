@@ -17,7 +17,6 @@ from forced import assert_rounds_alike
 from mlx_lm.models.cache import KVCache
 
 from dflash_core.adapters import ForwardRow
-from dflash_core.kernels import attention as block_attention
 from dflash_core.loading import load_target
 
 FAMILIES = ["qwen3", "gemma3", "gemma4"]
@@ -124,15 +123,11 @@ def test_rows_match_solo_forwards(adapters, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rows_match_solo_on_the_cuda_block_attention_path(adapters, family, monkeypatch):
-    """Verify rows attend through the stacked-GEMM path CUDA uses (kernels/attention.py), each with
-    its own mask, run here on the CPU."""
-    monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
-    taken = []
-    stacked = block_attention.stacked
-    monkeypatch.setattr(block_attention, "stacked", lambda *args: taken.append(1) or stacked(*args))
+def test_rows_match_solo_on_the_cuda_attention_path(adapters, family, exact_attention_calls):
+    """Verify rows attend through the gate of the exact kernel CUDA uses (kernels/attention_cuda.py;
+    on the CPU its stand-in), all rows in one call, each with its own mask."""
     _check_rows_match_solo(adapters[family])
-    assert taken
+    assert exact_attention_calls
 
 
 @pytest.mark.parametrize("family", FAMILIES)

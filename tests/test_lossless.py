@@ -58,26 +58,29 @@ def test_every_acceptance_length_is_lossless(engines, references, family):
     _check_every_acceptance_length(engines, references, family)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4"])
-def test_cuda_block_attention_path_is_lossless(engines, references, family, monkeypatch):
-    """Verify and draft blocks attend through the stacked-GEMM path CUDA uses (kernels/attention.py),
-    run here on the CPU: the dense, Qwen3.5 and Gemma 4 adapters' verifies (Gemma 4: sliding and
-    global layers, shared K/V included) and the drafter's block take it."""
-    monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
-    assert block_attention.path_for(mx.zeros((1, 4, 16, 16)), mx.ones((16, 16), mx.bool_)) == "stacked"
-    taken = []  # the number of key segments of each call: the drafter's are its context and its block
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4", "gemma3"])
+def test_cuda_attention_paths_are_lossless(engines, references, family, monkeypatch, exact_attention_calls):
+    """The attention paths CUDA takes, run here on the CPU: the target's decode steps and verify
+    blocks through the exact kernel's gate (kernels/attention_cuda.py; its CPU stand-in here), the
+    drafter's blocks (context and block: two key segments) through the stacked GEMMs
+    (kernels/attention.py). The dense, Qwen3.5, Gemma 4 (sliding and global layers, shared K/V) and
+    Gemma 3 (rings) adapters all hand their masks and buffers to the gate."""
+    taken = []  # the number of key segments of each stacked call
     stacked = block_attention.stacked
     monkeypatch.setattr(block_attention, "stacked", lambda q, keys, *rest: taken.append(len(keys)) or stacked(q, keys, *rest))
+    prompt, reference = references[family]
+    assert _run(engines[family], prompt, speculative=False)[0] == reference[:N_TOKENS]
+    assert 1 in exact_attention_calls and not taken  # target-alone decode steps (and 16-token prefill chunks)
     test_random_drafter_is_lossless(engines, references, family)
-    assert 2 in taken  # the real drafter's blocks went through it
+    assert set(taken) == {2}  # the real drafter's blocks, and nothing else
     _check_every_acceptance_length(engines, references, family)
-    # A verify-sized forward of the target sends every attention layer through it.
+    # A verify-sized forward of the target sends every attention layer through the exact kernel.
     target = engines[family].target
     cache = target.make_cache(max_rollback=16)
-    target.forward(mx.array(references[family][0])[None], cache)
-    taken.clear()
+    target.forward(mx.array(prompt)[None], cache)
+    exact_attention_calls.clear()
     mx.eval(target.forward(mx.arange(16)[None], cache).logits)
-    assert len(taken) == sum(not getattr(layer, "is_linear", False) for layer in target.layers) > 0
+    assert exact_attention_calls == [16] * sum(not getattr(layer, "is_linear", False) for layer in target.layers)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"])

@@ -32,6 +32,9 @@ class KernelOptions:
     block reads it when it is traced. Frozen, so that a key never changes under a traced block."""
 
     block_attention: bool = True  # verify and draft blocks as stacked GEMMs (attention.py), else MLX's fused
+    # On CUDA, a target's decode and verify attention in our kernel, each query rounded alike alone or
+    # in a block (attention_cuda.py); else the stacked GEMMs and MLX's fused attention, which do not.
+    exact_attention: bool = True
     # Verifies record every GatedDeltaNet step (CUDA), else rollbacks replay the recurrence from its inputs.
     step_states: bool = True
     # With step_states: a step's delta (1/Dk of its state) rather than its state, the rollback replaying

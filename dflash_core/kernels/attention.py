@@ -16,7 +16,14 @@ two products in ours too (cpu_attention.cpp; a fast BLAS rounds them by the numb
 steps (`single_query`) take the same path as blocks, so a query gets the same bits either way,
 whichever BLAS the process has.
 
-Elsewhere (Metal, one query on CUDA, no mask) it is MLX's fused attention over the concatenated keys.
+On CUDA a target's decode step and verify block (one key segment, the cache's buffer) take our
+kernel instead (attention_cuda.py, `KernelOptions.exact_attention`): a query gets the same bits
+there whether it comes alone or in a block, whatever the buffer's length, which the stacked GEMMs
+and MLX's fused attention do not promise each other. The stacked GEMMs keep the drafter's blocks
+(two segments, and a drafter's rounding never changes the output).
+
+Elsewhere (Metal, one query on CUDA with exact attention off, no mask) it is MLX's fused attention
+over the concatenated keys.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from . import DEFAULT_KERNELS, KernelOptions, backend, cpu_extension
+from . import DEFAULT_KERNELS, KernelOptions, attention_cuda, backend, cpu_extension
 from .cpu_head import default_threads
 
 MAX_QUERIES = 16
@@ -56,11 +63,20 @@ def path_for(q: mx.array, mask, kernels: KernelOptions = DEFAULT_KERNELS) -> str
     return "fused"
 
 
+def exact(q: mx.array, k, v, mask, kernels: KernelOptions = DEFAULT_KERNELS) -> bool:
+    """Whether this attention (one key segment) goes through attention_cuda.py's kernel: on CUDA,
+    with `exact_attention` on and shapes it takes."""
+    return (kernels.exact_attention and backend() == "cuda" and isinstance(k, mx.array)
+            and isinstance(v, mx.array) and attention_cuda.supported(q, k, v, mask))
+
+
 def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], scale: float, mask,
               kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
     """Softmax attention of q [B, Hq, L, D] over the concatenation of key/value segments
     [B, Hkv, T_i, D]; `mask` (bool, [L, T], or [B, 1 or Hq, L, T] with T = sum T_i) says which
     keys a query sees."""
+    if len(keys) == 1 and exact(q, keys[0], values[0], mask, kernels):
+        return attention_cuda.attention(q, keys[0], values[0], scale, mask)
     path = path_for(q, mask, kernels)
     if path == "stacked":
         return stacked(q, keys, values, scale, mask)
@@ -73,9 +89,11 @@ def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
 
 def single_query(q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mask,
                  kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
-    """A decode step's attention, one query over the keys it has: mlx-lm's own call, or on the CPU
-    the path blocks take there. A "causal" mask shows one query every key, as no mask does."""
+    """A decode step's attention, one query over the keys it has: mlx-lm's own call, or the path
+    blocks take on the CPU and on CUDA. A "causal" mask shows one query every key, as no mask does."""
     mask = None if isinstance(mask, str) else mask
+    if exact(q, k, v, mask, kernels):
+        return attention_cuda.attention(q, k, v, scale, mask)
     if path_for(q, mask, kernels) == "cpu":
         return unfused_cpu(q, k, v, scale, mask)
     return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)
@@ -140,6 +158,9 @@ def stacked(q, keys, values, scale, mask) -> mx.array:
 
 def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """Which implementation a verify or draft block's attention uses here (for `dflash doctor`)."""
+    if backend() == "cuda" and kernels.exact_attention:
+        return (f"dflash's kernel for a target's 1-{attention_cuda.MAX_QUERIES} queries (head_dim in "
+                f"{attention_cuda.HEAD_DIMS}, rows rounded alike); a drafter's blocks as stacked GEMMs")
     if backend() == "cuda" and kernels.block_attention:
         return f"stacked GEMMs for 2-{MAX_QUERIES} queries with a mask (head_dim <= {MAX_HEAD_DIM}); MLX fused otherwise"
     if backend() == "cpu" and kernels.cpu_softmax and cpu_extension.extension() is not None:
