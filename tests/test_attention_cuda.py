@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from families import ENGINE_FAMILIES, sample_prompt
+from families import ENGINE_FAMILIES, MODEL_TYPES, sample_prompt
 from forced import ForcedDrafter, verify_and_steps
 
 from dflash_core.engine import Engine
@@ -113,18 +113,24 @@ def test_batch_rows_and_scattered_masks_round_alone():
             assert mx.array_equal(one[:, :, 0], together[b, :, i][None])
 
 
-def _bf16_engine(request, family):
-    target, drafter = request.getfixturevalue(f"{family}_pair")
+# Tiny shapes whose every product the bf16 stream kernel takes (K a multiple of 32, N of 16), as the
+# released models' are: the tiny defaults leave Qwen3.5's b and a projections 4 wide and Gemma 4's
+# per-layer inputs 4 wide, which MLX's GEMM would round by the number of rows.
+BF16_SHAPES = {"qwen3_5": {"linear_num_value_heads": 16}, "gemma4": {"hidden_size_per_layer_input": 32}}
+
+
+def _bf16_engine(tiny_pair_factory, family):
+    target, drafter = tiny_pair_factory(MODEL_TYPES[family], target_kwargs={"shape": BF16_SHAPES.get(family, {})})
     return load_engine(str(target), str(drafter), prefill_chunk=16, dtype="bfloat16")
 
 
 @cuda_only
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
-def test_bf16_verify_is_single_steps_to_the_bit(request, family):
+def test_bf16_verify_is_single_steps_to_the_bit(tiny_pair_factory, family):
     """In bf16 on CUDA a 16-token verify gives each token the logits of 16 one-token steps to the
     bit, past the sliding windows; with the exact kernel off (the stacked GEMMs and MLX's fused
     attention) they differ."""
-    engine = _bf16_engine(request, family)
+    engine = _bf16_engine(tiny_pair_factory, family)
     prompt = (sample_prompt(engine) * 8)[:100]
     verify, steps = verify_and_steps(engine.target, prompt, prompt[:16])
     assert np.array_equal(verify, steps)
@@ -134,12 +140,12 @@ def test_bf16_verify_is_single_steps_to_the_bit(request, family):
 
 @cuda_only
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
-def test_bf16_speculative_output_is_the_targets(request, family):
+def test_bf16_speculative_output_is_the_targets(tiny_pair_factory, family):
     """In bf16 on CUDA, speculative output equals target-alone output token for token: the random
     drafter, a forced one through every acceptance length 0..15, and seeded sampling."""
     from dflash_core.sampling import SamplingParams
 
-    engine = _bf16_engine(request, family)
+    engine = _bf16_engine(tiny_pair_factory, family)
     prompt = sample_prompt(engine)
     n = 200
 
