@@ -105,6 +105,21 @@ def gated_delta_inputs(layer, groups: dict, kernels):
     return pre
 
 
+def depthwise_conv(conv: nn.Conv1d, x: mx.array) -> mx.array:
+    """mlx-lm's `conv1d` of a GatedDeltaNet (depthwise, no padding, no bias) as its K taps' products
+    summed in tap order in float32, rounded once to x's dtype: the same bits for a position whatever
+    the number of positions, which MLX's CUDA conv (cuDNN, an algorithm picked per shape) does not
+    promise a 1-token step and a 16-token verify."""
+    w = conv.weight[:, :, 0].astype(mx.float32)  # [C, K]
+    taps = w.shape[1]
+    n = x.shape[1] - taps + 1
+    xf = x.astype(mx.float32)
+    out = xf[:, :n] * w[:, 0]
+    for k in range(1, taps):
+        out = out + xf[:, k : k + n] * w[:, k]
+    return out.astype(x.dtype)
+
+
 def gated_delta_mixer(m, step_states: bool, deltas: bool = False):
     """One sequence's conv and recurrence from its conv state and recurrent state; returns the
     output, the new states and what a rollback needs: the conv input and either the recurrence's
@@ -114,7 +129,7 @@ def gated_delta_mixer(m, step_states: bool, deltas: bool = False):
     def mix(qkv, conv_state, state, g, beta):
         B, S, _ = qkv.shape
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        conv_out = nn.silu(m.conv1d(conv_input))
+        conv_out = nn.silu(depthwise_conv(m.conv1d, conv_input))
         q, k, v = [
             t.reshape(B, S, heads, dim)
             for t, heads, dim in zip(
