@@ -268,8 +268,10 @@ def supported(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
         return False
     if mask is None:
         return True
-    return (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and 2 <= mask.ndim <= 4
-            and mask.shape[-1] == k.shape[2] and mask.shape[-2] in (1, L))
+    if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and 2 <= mask.ndim <= 4):
+        return False
+    mb, mh, ml, mt = _mask4(mask).shape
+    return mb in (1, B) and mh in (1, Hq) and ml in (1, L) and mt == k.shape[2]
 
 
 def _mask4(mask: mx.array) -> mx.array:
