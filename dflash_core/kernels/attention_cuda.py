@@ -9,7 +9,7 @@ the target's own (docs/performance.md, "Attention that rounds a row alone"). Her
 one warp's work, summed in an order fixed by the key's slot in the cache alone:
 
 - Keys are cut into chunks of `CHUNK` slots counted from slot 0, and each chunk into tiles of TK
-  (32, or 16 for head_dim 512). Which chunks and tiles exist depends on the buffer's length, but a
+  (32, fewer for rows wider than 512 bytes: `tile_keys`). Which chunks and tiles exist depends on the buffer's length, but a
   query's sums only take the keys it sees; a tile or chunk it sees nothing of adds nothing (it is
   skipped, and an exact zero added to a float changes nothing). So the same query over a buffer of
   any length, or beside any other queries or batch rows, gets the same bits.
@@ -76,10 +76,10 @@ _CHUNKS_SOURCE = """
     using VecT = typename VecOf<VBYTES>::type;
     constexpr int NV = DPL * sizeof(InT) / VBYTES;
 
-    extern __shared__ __align__(16) unsigned char smem[];
-    InT* ks = reinterpret_cast<InT*>(smem);                   // [TK][KROW]
-    InT* vs = ks + TK * KROW;                                 // [TK][D]
-    InT* qs = vs + TK * D;                                    // [W][D]
+    __shared__ __align__(16) unsigned char smem[(TK * KROW + TK * D + W * D) * sizeof(InT)];
+    InT* ks = reinterpret_cast<InT*>(smem);  // the tile's keys, [TK][KROW]
+    InT* vs = ks + TK * KROW;                // its values, [TK][D]
+    InT* qs = vs + TK * D;                   // the block's query rows, [W][D]
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -159,7 +159,8 @@ _CHUNKS_SOURCE = """
         float s = 0.0f;
         #pragma unroll 8
         for (int d = 0; d < QK_DIMS; ++d) s = __fmaf_rn(to_float(qd[d]), to_float(krow[d]), s);
-        if constexpr (LPK == 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffff, s, 1));
+        #pragma unroll
+        for (int off = 1; off < LPK; off <<= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffff, s, off));
         s = sees ? __fmul_rn(s, sm_scale) : DFLASH_NEG_INF;
         const float m_new = fmaxf(m, warp_max(s));
         const float alpha = m == m_new ? 1.0f : __expf(m - m_new);  // 0 before the first key seen
@@ -283,8 +284,25 @@ def _mask4(mask: mx.array) -> mx.array:
     return mask
 
 
-def tile_keys(head_dim: int) -> int:
-    return 32 if head_dim <= 256 else 16
+SHARED_BYTES = 48 * 1024  # a block's static shared memory
+
+
+def tile_keys(head_dim: int, dtype: mx.Dtype) -> int:
+    """Keys per tile: 32 while a key's row is at most 512 bytes, fewer for wider rows (shared memory)."""
+    row = head_dim * dtype.size
+    return 32 if row <= 512 else 16 if row <= 1024 else 8
+
+
+def rows_per_block(rows: int, head_dim: int, dtype: mx.Dtype) -> int:
+    """Warps (query rows) per block: a power of two up to the call's rows and MAX_ROWS_PER_BLOCK,
+    within the shared memory left by a tile's keys and values. Only the layout depends on it."""
+    size = dtype.size
+    tk = tile_keys(head_dim, dtype)
+    tile = tk * (head_dim + 4 // size) * size + tk * head_dim * size
+    W = 1
+    while W < min(rows, MAX_ROWS_PER_BLOCK) and tile + 2 * W * head_dim * size <= SHARED_BYTES:
+        W *= 2
+    return W
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optional[mx.array] = None) -> mx.array:
@@ -293,17 +311,13 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
     B, Hq, L, D = q.shape
     T = k.shape[2]
     rows = Hq // k.shape[1] * L  # query rows per KV head
-    W = 1
-    while W < min(rows, MAX_ROWS_PER_BLOCK):
-        W *= 2
+    W = rows_per_block(rows, D, q.dtype)
     groups = -(-rows // W)
     chunks = -(-T // CHUNK)
-    TK = tile_keys(D)
+    TK = tile_keys(D, q.dtype)
     has_mask = mask is not None
     mask = _mask4(mask) if has_mask else mx.zeros((1, 1, 1, 1), mx.bool_)
     final = chunks == 1
-    size = q.dtype.size
-    smem = TK * (D + 4 // size) * size + TK * D * size + W * D * size
     n = B * Hq * L
     out, part_m, part_l, part_o = _chunks_kernel()(
         inputs=[q, k, v, mask, mx.array(scale, mx.float32)],
@@ -314,7 +328,6 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
         output_shapes=[(B, Hq, L, D) if final else (1,), (1,) if final else (n, chunks),
                        (1,) if final else (n, chunks), (1,) if final else (n, chunks, D)],
         output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32],
-        shared_memory=smem,
     )
     if final:
         return out
