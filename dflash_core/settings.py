@@ -178,8 +178,14 @@ class Settings(Strict):
 
 
 def demo_model_settings() -> ModelSettings:
-    """The bundled offline demo as a configured model (dflash_core/demo.py has its files)."""
+    """The bundled offline demo as a configured model (dflash_core/demo.py has its files). On CUDA
+    its target is served in bf16: faster there than its float32 conversion, the dtype its drafter
+    was trained against, and exact (a verify rounds a token as a decode step does, CUDA's kernels;
+    docs/train.md). Elsewhere float32, as converted: the CPU's kernels and Metal's exactness need it."""
+    from .kernels import backend
+
     return ModelSettings(name=DEMO_NAME, target=DEMO_TARGET, drafter=str(DEMO_DRAFTER),
+                         dtype="bfloat16" if backend() == "cuda" else None,
                          sampling=SamplingDefaults(max_tokens=DEMO_MAX_TOKENS))
 
 

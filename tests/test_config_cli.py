@@ -305,3 +305,19 @@ def test_serve_refuses_a_public_address_without_a_key(capsys):
 
     assert main(["serve", "--host", "0.0.0.0", "--target", "nowhere"]) == 2
     assert "without an API key" in capsys.readouterr().err
+
+
+def test_the_demo_is_served_in_bf16_on_cuda_only(monkeypatch):
+    """The offline demo's target: bf16 on CUDA (exact there, and faster than its float32
+    conversion), as converted (float32) on the CPU and Metal; a configured model keeps its own."""
+    import dflash_core.kernels as kernels
+    from dflash_core.demo import DEMO_NAME
+    from dflash_core.settings import Settings
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cpu")
+    assert Settings().model(DEMO_NAME).dtype is None
+    monkeypatch.setattr(kernels, "backend", lambda: "metal")
+    assert Settings().model(DEMO_NAME).dtype is None
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    assert Settings().model(DEMO_NAME).dtype == "bfloat16"
+    assert Settings().model("some/model").dtype is None
