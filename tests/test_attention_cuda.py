@@ -44,6 +44,9 @@ def test_gate(monkeypatch):
     assert not attention_cuda.supported(q, k, v, mask[:, :299])  # a mask over other keys
     assert not attention_cuda.supported(q, k, v, mx.ones((1, 2, 16, 300), mx.bool_))  # per KV head: not a layout here
     assert not attention_cuda.supported(q, k, v, mx.ones((3, 1, 16, 300), mx.bool_))  # another batch
+    assert not attention_cuda.supported(q, k, v, mx.ones((1, 16, 300), mx.bool_))  # 3-d: heads or batch?
+    assert not attention_cuda.supported(q, k[:, :, :0], v[:, :, :0], None)  # no keys
+    assert not attention_cuda.supported(q[:0], k, v, None)  # no rows
     assert not attention_cuda.supported(q[:, :7], k, v, None)  # 7 query heads over 2 KV heads
     assert not attention_cuda.supported(mx.concatenate([q, q]), mx.concatenate([k, k, k]), mx.concatenate([v, v, v]), None)
     # The engine's gate: CUDA, the option on, arrays (not a quantized cache's tuples).

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 CHUNK = 128  # key slots per thread block: fixed, so a query's sums never depend on the buffer's length
 MAX_QUERIES = 16
+MAX_GRID = 65535  # blocks along a CUDA grid's y and z axes
 MAX_ROWS_PER_BLOCK = 16  # warps (query rows) per block: they share each loaded tile of keys and values
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 
@@ -105,7 +106,9 @@ _CHUNKS_SOURCE = """
     const int kb = k_shape[0] == 1 ? 0 : b;
     const InT* kbase = k + kb * k_strides[0] + hkv * k_strides[1];
     const InT* vbase = v + kb * v_strides[0] + hkv * v_strides[1];
-    const bool k_vec = k_strides[3] == 1 && v_strides[3] == 1;
+    // 16-byte loads where every key row starts 16-byte aligned; else one element at a time.
+    const bool k_vec = k_strides[3] == 1 && v_strides[3] == 1 && k_strides[2] % VEC == 0 && v_strides[2] % VEC == 0
+                       && reinterpret_cast<size_t>(kbase) % 16 == 0 && reinterpret_cast<size_t>(vbase) % 16 == 0;
     const bool* mrow = nullptr;
     if constexpr (HAS_MASK) {
       mrow = mask + (mask_shape[0] == 1 ? 0 : b) * mask_strides[0] + (mask_shape[1] == 1 ? 0 : hq) * mask_strides[1]
@@ -217,7 +220,7 @@ _COMBINE_SOURCE = """
     float l = 0.0f;
     float o[DPL];
     #pragma unroll
-    for (int i = 0; i < DPL; ++i) o[i] = 0.0f;
+    for (int i = 0; i < DPL; ++i) o[i] = -0.0f;  // the exact additive identity: a lone chunk's -0 stays -0
     if (lane * DPL >= D) return;  // (D 16: half the lanes own nothing; no shuffles follow)
     for (int c = 0; c < nc; ++c) {
       if (!(pl[c] > 0.0f)) continue;
@@ -258,30 +261,28 @@ def _combine_kernel():
 
 def supported(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
     """q [B, Hq, 1..16, D], k and v [1 or B, Hkv, T, D] of q's dtype (bf16, fp16 or fp32), D one of
-    HEAD_DIMS, and no mask or a boolean one over [.., L, T]."""
+    HEAD_DIMS, and no mask or a boolean one, [L, T] or [1 or B, 1 or Hq, 1 or L, T]; within CUDA's
+    grid limits (chunks and B x Hkv at most 65535 blocks)."""
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         return False
     B, Hq, L, D = q.shape
-    if not (1 <= L <= MAX_QUERIES and D in HEAD_DIMS and k.shape[3] == D and k.shape[0] in (1, B)
-            and k.shape[1] > 0 and Hq % k.shape[1] == 0 and k.shape[2] > 0):
+    Hkv, T = k.shape[1], k.shape[2]
+    if not (B >= 1 and 1 <= L <= MAX_QUERIES and D in HEAD_DIMS and k.shape[3] == D and k.shape[0] in (1, B)
+            and Hkv > 0 and Hq % Hkv == 0 and 0 < T <= MAX_GRID * CHUNK and B * Hkv <= MAX_GRID):
         return False
     if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     if mask is None:
         return True
-    if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and 2 <= mask.ndim <= 4):
-        return False
+    if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim in (2, 4)):
+        return False  # (a 3-d mask: MLX reads its first axis as heads, so it is not guessed at here)
     mb, mh, ml, mt = _mask4(mask).shape
     return mb in (1, B) and mh in (1, Hq) and ml in (1, L) and mt == k.shape[2]
 
 
 def _mask4(mask: mx.array) -> mx.array:
-    """[L, T] or [B, L, T] as [1 or B, 1, L, T]; a 4-d mask as it is."""
-    if mask.ndim == 2:
-        return mask[None, None]
-    if mask.ndim == 3:
-        return mask[:, None]
-    return mask
+    """[L, T] as [1, 1, L, T]; a 4-d mask as it is."""
+    return mask[None, None] if mask.ndim == 2 else mask
 
 
 SHARED_BYTES = 48 * 1024  # a block's static shared memory
@@ -307,7 +308,7 @@ def rows_per_block(rows: int, head_dim: int, dtype: mx.Dtype) -> int:
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optional[mx.array] = None) -> mx.array:
     """softmax(q k^T * scale, over the keys `mask` shows each query; all of them without one) v,
-    [B, Hq, L, D] in q's dtype, for inputs `supported` takes."""
+    [B, Hq, L, D] in q's dtype, for inputs `supported` takes. A query that sees no key gets zeros."""
     B, Hq, L, D = q.shape
     T = k.shape[2]
     rows = Hq // k.shape[1] * L  # query rows per KV head
