@@ -159,6 +159,24 @@ def choose_drafter(target: str, drafter: Optional[str], drafter_revision: Option
     return drafter, drafter_revision, None
 
 
+def inexact_attention_note(adapter: TargetAdapter) -> Optional[str]:
+    """On CUDA, why this target's verifies may round a token differently from a decode step: head
+    dims the exact attention kernel does not take (kernels/attention_cuda.py), which then attend
+    through MLX's paths. None when there is nothing to say."""
+    from .kernels import attention_cuda, backend
+
+    if backend() != "cuda" or not adapter.kernels.exact_attention:
+        return None
+    args = adapter.text_model.args
+    dims = {getattr(args, name, None) for name in ("head_dim", "global_head_dim")} - {None}
+    if not (outside := sorted(d for d in dims if d not in attention_cuda.HEAD_DIMS)):
+        return None
+    return (f"attention head_dim {', '.join(map(str, outside))} is not one the exact CUDA attention takes "
+            f"({', '.join(map(str, attention_cuda.HEAD_DIMS))}): those layers attend through MLX's kernels, so at a "
+            "near-tie a verify can round a token differently from a decode step and speculative output can part "
+            "from the target-alone output")
+
+
 def load_model(
     target: str,
     drafter: Optional[str] = "auto",
@@ -191,6 +209,8 @@ def load_model(
         draft_model = load_checked_drafter(drafter_path, adapter, block_size)
         if mx.default_device() == mx.cpu and speculation == "on":
             log.warning(CPU_SPECULATION_WARNING)
+        if (note := inexact_attention_note(adapter)) is not None:
+            log.warning(note)
     engine = Engine(
         adapter,
         tokenizer,

@@ -321,3 +321,24 @@ def test_the_demo_is_served_in_bf16_on_cuda_only(monkeypatch):
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     assert Settings().model(DEMO_NAME).dtype == "bfloat16"
     assert Settings().model("some/model").dtype is None
+
+
+
+def test_a_head_dim_the_exact_attention_lacks_is_said_at_load(tmp_path, monkeypatch, caplog):
+    """On CUDA, a target whose head dim the exact attention kernel does not take loads with a
+    warning that says what that costs; one it takes, and any target elsewhere, without."""
+    from synthetic import tiny_pair
+
+    import dflash_core.kernels as kernels
+    from dflash_core.loading import inexact_attention_note
+
+    odd = tiny_pair(tmp_path / "odd", "qwen3", target_kwargs={"shape": {"head_dim": 24}})
+    fine = tiny_pair(tmp_path / "fine", "qwen3")
+    assert inexact_attention_note(load_model(*map(str, odd)).engine.target) is None  # not on CUDA
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        target = load_model(*map(str, odd)).engine.target
+    assert "head_dim 24 is not one the exact CUDA attention takes" in caplog.text
+    assert inexact_attention_note(target) == next(r.message for r in caplog.records if "head_dim 24" in r.message)
+    assert inexact_attention_note(load_model(*map(str, fine)).engine.target) is None
