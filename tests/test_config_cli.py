@@ -323,7 +323,6 @@ def test_the_demo_is_served_in_bf16_on_cuda_only(monkeypatch):
     assert Settings().model("some/model").dtype is None
 
 
-
 def test_a_head_dim_the_exact_attention_lacks_is_said_at_load(tmp_path, monkeypatch, caplog):
     """On CUDA, a target whose head dim the exact attention kernel does not take loads with a
     warning that says what that costs; one it takes, and any target elsewhere, without."""

@@ -276,7 +276,7 @@ def supported(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
         return True
     if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim in (2, 4)):
         return False  # (a 3-d mask: MLX reads its first axis as heads, so it is not guessed at here)
-    mb, mh, ml, mt = _mask4(mask).shape
+    mb, mh, ml, mt = (1, 1, *mask.shape) if mask.ndim == 2 else mask.shape  # (as `_mask4` lays it out)
     return mb in (1, B) and mh in (1, Hq) and ml in (1, L) and mt == k.shape[2]
 
 
