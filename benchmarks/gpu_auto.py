@@ -6,7 +6,8 @@ A random-weight target at a real shape (bf16) and a random drafter; the target i
 fixed number of drafts per cycle (`random_models.ForcedAcceptance`): 0, 2 and 5.4 on average (1,
 3 and 6.4 tokens per cycle). For each context and acceptance, in one process, alternating: decode
 tok/s of the target alone, of DFlash on, and of auto (median of --repeats, 256 tokens each, after
-one warm-up generation per mode in which auto measures this machine as a server would). The
+one warm-up generation per mode in which auto measures this machine as a server would; the
+samples auto was given in the measured runs are summarized per kind, `auto_samples`). The
 target alone also runs in a second process with MLX's CUDA graphs on (they are read once per
 process, and off in a speculating one: docs/performance.md), reported as `target_graphs`.
 """
@@ -37,11 +38,45 @@ def _engine(shape: str, schedule):
     return Engine(adapter, ByteTokenizer(target.vocab_size), drafter if schedule is not None else None)
 
 
-def _decode(engine, context: int, mode: str, max_tokens: int) -> float:
+class Traced:
+    """auto's choices for one generation (the model's shared state, as a server's), with every
+    sample it was given noted: (width, seconds or None, whether a plain step came just before)."""
+
+    def __init__(self, policy, samples: list):
+        self.policy, self.samples, self.after_step = policy, samples, True
+
+    def plan(self, context):
+        return self.policy.plan(context)
+
+    def observe(self, width, context, seconds, accepted):
+        self.samples.append((width, seconds, self.after_step))
+        self.after_step = width == 0
+        self.policy.observe(width, context, seconds, accepted)
+
+    def note(self):
+        return self.policy.note()
+
+
+def _summary(samples: list) -> dict:
+    """Per kind of sample (a plain step; a cycle of width w, after a cycle or after plain steps):
+    how many, and their median, fastest and slowest in ms."""
+    kinds: dict[str, list] = {}
+    for width, seconds, after_step in samples:
+        if seconds is None:  # (a generation's first step is not timed)
+            continue
+        kind = "step" if width == 0 else f"{width} after {'steps' if after_step else 'a cycle'}"
+        kinds.setdefault(kind, []).append(1e3 * seconds)
+    return {k: {"n": len(v), "median_ms": round(statistics.median(v), 3), "min_ms": round(min(v), 3),
+                "max_ms": round(max(v), 3)} for k, v in sorted(kinds.items())}
+
+
+def _decode(engine, context: int, mode: str, max_tokens: int, samples: list | None = None) -> float:
     import mlx.core as mx  # the engine alone: the GPU machine has MLX, not the server's packages
 
     prompt = mx.random.randint(0, engine.target.vocab_size, (context,), key=mx.random.key(context)).tolist()
     extra = {"speculation": mode} if mode != "off" else {"speculative": False}
+    if mode == "auto" and samples is not None:
+        extra = {"speculation": Traced(engine.speculation_state.policy("auto"), samples)}
     mx.synchronize()
     chunks = list(engine.generate(prompt, max_tokens=max_tokens, stop_token_ids=set(), **extra))
     mx.synchronize()  # the engine queues a step ahead: let it finish before the next measurement
@@ -64,6 +99,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=lambda s: [int(v) for v in s.split(",")], default=[1024, 8192, 32768])
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--forced", type=lambda s: s.split(","), default=list(FORCED),
+                        help=f"tokens per cycle to force, of {','.join(FORCED)}")
     parser.add_argument("--target-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -80,28 +117,32 @@ def main() -> None:
     with_graphs = json.loads(graphs.stdout.strip().splitlines()[-1])
     import mlx.core as mx
 
-    report = {"device": mx.device_info().get("device_name"), "shape": args.shape, "rows": []}
+    report = {"device": mx.device_info().get("device_name"), "shape": args.shape, "rows": [],
+              "graphs_in_speculating_process": os.environ["MLX_USE_CUDA_GRAPHS"]}
     print(f"{'context':>7} {'tok/cycle':>9} | {'target':>8} {'graphs':>8} {'dflash':>8} {'auto':>8} | "
           f"{'auto/target':>11} {'auto/dflash':>11} {'auto/best':>9}")
-    for name, schedule in FORCED.items():
+    for name in args.forced:
+        schedule = FORCED[name]
         engine = _engine(args.shape, schedule)
         for context in args.contexts:
             for mode in ("off", "on", "auto"):  # warm-up: compiles, and auto measures this machine
                 _decode(engine, context, mode, args.max_tokens)
-            runs = {m: [] for m in ("off", "on", "auto")}
+            runs, samples = {m: [] for m in ("off", "on", "auto")}, []
             for _ in range(args.repeats):
                 for mode in runs:
-                    runs[mode].append(_decode(engine, context, mode, args.max_tokens))
+                    runs[mode].append(_decode(engine, context, mode, args.max_tokens, samples))
             t, on, auto = (statistics.median(runs[m]) for m in ("off", "on", "auto"))
             last = _decode.last  # auto's last run: what it chose
             chose = {"cycles": last.cycles, "plain_steps": last.plain_steps, "widths": last.cycle_widths}
             g = with_graphs[str(context)]
             row = {"context": context, "tokens_per_cycle": float(name), "target": t, "target_graphs": g,
                    "dflash": on, "auto": auto, "auto_vs_target": auto / max(t, g), "auto_vs_dflash": auto / on,
-                   "auto_vs_best": auto / max(t, g, on), "auto_chose": chose}
+                   "auto_vs_best": auto / max(t, g, on), "auto_chose": chose, "auto_samples": _summary(samples)}
             report["rows"].append(row)
             print(f"{context:>7} {name:>9} | {t:8.1f} {g:8.1f} {on:8.1f} {auto:8.1f} | {row['auto_vs_target']:10.2f}x "
                   f"{row['auto_vs_dflash']:10.2f}x {row['auto_vs_best']:8.2f}x  auto: {chose}", flush=True)
+            print("         auto's samples (ms): " + "; ".join(f"{k}: {v['n']} x {v['median_ms']:.2f} "
+                  f"[{v['min_ms']:.2f}-{v['max_ms']:.2f}]" for k, v in row["auto_samples"].items()), flush=True)
         del engine
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

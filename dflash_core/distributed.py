@@ -139,7 +139,7 @@ class AnnouncedPolicy:
     def plan(self, context: int) -> int:
         return self.channel.number(self.policy.plan(context))
 
-    def observe(self, width: int, context: int, seconds: float, accepted: int) -> None:
+    def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
         self.policy.observe(width, context, seconds, accepted)
 
     def note(self) -> Optional[str]:
@@ -157,7 +157,7 @@ class FollowedPolicy:
     def plan(self, context: int) -> int:
         return self.channel.number()
 
-    def observe(self, width: int, context: int, seconds: float, accepted: int) -> None:
+    def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
         pass
 
     def note(self) -> Optional[str]:

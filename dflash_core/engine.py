@@ -398,7 +398,9 @@ class Engine:
         width = policy.plan(len(state.fed))
         step = yield from self._launch(token, index, width, sampler, state, scorer, constraint)
         yield first, logprobs, None
-        read = time.perf_counter()
+        # The first step is not timed: it ran while `first` went out, and a cycle also wrote the
+        # prompt's taps into the drafter's context (the prefill leaves them queued).
+        read = None
         while True:
             ahead, planned = None, None
             if width == 0 and constraint is None:  # (a grammar's next mask needs this token's value)
@@ -407,7 +409,7 @@ class Engine:
                     ahead = yield from self._launch(step.choice, index + 1, 0, sampler, state, scorer, constraint)
             committed, token, logprobs, accepted = step.read()  # the one blocking read of a step
             now = time.perf_counter()
-            policy.observe(width, len(state.fed), now - read, accepted)
+            policy.observe(width, len(state.fed), now - read if read is not None else None, accepted)
             read = now
             index += len(committed)
             done = width
@@ -415,8 +417,21 @@ class Engine:
                 step = ahead
             else:
                 width = planned if planned is not None else policy.plan(len(state.fed))
+                if width and not done and state.eval_queue is None:
+                    read = self._catch_up(state)
                 step = yield from self._launch(token, index, width, sampler, state, scorer, constraint)
             yield committed, logprobs, done
+
+    def _catch_up(self, state: DecodeState) -> float:
+        """Before a cycle that follows plain steps: their taps into the drafter's context in an
+        evaluation of its own; returns when the cycle's own time starts. Carried by the cycle, the
+        catch-up of however many steps came before it would be priced as part of every cycle
+        (`auto` probes are such cycles), and with CUDA graphs on its varying op count would shift
+        where MLX cuts the cycle into graphs, so that each probe instantiated new ones. Batched rows
+        keep theirs in the draft call: one write for all rows, priced by rounds."""
+        state.catch_up(self.drafter)
+        mx.eval(cache_arrays(state.context))
+        return time.perf_counter()
 
     def _launch(self, token, index: int, width: int, sampler: Sampler, state: DecodeState,
                 scorer: LogprobScorer, constraint: Optional[Constraint]):

@@ -8,8 +8,8 @@ times slower than plain steps. `AutoSpeculation` decides before every step, from
 machine measured:
 
 - `Timings` (one per model, shared by its generations): the wall time of a plain step and of a
-  cycle of each width, per context-length bucket (powers of two), as moving averages. The first
-  sample of each width is dropped (MLX compiles new shapes then).
+  cycle of each width, per context-length bucket (powers of two), the median of recent samples.
+  The first sample of each width is dropped (MLX compiles new shapes then).
 - the acceptance by block position, from this generation's own cycles (its last ten or so
   weigh most, so a generation whose text turns easy or hard is followed) on top of the model's
   pooled history (`AcceptanceCounts` that decay), giving the expected tokens of a cycle of width w.
@@ -34,6 +34,8 @@ probes no more often than one generation.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -48,7 +50,9 @@ class SpeculationPolicy(Protocol):
 
     def plan(self, context: int) -> int: ...
 
-    def observe(self, width: int, context: int, seconds: float, accepted: int) -> None: ...
+    def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
+        """The step planned was run: `seconds` its wall time (None: not timed), `accepted` the
+        drafts a cycle got accepted."""
 
     def note(self) -> Optional[str]: ...
 
@@ -58,11 +62,13 @@ def _bucket(context: int) -> int:
 
 
 class Timings:
-    """Moving averages of step (width 0) and cycle (width w) wall times, per context bucket."""
+    """Step (width 0) and cycle (width w) wall times, per context bucket: the median of the last
+    `window` samples, so that a sample that paid a one-off cost (a CUDA graph instantiated for an op
+    sequence not seen before, another process's burst) is outvoted instead of moving the estimate."""
 
-    def __init__(self, alpha: float = 0.25):
-        self.alpha = alpha
-        self.seconds: dict[int, dict[int, float]] = {}  # width -> context bucket -> seconds
+    def __init__(self, window: int = 5):
+        self.window = window
+        self.samples: dict[int, dict[int, deque]] = {}  # width -> context bucket -> recent seconds
         self._warm: set[int] = set()  # widths whose first (compiling) sample was dropped
 
     def record(self, width: int, context: int, seconds: float) -> bool:
@@ -70,20 +76,19 @@ class Timings:
         if width not in self._warm:
             self._warm.add(width)
             return False
-        buckets, bucket = self.seconds.setdefault(width, {}), _bucket(context)
-        old = buckets.get(bucket)
-        buckets[bucket] = seconds if old is None else old + self.alpha * (seconds - old)
+        buckets = self.samples.setdefault(width, {})
+        buckets.setdefault(_bucket(context), deque(maxlen=self.window)).append(seconds)
         return True
 
     def estimate(self, width: int, context: int) -> Optional[float]:
-        """This bucket's average, else the nearest bucket's (contexts grow slowly)."""
-        buckets = self.seconds.get(width)
+        """This bucket's median, else the nearest bucket's (contexts grow slowly)."""
+        buckets = self.samples.get(width)
         if not buckets:
             return None
         bucket = _bucket(context)
-        if bucket in buckets:
-            return buckets[bucket]
-        return buckets[min(buckets, key=lambda b: (abs(b - bucket), b))]
+        if bucket not in buckets:
+            bucket = min(buckets, key=lambda b: (abs(b - bucket), b))
+        return statistics.median(buckets[bucket])
 
 
 class AcceptanceCounts:
@@ -250,10 +255,11 @@ class AutoSpeculation:
         self._probe_width = best if rates else None
         return best if self.probes.due(share) else 0
 
-    def observe(self, width: int, context: int, seconds: float, accepted: int) -> None:
+    def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
         # In a batch the wall is the round's, not this step's: the rounds price it (rounds.py).
-        kept = self.timings.record(width, context, seconds) if self._batch_rows() == 1 else True
-        self._last, self._dropped = width, not kept
+        timed = seconds is not None and self._batch_rows() == 1
+        kept = self.timings.record(width, context, seconds) if timed else seconds is not None
+        self._last, self._dropped = width, timed and not kept
         self._cycles_since_step = self._cycles_since_step + 1 if width else 0
         if width:
             self._probe_width = None  # a cycle measured: look again at the next plan
@@ -276,7 +282,7 @@ class AlwaysSpeculate:
     def plan(self, context: int) -> int:
         return self.block_size
 
-    def observe(self, width: int, context: int, seconds: float, accepted: int) -> None:
+    def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
         pass
 
     def note(self) -> Optional[str]:

@@ -3,6 +3,8 @@ point keeps the output exactly the target's; the controller picks what is faster
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from families import ENGINE_FAMILIES
 from families import sample_prompt as _prompt
@@ -153,6 +155,70 @@ def test_auto_follows_a_generation_whose_acceptance_changes():
     bad_tokens = [(w, n) for w, good, n in later if not good]
     assert sum(n for w, n in good_tokens if w) > 0.7 * sum(n for _, n in good_tokens)  # made by cycles
     assert sum(n for w, n in bad_tokens if w == 0) > 0.5 * sum(n for _, n in bad_tokens)  # most by plain steps
+
+
+class _TimedContext:
+    """The engine's real drafter, noting when each of its context writes was built and evaluated."""
+
+    def __init__(self, drafter):
+        self.drafter, self.writes = drafter, []
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def add_context(self, taps, cache):
+        self.drafter.add_context(taps, cache)
+        self.writes.append((taps.shape[1], time.perf_counter()))
+
+
+class _TimedPlans(Scheduled):
+    """`Scheduled`, noting when the interval each step was timed over began."""
+
+    def observe(self, width, context, seconds, accepted):
+        super().observe(width, context, seconds, accepted)
+        self.seen[-1] = (width, accepted, time.perf_counter() - (seconds or 0.0))
+
+
+def test_a_cycle_after_plain_steps_is_timed_without_their_catch_up(engines):
+    """The taps of the plain steps before a cycle go into the drafter's context before the cycle's
+    time starts: `auto` prices a cycle as a run of cycles repeats it, not with the catch-up of
+    however many steps preceded it (which, with CUDA graphs on, also made every probe build new
+    graphs). Checked by order of events: the write of those taps ended before the interval the
+    cycle was timed over began."""
+    engine = engines["qwen3"]
+    drafter = _TimedContext(engine.drafter)
+    timed = Engine(engine.target, engine.tokenizer, drafter, prefill_chunk=16)
+    plans = [0, 0, 0, 0, 0, 16, 16, 0, 0, 0, 4, 0, 8, 8]
+    policy = _TimedPlans(plans)
+    prompt = _prompt(engine)
+    tokens, _ = _tokens(timed, prompt, SamplingParams(), speculation=policy)
+    assert tokens == _tokens(engine, prompt, SamplingParams(), speculative=False)[0]
+    checked = 0
+    for k in range(1, len(policy.seen)):
+        width, _, began = policy.seen[k]
+        if not width or policy.seen[k - 1][0]:
+            continue  # a plain step, or a cycle after a cycle
+        plain_before = 0
+        while plain_before < k and policy.seen[k - 1 - plain_before][0] == 0:
+            plain_before += 1
+        written = [n for n, t in drafter.writes if policy.seen[k - 1][2] < t <= began]
+        assert written and written[-1] >= plain_before, (k, written, plain_before)
+        checked += 1
+    assert checked >= 10
+
+
+def test_timings_outvote_a_one_off_sample():
+    """A sample that paid a one-off cost (a graph instantiated, a burst of other work) does not
+    move the estimate; a lasting change does, within a few samples."""
+    timings = Timings()
+    timings.record(16, 1000, 0.5)  # the first sample of a width is dropped
+    for seconds in (0.010, 0.011, 0.030, 0.010, 0.012):
+        timings.record(16, 1000, seconds)
+    assert timings.estimate(16, 1000) == 0.011
+    for _ in range(3):
+        timings.record(16, 1000, 0.020)
+    assert timings.estimate(16, 1000) == 0.020
+    assert timings.estimate(16, 5000) == 0.020  # the nearest bucket measured
 
 
 def test_auto_speculates_when_cycles_win():
