@@ -417,21 +417,8 @@ class Engine:
                 step = ahead
             else:
                 width = planned if planned is not None else policy.plan(len(state.fed))
-                if width and not done and state.eval_queue is None:
-                    read = self._catch_up(state)
                 step = yield from self._launch(token, index, width, sampler, state, scorer, constraint)
             yield committed, logprobs, done
-
-    def _catch_up(self, state: DecodeState) -> float:
-        """Before a cycle that follows plain steps: their taps into the drafter's context in an
-        evaluation of its own; returns when the cycle's own time starts. Carried by the cycle, the
-        catch-up of however many steps came before it would be priced as part of every cycle
-        (`auto` probes are such cycles), and with CUDA graphs on its varying op count would shift
-        where MLX cuts the cycle into graphs, so that each probe instantiated new ones. Batched rows
-        keep theirs in the draft call: one write for all rows, priced by rounds."""
-        state.catch_up(self.drafter)
-        mx.eval(cache_arrays(state.context))
-        return time.perf_counter()
 
     def _launch(self, token, index: int, width: int, sampler: Sampler, state: DecodeState,
                 scorer: LogprobScorer, constraint: Optional[Constraint]):

@@ -9,7 +9,8 @@ machine measured:
 
 - `Timings` (one per model, shared by its generations): the wall time of a plain step and of a
   cycle of each width, per context-length bucket (powers of two), the median of recent samples.
-  The first sample of each width is dropped (MLX compiles new shapes then).
+  A cycle is timed only after a cycle of its width (a first one, after plain steps or another
+  width, is run again to be timed), so that its price is what a run of cycles pays.
 - the acceptance by block position, from this generation's own cycles (its last ten or so
   weigh most, so a generation whose text turns easy or hard is followed) on top of the model's
   pooled history (`AcceptanceCounts` that decay), giving the expected tokens of a cycle of width w.
@@ -63,22 +64,17 @@ def _bucket(context: int) -> int:
 
 class Timings:
     """Step (width 0) and cycle (width w) wall times, per context bucket: the median of the last
-    `window` samples, so that a sample that paid a one-off cost (a CUDA graph instantiated for an op
-    sequence not seen before, another process's burst) is outvoted instead of moving the estimate."""
+    `window` samples, so that a sample that paid a one-off cost (a kernel compiled on its first use,
+    about 2 s on an H100; a CUDA graph instantiated; another process's burst) is outvoted instead of
+    moving the estimate."""
 
     def __init__(self, window: int = 5):
         self.window = window
         self.samples: dict[int, dict[int, deque]] = {}  # width -> context bucket -> recent seconds
-        self._warm: set[int] = set()  # widths whose first (compiling) sample was dropped
 
-    def record(self, width: int, context: int, seconds: float) -> bool:
-        """Add a sample; False when it was the width's first one (dropped)."""
-        if width not in self._warm:
-            self._warm.add(width)
-            return False
+    def record(self, width: int, context: int, seconds: float) -> None:
         buckets = self.samples.setdefault(width, {})
         buckets.setdefault(_bucket(context), deque(maxlen=self.window)).append(seconds)
-        return True
 
     def estimate(self, width: int, context: int) -> Optional[float]:
         """This bucket's median, else the nearest bucket's (contexts grow slowly)."""
@@ -167,8 +163,8 @@ class AutoSpeculation:
     _cycles_since_step: int = 0
     _steps_since_check: int = 0
     _probe_width: Optional[int] = None
-    _last: Optional[int] = None  # the last plan, and whether its sample was dropped
-    _dropped: bool = False
+    _last: Optional[int] = None  # the width of the last step observed (0: a plain step)
+    _untimed_cycle: bool = False  # it was a cycle whose time was not taken
     _probed: bool = False  # a cycle was run while off, not yet judged
 
     def __post_init__(self):
@@ -224,8 +220,8 @@ class AutoSpeculation:
 
     def plan(self, context: int) -> int:
         share = 1.0 / self._batch_rows()
-        if self._dropped and self._last is not None and share == 1.0:
-            return self._last  # its first sample compiled; measure it again
+        if self._untimed_cycle and share == 1.0:
+            return self._last  # a cycle not timed (after another step): run it again, timed
         if not self.speculating and self._probe_width is not None and self._steps_since_check < self.recheck_every:
             # Off, and nothing but the step's time has changed since the last look: decide again
             # only now and then (a step can take a millisecond; this runs before each one).
@@ -246,7 +242,8 @@ class AutoSpeculation:
             return best
         self.speculating = False
         if rates and self._probed:  # what the probe just measured says cycles lose: wait accordingly
-            self.probes.lost(cycles[best] / step - self.expected_tokens(best))
+            # (a probe is two cycles: the first, after plain steps, is not timed)
+            self.probes.lost(2 * (cycles[best] / step - self.expected_tokens(best)))
         self._probed = False
         if rates:
             self._note = (f"cycle {1e3 * cycles[best]:.1f} ms for {self.expected_tokens(best):.2f} tokens "
@@ -256,10 +253,16 @@ class AutoSpeculation:
         return best if self.probes.due(share) else 0
 
     def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
-        # In a batch the wall is the round's, not this step's: the rounds price it (rounds.py).
-        timed = seconds is not None and self._batch_rows() == 1
-        kept = self.timings.record(width, context, seconds) if timed else seconds is not None
-        self._last, self._dropped = width, timed and not kept
+        # A cycle is timed only right after a cycle of its width: as a run of them repeats it, not
+        # with what a first one pays (a compile, with CUDA graphs a new op sequence's graphs; the
+        # catch-up after plain steps is already apart, `Engine._catch_up`). In a batch the wall is
+        # the round's, not this step's: the rounds price it (rounds.py).
+        alone = self._batch_rows() == 1
+        timed = seconds is not None and alone and (width == 0 or width == self._last)
+        if timed:
+            self.timings.record(width, context, seconds)
+        self._untimed_cycle = bool(width) and alone and not timed
+        self._last, kept = width, timed or not alone
         self._cycles_since_step = self._cycles_since_step + 1 if width else 0
         if width:
             self._probe_width = None  # a cycle measured: look again at the next plan
