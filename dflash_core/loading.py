@@ -21,6 +21,7 @@ from .kernels.cpu_extension import build_in_background
 from .prefix_cache import PrefixCache, SnapshotBudget
 from .registry import find_pair
 from .sharding import shard_target
+from .warm_up import warm_up as run_warm_up
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +193,14 @@ def load_model(
     prefix_cache: Union[int, SnapshotBudget] = 0,
     speculation: str = "on",
     group=None,
+    warm_up: Optional[bool] = None,
 ) -> LoadedModel:
     """`prefix_cache`: a byte budget of its own (0: no prefix cache) or a budget shared with other
     models' caches. `group`: shard the target over this `mx.distributed` group (distributed.py);
     prefill chunks are then of fixed size and the prefix cache counts nominal bytes, so that every
-    rank makes the same choices."""
+    rank makes the same choices. `warm_up`: run the forwards once now (warm_up.py); None: on a
+    GPU, where the first use of each kernel variant compiles it. Not on a sharded target, whose
+    forwards need every rank."""
     if group is not None:
         prefill_seconds = None
     build_in_background()  # our CPU kernels compile (a first run) while the weights load
@@ -222,6 +226,8 @@ def load_model(
         prefix_cache=PrefixCache(prefix_cache, measured=group is None) if _budget_bytes(prefix_cache) > 0 else None,
         speculation=speculation,
     )
+    if group is None and (warm_up if warm_up is not None else mx.default_device() != mx.cpu):
+        log.info("warmed up %s in %.1f s (kernels compile on first use)", target, run_warm_up(engine))
     return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
 
 
@@ -246,6 +252,7 @@ def load_configured(spec, prefill_chunk: int = 2048, prefix_cache: Union[int, Sn
         prefix_cache=prefix_cache,
         speculation=spec.speculation,
         group=group,
+        warm_up=spec.warm_up,
     )
 
 

@@ -96,6 +96,9 @@ class ModelSettings(Strict):
     dtype: Optional[Literal["float16", "bfloat16", "float32"]] = Field(None, description="cast the target's weights")
     quantize_bits: Optional[Literal[4, 8]] = Field(None, description="quantize an unquantized target when loading")
     max_context: Optional[int] = Field(None, ge=16)
+    warm_up: Optional[bool] = Field(
+        None, description="run the model's forwards once at load, so that kernels compile then and not in the "
+        "first requests; null: on a GPU (docs/performance.md)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="default sampling parameters")
     load_at_start: bool = True

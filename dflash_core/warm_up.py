@@ -1,0 +1,88 @@
+"""Run a model's forwards once before it serves.
+
+On CUDA, MLX compiles each variant of our kernels the first time a process meets it (NVRTC, about
+2 s a variant on an H100: a fresh machine's first generation took 79 s where a warm one takes 1.7,
+docs/performance.md). Without a warm-up those seconds land in the first requests, and in the
+times `speculation: auto` takes of them. `warm_up` meets the variants a server's decoding meets:
+contexts shorter and longer than one chunk of the attention kernel's keys, plain steps, every
+width `auto` verifies (each twice, so that a cycle after a cycle runs too), the drafter's context
+written after 1 to 33 plain steps (one of each row variant of the small-M product, and one past
+it), the target alone, and a batch of rows. Prefill shapes follow the prompts, which no warm-up
+can know. It runs on an engine of its own over the same weights, so the model's prefix cache and
+what `auto` measured are untouched; its tokens are thrown away.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from .batching import generate_together
+from .engine import Engine
+
+# Prompt lengths: a context within one chunk of keys of the exact attention kernel (128), and past it.
+PROMPT_LENGTHS = (16, 300)
+# Plain steps before a full-width cycle: one catch-up of each row variant of the small-M product
+# (up to 8, 16, 24 and 32 rows) and one that goes to cuBLASLt.
+CATCH_UPS = (1, 9, 17, 25, 33)
+
+
+class FixedPlans:
+    """A SpeculationPolicy following a list of plans (0: a plain step, w: a cycle of width w),
+    then plain steps."""
+
+    name = "warm-up"
+
+    def __init__(self, plans: list[int]):
+        self.plans, self.next = plans, 0
+
+    def plan(self, context: int) -> int:
+        width = self.plans[self.next] if self.next < len(self.plans) else 0
+        self.next += 1
+        return width
+
+    def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
+        pass
+
+    def note(self) -> Optional[str]:
+        return None
+
+
+def warm_up_plans(block_size: int) -> list[int]:
+    """Every width `auto` uses (speculation.AutoSpeculation.widths), twice in a row, then a
+    full-width cycle after each of `CATCH_UPS` plain steps."""
+    plans: list[int] = []
+    for width in sorted({w for w in (block_size, 8, 4, 2) if 2 <= w <= block_size}, reverse=True):
+        plans += [width, width]
+    for steps in CATCH_UPS:
+        plans += [0] * steps + [block_size]
+    return plans
+
+
+def warm_up(engine: Engine, rows: int = 4) -> float:
+    """Run `engine`'s forwards as described above; returns the seconds it took."""
+    started = time.perf_counter()
+    scratch = Engine(engine.target, engine.tokenizer, engine.drafter, prefill_chunk=engine.prefill_chunk,
+                     max_context=engine.max_context)
+    vocab = engine.target.vocab_size
+    plans = warm_up_plans(engine.drafter.block_size) if engine.drafter is not None else []
+    tokens = len(plans) + 2  # every step makes a token at least
+    room = (engine.max_context or 1 << 30) - tokens
+    for length in PROMPT_LENGTHS:
+        length = min(length, room)
+        if length < 1:
+            continue
+        prompt = [(7 * i + 1) % vocab for i in range(length)]
+        common = {"prompt_tokens": prompt, "stop_token_ids": set()}
+        for _ in scratch.generate(**common, max_tokens=4, speculative=False):
+            pass
+        if engine.drafter is not None:
+            for _ in scratch.generate(**common, max_tokens=tokens, speculation=FixedPlans(plans)):
+                pass
+        # A batch: the rows' products stacked (more rows than one generation's block), drafting
+        # and verifying together where there is a drafter.
+        requests = [{**common, "max_tokens": 8, **({"speculation": FixedPlans([engine.drafter.block_size] * 8)}
+                                                  if engine.drafter is not None else {"speculative": False})}
+                    for _ in range(rows)]
+        generate_together(scratch, requests, max_rows=rows)
+    return time.perf_counter() - started
