@@ -3,10 +3,12 @@
     python benchmarks/auto_simulated.py --seeds 3 --out auto_simulated.json
 
 No model runs: the controller (dflash_core/speculation.py) plans every step and is told the wall
-time a machine would take and the drafts a drafter would get accepted. Two machines: GPU-like, a
-plain step 7.5 ms and a cycle 1.8 steps at any width (the demo pair on an H200, docs/train.md), and
-CPU-like, a cycle 9 steps (this project's 2-core box). Acceptance: each draft position accepted
-with probability p given the one before was (iid), stretches of 60 or 200 tokens that alternate
+time a machine would take and the drafts a drafter would get accepted. Three machines: GPU-like, a
+plain step 7.5 ms and a cycle 1.8 steps at any width (the demo pair on an H200, docs/train.md); the
+same with a first cycle (right after a plain step or a cycle of another width) costing twice as
+much, as with CUDA graphs on an H100; and CPU-like, a cycle 9 steps (this project's 2-core
+box). Acceptance: each draft position accepted with probability p given the one before was
+(iid), stretches of 60 or 200 tokens that alternate
 between a high and a low p (a generation whose text turns easy and hard), or a p that changes
 every 128 tokens through a list (prompts of different kinds), in one generation of 4000 tokens or
 in 32 of 125. Reported: tok/s of plain steps only, always-on cycles and auto, and auto over the
@@ -27,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_core.speculation import ModelSpeculation  # noqa: E402
 
 STEP = 0.0075
+# (name, a cycle's cost in plain steps, a first cycle's cost in cycles: one right after a plain step or
+# a cycle of another width; with CUDA graphs on an H100, about 2: docs/performance.md, "Never slower")
+MACHINES = (("GPU-like", 1.8, 1.0), ("GPU-like, first cycles 2x", 1.8, 2.0), ("CPU-like", 9.0, 1.0))
 
 
 def geometric(p: float, width: int, rng: random.Random) -> int:
@@ -45,16 +50,18 @@ def scenarios() -> dict:
     return out
 
 
-def run(mode: str, p_of, cycle_steps: float, generations: int, seed: int, total: int = 4000) -> float:
+def run(mode: str, p_of, cycle_steps: float, generations: int, seed: int, total: int = 4000,
+        first: float = 1.0) -> float:
+    """`first`: what a cycle costs, in cycles, right after a plain step or a cycle of another width."""
     rng, model, seconds, made_all = random.Random(seed), ModelSpeculation(16), 0.0, 0
     for gen in range(generations):
-        policy, context, made = model.policy(mode), 64, 0
+        policy, context, made, last = model.policy(mode), 64, 0, None
         while made < total // generations:
             width = policy.plan(context) if mode != "off" else 0
             accepted = geometric(p_of(made, gen), width, rng) if width else 0
-            wall = STEP if width == 0 else STEP * cycle_steps * (1 + 0.05 * rng.random())
+            wall = STEP if width == 0 else STEP * cycle_steps * (1 + 0.05 * rng.random()) * (1 if width == last else first)
             policy.observe(width, context, wall, accepted)
-            seconds, made, context = seconds + wall, made + accepted + 1, context + accepted + 1
+            seconds, made, context, last = seconds + wall, made + accepted + 1, context + accepted + 1, width
         made_all += made
     return made_all / seconds
 
@@ -65,16 +72,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
-    for machine, cycle_steps in (("GPU-like", 1.8), ("CPU-like", 9.0)):
+    for machine, cycle_steps, first in MACHINES:
         for name, p_of in scenarios().items():
             for generations in (1, 32):
-                runs = {m: [run(m, p_of, cycle_steps, generations, s) for s in range(args.seeds)]
+                runs = {m: [run(m, p_of, cycle_steps, generations, s, first=first) for s in range(args.seeds)]
                         for m in ("off", "on", "auto")}
                 mean = {m: statistics.mean(v) for m, v in runs.items()}
                 ratio = statistics.mean(a / max(o, n) for a, o, n in zip(runs["auto"], runs["off"], runs["on"]))
                 rows.append({"machine": machine, "acceptance": name, "generations": generations,
                              "plain": mean["off"], "on": mean["on"], "auto": mean["auto"], "auto_over_best": ratio})
-                print(f"{machine:8s} {name:32s} {generations:>2} gen  plain {mean['off']:5.0f}  on {mean['on']:5.0f}  "
+                print(f"{machine:26s} {name:32s} {generations:>2} gen  plain {mean['off']:5.0f}  on {mean['on']:5.0f}  "
                       f"auto {mean['auto']:5.0f}  auto/best {ratio:.2f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"step_seconds": STEP, "seeds": args.seeds, "rows": rows}, indent=1))

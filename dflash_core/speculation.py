@@ -166,6 +166,8 @@ class AutoSpeculation:
     _last: Optional[int] = None  # the width of the last step observed (0: a plain step)
     _untimed_cycle: bool = False  # it was a cycle whose time was not taken
     _probed: bool = False  # a cycle was run while off, not yet judged
+    _first_seconds: Optional[float] = None  # a probe's first (untimed) cycle's wall time
+    _first_ratio: float = 1.0  # what a probe's first cycle cost against its second (1 to 4)
 
     def __post_init__(self):
         self.widths = sorted({w for w in (self.block_size, 8, 4, 2) if 2 <= w <= self.block_size}, reverse=True)
@@ -242,8 +244,10 @@ class AutoSpeculation:
             return best
         self.speculating = False
         if rates and self._probed:  # what the probe just measured says cycles lose: wait accordingly
-            # (a probe is two cycles: the first, after plain steps, is not timed)
-            self.probes.lost(2 * (cycles[best] / step - self.expected_tokens(best)))
+            # The next probe's loss: alone, two cycles, the first as dear as the last probe's was.
+            cycle, made = cycles[best] / step, self.expected_tokens(best)
+            alone = self._batch_rows() == 1
+            self.probes.lost(cycle * (1 + self._first_ratio) - 2 * made if alone else cycle - made)
         self._probed = False
         if rates:
             self._note = (f"cycle {1e3 * cycles[best]:.1f} ms for {self.expected_tokens(best):.2f} tokens "
@@ -254,8 +258,8 @@ class AutoSpeculation:
 
     def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
         # A cycle is timed only right after a cycle of its width: as a run of them repeats it, not
-        # with what a first one pays (a compile, with CUDA graphs a new op sequence's graphs; the
-        # catch-up after plain steps is already apart, `Engine._catch_up`). In a batch the wall is
+        # with what a first one pays (a compile; with CUDA graphs, a new op sequence's graphs; after
+        # plain steps, the write of their taps into the drafter's context). In a batch the wall is
         # the round's, not this step's: the rounds price it (rounds.py).
         alone = self._batch_rows() == 1
         timed = seconds is not None and alone and (width == 0 or width == self._last)
@@ -267,6 +271,12 @@ class AutoSpeculation:
         if width:
             self._probe_width = None  # a cycle measured: look again at the next plan
             self._probed = kept and not self.speculating
+            if not self.speculating and alone and seconds:
+                if not timed:
+                    self._first_seconds = seconds
+                elif self._first_seconds:  # (a one-off, such as a compile, counts as 4 at most)
+                    self._first_ratio = min(4.0, max(1.0, self._first_seconds / seconds))
+                    self._first_seconds = None
             self._counts.add(width, accepted)
             self.prior.add(width, accepted)
             if self.speculating:
