@@ -104,7 +104,7 @@ def test_auto_turns_cycles_off_when_they_lose_and_keeps_probing():
     assert tail.count(0) / len(tail) > 0.95  # plain steps, nearly always
     assert any(plans[100:])  # still probing now and then
     probes = [i for i, w in enumerate(plans) if w]
-    # Probes back off (a width's first probe is run twice: its first sample compiles, and is dropped).
+    # Probes back off (each probe is two cycles: the first, after plain steps, is not timed).
     gaps = [j - i for i, j in zip(probes, probes[1:]) if j - i > 1]
     assert gaps == sorted(gaps) and gaps[-1] >= 64, gaps
     assert "against a step of 10.0 ms" in policy.note()
@@ -124,7 +124,7 @@ def test_a_losing_probe_waits_until_probing_has_cost_a_fiftieth():
     seconds = sum(cycle if w else step for w in plans)
     assert seconds <= 1.12 * len(plans) * step, seconds / (len(plans) * step)
     probes = [i for i, w in enumerate(plans) if w]
-    after_first_look = [j - i for i, j in zip(probes, probes[1:]) if j - i > 1][1:]  # (a width's first sample is run twice)
+    after_first_look = [j - i for i, j in zip(probes, probes[1:]) if j - i > 1][1:]  # (each probe is two cycles)
     assert all(gap >= 0.02 ** -1 * 8 for gap in after_first_look), probes
 
 
