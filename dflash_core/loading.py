@@ -226,7 +226,10 @@ def load_model(
         prefix_cache=PrefixCache(prefix_cache, measured=group is None) if _budget_bytes(prefix_cache) > 0 else None,
         speculation=speculation,
     )
-    if group is None and (warm_up if warm_up is not None else mx.default_device() != mx.cpu):
+    if group is not None:
+        if warm_up:
+            log.warning("warm_up is not run for a sharded target: its forwards need every rank")
+    elif warm_up if warm_up is not None else mx.default_device() != mx.cpu:
         log.info("warmed up %s in %.1f s (kernels compile on first use)", target, run_warm_up(engine))
     return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
 
