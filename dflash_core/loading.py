@@ -230,8 +230,23 @@ def load_model(
         if warm_up:
             log.warning("warm_up is not run for a sharded target: its forwards need every rank")
     elif warm_up if warm_up is not None else mx.default_device() != mx.cpu:
-        log.info("warmed up %s in %.1f s (kernels compile on first use)", target, run_warm_up(engine))
+        _warm_up(engine, target)
     return LoadedModel(engine, target_path, drafter_path, config, generation_defaults(target_path))
+
+
+def _warm_up(engine: Engine, target: str) -> None:
+    """`warm_up.warm_up`, said in the log; a failure there is logged, not raised: the model serves
+    (its first requests then compile what the warm-up did not)."""
+    try:
+        seconds = run_warm_up(engine)
+    except Exception as e:  # noqa: BLE001 - a warm-up is an optimization; serving must not depend on it
+        log.warning("warming up %s failed (%s: %s); kernels will compile in its first requests",
+                    target, type(e).__name__, e)
+        return
+    if seconds is None:
+        log.info("no warm-up for %s: its context is too short", target)
+    else:
+        log.info("warmed up %s in %.1f s (kernels compile on first use)", target, seconds)
 
 
 def _budget_bytes(budget: Union[int, SnapshotBudget]) -> int:

@@ -59,30 +59,44 @@ def warm_up_plans(block_size: int) -> list[int]:
     return plans
 
 
-def warm_up(engine: Engine, rows: int = 4) -> float:
-    """Run `engine`'s forwards as described above; returns the seconds it took."""
+def most_tokens(plans: list[int]) -> int:
+    """The most tokens `plans` can make: a cycle of width w at most w, a plain step one."""
+    return sum(w or 1 for w in plans)
+
+
+def warm_up(engine: Engine, rows: int = 4) -> Optional[float]:
+    """Run `engine`'s forwards as described above; returns the seconds it took (None: the model's
+    context is too short for even the short prompt)."""
     started = time.perf_counter()
     scratch = Engine(engine.target, engine.tokenizer, engine.drafter, prefill_chunk=engine.prefill_chunk,
                      max_context=engine.max_context)
     vocab = engine.target.vocab_size
+    limit = engine.max_context or 1 << 30
     plans = warm_up_plans(engine.drafter.block_size) if engine.drafter is not None else []
-    tokens = len(plans) + 2  # every step makes a token at least
-    room = (engine.max_context or 1 << 30) - tokens
+    while plans and most_tokens(plans) + 2 + PROMPT_LENGTHS[0] > limit:
+        plans.pop()  # a short context: fewer of the plans
+    budget = max(most_tokens(plans) + 2, 8)  # (8: the target alone's and the batch's tokens)
+    ran = False
     for length in PROMPT_LENGTHS:
-        length = min(length, room)
+        length = min(length, limit - budget)
         if length < 1:
             continue
+        ran = True
         prompt = [(7 * i + 1) % vocab for i in range(length)]
         common = {"prompt_tokens": prompt, "stop_token_ids": set()}
         for _ in scratch.generate(**common, max_tokens=4, speculative=False):
             pass
-        if engine.drafter is not None:
-            for _ in scratch.generate(**common, max_tokens=tokens, speculation=FixedPlans(plans)):
-                pass
+        if plans:
+            policy = FixedPlans(plans)
+            stream = scratch.generate(**common, max_tokens=budget, speculation=policy)
+            for _ in stream:
+                if policy.next > len(plans):  # every plan ran (the rest would be plain steps)
+                    break
+            stream.close()
         # A batch: the rows' products stacked (more rows than one generation's block), drafting
         # and verifying together where there is a drafter.
         requests = [{**common, "max_tokens": 8, **({"speculation": FixedPlans([engine.drafter.block_size] * 8)}
                                                   if engine.drafter is not None else {"speculative": False})}
                     for _ in range(rows)]
         generate_together(scratch, requests, max_rows=rows)
-    return time.perf_counter() - started
+    return time.perf_counter() - started if ran else None

@@ -46,6 +46,8 @@ def test_warm_up_leaves_the_model_as_it_was(request, family):
     assert not engine.prefix_cache.snapshots
     assert not engine.speculation_state.timings.samples
     assert not any(engine.speculation_state.prior.verified)
+    assert engine.speculation_state.rounds.rows == 0  # no batched round counted on the model
+    assert engine.cache_bytes_per_token is None
     prompt = _prompt(engine)
     alone = [t for c in engine.generate(prompt, max_tokens=24, speculative=False, stop_token_ids=set()) for t in c.token_ids]
     auto = [t for c in engine.generate(prompt, max_tokens=24, stop_token_ids=set(), sampling=SamplingParams())
@@ -60,3 +62,42 @@ def test_load_warms_up_when_told_and_not_on_the_cpu_by_default(qwen3_pair, caplo
         assert "warmed up" not in caplog.text
         load_engine(str(target), str(drafter), prefill_chunk=16, warm_up=True)
         assert "warmed up" in caplog.text
+
+
+class _Proposals:
+    """The engine's real drafter, noting the width of each block it drafts alone."""
+
+    def __init__(self, drafter):
+        self.drafter, self.widths = drafter, []
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def propose(self, bonus, target, cache, width=None):
+        self.widths.append(width)
+        return self.drafter.propose(bonus, target, cache, width)
+
+
+def test_every_plan_runs_when_every_draft_is_accepted(qwen3_pair):
+    """A cycle can make a whole block of tokens: the warm-up's generations are long enough for all
+    of its plans however many drafts are accepted."""
+    from dflash_core.engine import Engine
+    from dflash_core.random_models import ForcedAcceptance
+
+    target, drafter = qwen3_pair
+    engine = load_engine(str(target), str(drafter), prefill_chunk=16)
+    drafts = _Proposals(engine.drafter)
+    accepting = Engine(ForcedAcceptance(engine.target, [15], 16), engine.tokenizer, drafts, prefill_chunk=16)
+    warm_up(accepting)
+    cycles = [w for w in warm_up_plans(16) if w]
+    assert drafts.widths == cycles * 2  # both prompts
+
+
+@pytest.mark.parametrize("max_context", [64, 24])
+def test_a_short_context_runs_what_fits(qwen3_pair, max_context):
+    target, drafter = qwen3_pair
+    engine = load_engine(str(target), str(drafter), prefill_chunk=16, max_context=max_context)
+    drafts = _Proposals(engine.drafter)
+    engine.drafter = drafts
+    assert warm_up(engine) is not None
+    assert len(drafts.widths) < len([w for w in warm_up_plans(16) if w])  # fewer plans, and no error
