@@ -8,9 +8,10 @@ times slower than plain steps. `AutoSpeculation` decides before every step, from
 machine measured:
 
 - `Timings` (one per model, shared by its generations): the wall time of a plain step and of a
-  cycle of each width, per context-length bucket (powers of two), the median of recent samples.
-  A cycle is timed only after a cycle of its width (a first one, after plain steps or another
-  width, is run again to be timed), so that its price is what a run of cycles pays.
+  cycle of each width, per context-length bucket (powers of two), the lower median of recent
+  samples. A cycle is timed only after a cycle of its width (a first one, after plain steps or
+  another width, is run again to be timed), so that its price is what a run of cycles pays; a
+  width timed only once or twice is tried again now and then while another one runs.
 - the acceptance by block position, from this generation's own cycles (its last ten or so
   weigh most, so a generation whose text turns easy or hard is followed) on top of the model's
   pooled history (`AcceptanceCounts` that decay), giving the expected tokens of a cycle of width w.
@@ -35,7 +36,6 @@ probes no more often than one generation.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
@@ -63,10 +63,10 @@ def _bucket(context: int) -> int:
 
 
 class Timings:
-    """Step (width 0) and cycle (width w) wall times, per context bucket: the median of the last
-    `window` samples, so that a sample that paid a one-off cost (a kernel compiled on its first use,
-    about 2 s on an H100; a CUDA graph instantiated; another process's burst) is outvoted instead of
-    moving the estimate."""
+    """Step (width 0) and cycle (width w) wall times, per context bucket: the lower median of the
+    last `window` samples, so that a sample that paid a one-off cost (a kernel compiled on its first
+    use, about 2 s on an H100; a CUDA graph instantiated; another process's burst) is outvoted
+    instead of moving the estimate."""
 
     def __init__(self, window: int = 5):
         self.window = window
@@ -76,15 +76,24 @@ class Timings:
         buckets = self.samples.setdefault(width, {})
         buckets.setdefault(_bucket(context), deque(maxlen=self.window)).append(seconds)
 
-    def estimate(self, width: int, context: int) -> Optional[float]:
-        """This bucket's median, else the nearest bucket's (contexts grow slowly)."""
+    def _nearest(self, width: int, context: int) -> Optional[deque]:
+        """This bucket's samples, else the nearest bucket's (contexts grow slowly)."""
         buckets = self.samples.get(width)
         if not buckets:
             return None
         bucket = _bucket(context)
         if bucket not in buckets:
             bucket = min(buckets, key=lambda b: (abs(b - bucket), b))
-        return statistics.median(buckets[bucket])
+        return buckets[bucket]
+
+    def estimate(self, width: int, context: int) -> Optional[float]:
+        """The lower median: noise only adds time, so of two samples the faster one."""
+        samples = self._nearest(width, context)
+        return sorted(samples)[(len(samples) - 1) // 2] if samples else None
+
+    def count(self, width: int) -> int:
+        """How many samples of `width` are kept, over every context bucket."""
+        return sum(len(samples) for samples in self.samples.get(width, {}).values())
 
 
 class AcceptanceCounts:
@@ -104,6 +113,18 @@ class AcceptanceCounts:
         for j in range(width - 1):
             self.verified[j] += 1
             self.accepted[j] += j < accepted
+
+
+def _extrapolated(width: int, measured: dict[int, float]) -> float:
+    """A cycle's time at `width` from other widths' (`AutoSpeculation.cycle_seconds`)."""
+    below = [w for w in measured if w < width]
+    above = [w for w in measured if w > width]
+    if not below:
+        return measured[min(above)] * width / min(above)
+    if not above:
+        return measured[max(below)]
+    lo, hi = max(below), min(above)
+    return measured[lo] + (measured[hi] - measured[lo]) * (width - lo) / (hi - lo)
 
 
 @dataclass
@@ -152,6 +173,7 @@ class AutoSpeculation:
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     rounds: Optional[RoundCosts] = None  # the model's batched rounds (None: never batched)
     margin: float = 1.1
+    settled: int = 3  # samples of a width after which it is not explored again while another one runs
     refresh_every: int = 32  # while speculating, a plain step after this many cycles keeps its time current
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
@@ -168,6 +190,7 @@ class AutoSpeculation:
     _probed: bool = False  # a cycle was run while off, not yet judged
     _first_seconds: Optional[float] = None  # a probe's first (untimed) cycle's wall time
     _first_ratio: float = 1.0  # what a probe's first cycle cost against its second (1 to 4)
+    _explore: bool = False  # a refresh step just ran: look at the widths timed too few times
 
     def __post_init__(self):
         self.widths = sorted({w for w in (self.block_size, 8, 4, 2) if 2 <= w <= self.block_size}, reverse=True)
@@ -194,14 +217,7 @@ class AutoSpeculation:
         measured = {w: t for w in self.widths if (t := self.timings.estimate(w, context)) is not None}
         if width in measured or not measured:
             return measured.get(width)
-        below = [w for w in measured if w < width]
-        above = [w for w in measured if w > width]
-        if not below:
-            return measured[min(above)] * width / min(above)
-        if not above:
-            return measured[max(below)]
-        lo, hi = max(below), min(above)
-        return measured[lo] + (measured[hi] - measured[lo]) * (width - lo) / (hi - lo)
+        return _extrapolated(width, measured)
 
     def _batch_rows(self) -> int:
         """The rows of this model's latest round when it was a batch (else 1: this one alone)."""
@@ -240,7 +256,13 @@ class AutoSpeculation:
         if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
             if self._cycles_since_step >= self.refresh_every:
+                self._explore = True
                 return 0  # a step measured long ago (or under other load) would keep cycles on
+            if self._explore:  # after the refresh, a width timed 1 to `settled`-1 times (in all): one
+                self._explore = False  # slow sample (a burst) must not keep it off for good
+                unsettled = [w for w in self.widths if w != best and 0 < self.timings.count(w) < self.settled]
+                if unsettled and share == 1.0:
+                    return unsettled[0]
             return best
         self.speculating = False
         if rates and self._probed:  # what the probe just measured says cycles lose: wait accordingly

@@ -187,11 +187,38 @@ def test_a_generations_first_step_is_not_timed(engines):
     assert seconds[0] is None and all(s is not None and s > 0 for s in seconds[1:])
 
 
+def test_one_slow_sample_does_not_keep_a_width_off():
+    """auto runs width 8 (timed often) and has timed the full block once, at 2 s (a burst of other
+    work); the block's cycles really take what width 8's do and make 11 tokens against 8. A width
+    that is not chosen is not timed again, so priced by that sample alone the block would stay off;
+    after each refresh step a width timed fewer than three times is tried again, and then kept."""
+    policy = _controller()
+    for _ in range(5):
+        policy.timings.record(8, 100, 0.018)
+    policy.timings.record(16, 100, 2.0)
+    for _ in range(4):
+        policy.prior.add(16, 10)
+    step, plans, context = 0.01, [], 100
+    policy.timings.record(0, 100, step)
+    for _ in range(300):
+        width = policy.plan(context)
+        accepted = min(10, width - 1) if width else 0
+        policy.observe(width, context, step if width == 0 else 0.018, accepted)
+        plans.append(width)
+        context += accepted + 1
+    assert plans[:5] == [8] * 5  # it started on width 8
+    tail = plans[-100:]
+    assert tail.count(16) > 0.9 * len(tail), plans
+
+
 def test_timings_outvote_a_one_off_sample():
     """A sample that paid a one-off cost (a kernel's compile, a graph instantiated, a burst of other
     work) does not move the estimate; a lasting change does, within a few samples."""
     timings = Timings()
-    for seconds in (0.010, 0.011, 2.0, 0.010, 0.012):
+    timings.record(16, 1000, 2.0)
+    timings.record(16, 1000, 0.010)
+    assert timings.estimate(16, 1000) == 0.010  # of two, the faster: noise only adds time
+    for seconds in (0.011, 0.010, 0.012):
         timings.record(16, 1000, seconds)
     assert timings.estimate(16, 1000) == 0.011
     for _ in range(3):
@@ -205,8 +232,10 @@ def test_auto_speculates_when_cycles_win():
     policy = _controller()
     plans = _feed(policy, 100, 0.01, lambda w: 0.02, lambda w: min(6, w - 1), 200)
     tail = plans[20:]
-    # Full cycles, but for one plain step in every 33 that keeps the step's time current.
-    assert set(tail) == {16, 0} and tail.count(0) <= len(tail) // 30 + 1
+    # Full cycles, but for one plain step in every 33 that keeps the step's time current, and a
+    # width timed once or twice tried again after a few of those steps (two cycles each time).
+    assert tail.count(0) <= len(tail) // 30 + 1
+    assert len(tail) - tail.count(16) - tail.count(0) <= 2 * 3
 
 
 def test_auto_finds_the_width_that_pays():
