@@ -30,29 +30,17 @@ FORCED = {"1": [0], "3": [2], "6.4": [5, 5, 6, 5, 6]}  # tokens per cycle -> acc
 def _engine(shape: str, schedule):
     from dflash_core.engine import Engine
     from dflash_core.random_models import ByteTokenizer, ForcedAcceptance, parse_shape, random_drafter, random_target
+    from dflash_core.warm_up import warm_up
 
     name, tiny = parse_shape(shape)  # tiny-<family>: a check of this script on a CPU
     target = random_target(name, "bf16", tiny=tiny)
     drafter = random_drafter(name, target, tiny)
     adapter = ForcedAcceptance(target, schedule, drafter.block_size) if schedule is not None else target
-    if schedule is not None:
-        _compile_context_writes(drafter)
-    return Engine(adapter, ByteTokenizer(target.vocab_size), drafter if schedule is not None else None)
-
-
-def _compile_context_writes(drafter) -> None:
-    """Run the drafter's context write once for each kernel variant a catch-up after plain steps
-    can meet (our small-M product has one per 8 rows up to 32; more rows go to cuBLASLt). On CUDA
-    MLX compiles each variant on first use, about 2 s on an H100 (a PTX cache in /tmp keeps them
-    for later processes), which would otherwise land in whichever measured run first has one."""
-    import mlx.core as mx
-
-    from dflash_core.cache import cache_arrays
-
-    for rows in (1, 9, 17, 25, 33):
-        cache = drafter.make_cache()
-        drafter.add_context(mx.zeros((1, rows, drafter.fc.weight.shape[1]), drafter.fc.weight.dtype), cache)
-        mx.eval(cache_arrays(cache))
+    engine = Engine(adapter, ByteTokenizer(target.vocab_size), drafter if schedule is not None else None)
+    # The kernel variants a run will meet compile now (about 2 s each on first use on an H100), as
+    # a server's load does, not in whichever measured run first has one.
+    warm_up(engine)
+    return engine
 
 
 class Traced:

@@ -268,8 +268,7 @@ class AutoSpeculation:
         if rates and self._probed:  # what the probe just measured says cycles lose: wait accordingly
             # The next probe's loss: alone, two cycles, the first as dear as the last probe's was.
             cycle, made = cycles[best] / step, self.expected_tokens(best)
-            alone = self._batch_rows() == 1
-            self.probes.lost(cycle * (1 + self._first_ratio) - 2 * made if alone else cycle - made)
+            self.probes.lost(cycle * (1 + self._first_ratio) - 2 * made if share == 1.0 else cycle - made)
         self._probed = False
         if rates:
             self._note = (f"cycle {1e3 * cycles[best]:.1f} ms for {self.expected_tokens(best):.2f} tokens "
