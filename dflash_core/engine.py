@@ -401,6 +401,7 @@ class Engine:
         # The first step is not timed: it ran while `first` went out, and a cycle also wrote the
         # prompt's taps into the drafter's context (the prefill leaves them queued).
         read = None
+        queued_early = False  # `step` was queued before the step ahead of it was read
         while True:
             ahead, planned = None, None
             if width == 0 and constraint is None:  # (a grammar's next mask needs this token's value)
@@ -409,8 +410,13 @@ class Engine:
                     ahead = yield from self._launch(step.choice, index + 1, 0, sampler, state, scorer, constraint)
             committed, token, logprobs, accepted = step.read()  # the one blocking read of a step
             now = time.perf_counter()
-            policy.observe(width, len(state.fed), now - read if read is not None else None, accepted)
-            read = now
+            # Read to read is a step's time where it and the next were queued alike: within a run
+            # of plain steps each queued a step early, or none. At a run's edges it is not: the
+            # first (queued after a cycle's read) also pays for building the second, and the last
+            # was already done when the one before it was read (about 0 ms).
+            timed = read is not None and queued_early == (ahead is not None)
+            policy.observe(width, len(state.fed), now - read if timed else None, accepted)
+            read, queued_early = now, ahead is not None
             index += len(committed)
             done = width
             if ahead is not None:

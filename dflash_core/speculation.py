@@ -174,7 +174,8 @@ class AutoSpeculation:
     rounds: Optional[RoundCosts] = None  # the model's batched rounds (None: never batched)
     margin: float = 1.1
     settled: int = 3  # samples of a width after which it is not explored again while another one runs
-    refresh_every: int = 32  # while speculating, a plain step after this many cycles keeps its time current
+    refresh_every: int = 32  # while speculating, plain steps after this many cycles keep their time current
+    refresh_steps: int = 4  # the most plain steps a refresh runs waiting for one to be timed
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
     recent: float = 0.9  # each cycle, this generation's older cycles count this much less
@@ -183,6 +184,7 @@ class AutoSpeculation:
     _counts: AcceptanceCounts = field(init=False)  # this generation's
     _note: Optional[str] = None
     _cycles_since_step: int = 0
+    _refreshing: int = 0  # plain steps run so far by a refresh under way (0: none is)
     _steps_since_check: int = 0
     _probe_width: Optional[int] = None
     _last: Optional[int] = None  # the width of the last step observed (0: a plain step)
@@ -255,16 +257,18 @@ class AutoSpeculation:
             best = self.widths[0]  # the block's last positions never verified: probe the whole block
         if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
-            if self._cycles_since_step >= self.refresh_every:
-                self._explore = True
-                return 0  # a step measured long ago (or under other load) would keep cycles on
+            if self._refreshing or self._cycles_since_step >= self.refresh_every:
+                # A step measured long ago (or under other load) would keep cycles on. Plain steps
+                # until one is timed: the engine times a step only inside a run of them (engine.py).
+                self._explore, self._refreshing = True, max(self._refreshing, 1)
+                return 0
             if self._explore:  # after the refresh, a width timed 1 to `settled`-1 times (in all): one
                 self._explore = False  # slow sample (a burst) must not keep it off for good
                 unsettled = [w for w in self.widths if w != best and 0 < self.timings.count(w) < self.settled]
                 if unsettled and share == 1.0:
                     return unsettled[0]
             return best
-        self.speculating = False
+        self.speculating, self._refreshing = False, 0
         if rates and self._probed:  # what the probe just measured says cycles lose: wait accordingly
             # The next probe's loss: alone, two cycles, the first as dear as the last probe's was.
             cycle, made = cycles[best] / step, self.expected_tokens(best)
@@ -289,6 +293,8 @@ class AutoSpeculation:
         self._untimed_cycle = bool(width) and alone and not timed
         self._last, kept = width, timed or not alone
         self._cycles_since_step = self._cycles_since_step + 1 if width else 0
+        if self._refreshing and not width:
+            self._refreshing = 0 if kept or self._refreshing >= self.refresh_steps else self._refreshing + 1
         if width:
             self._probe_width = None  # a cycle measured: look again at the next plan
             self._probed = kept and not self.speculating

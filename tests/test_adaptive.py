@@ -176,15 +176,52 @@ def test_a_cycle_is_timed_only_after_a_cycle_of_its_width():
     assert plans[first + 1] == 16
 
 
-def test_a_generations_first_step_is_not_timed(engines):
-    """The first step ran while the first token went out (and a cycle also wrote the prompt's taps
-    into the drafter's context): the policy gets no time for it, and a time for every step after."""
+def test_a_plain_step_is_timed_only_inside_a_run(engines):
+    """Read to read is a step's time only where it and the next step were queued alike. The
+    engine queues a plain step before reading the one ahead of it, so inside a run of plain steps
+    each read pays for one step; the first of a run (queued after a cycle's read) also pays for
+    building the second, and the last was done before the one ahead of it was read (about 0 ms,
+    which made a plain step look free). The generation's first step is not timed either: it ran
+    while the first token went out. Cycles, and a plain step alone between cycles, are timed."""
     engine = engines["qwen3"]
-    policy = Scheduled([16, 0, 0, 4, 4])
+    plans = [16, 0, 0, 0, 0, 4, 4, 0, 16, 0, 0, 2]
+    policy = Scheduled(plans)
     seconds = []
     policy.observe = lambda width, context, s, accepted: seconds.append(s)
     _tokens(engine, _prompt(engine), SamplingParams(), speculation=policy)
-    assert seconds[0] is None and all(s is not None and s > 0 for s in seconds[1:])
+    ran = [plans[i % len(plans)] for i in range(len(seconds) + 1)]
+    expected = [i > 0 and (ran[i] != 0 or (i > 0 and ran[i - 1] == 0) == (ran[i + 1] == 0))
+                for i in range(len(seconds))]
+    assert [s is not None for s in seconds] == expected
+    assert expected.count(True) > expected.count(False) > 2  # (each kind occurs)
+    assert all(s > 0 for s in seconds if s is not None)
+
+
+def test_a_refresh_runs_plain_steps_until_one_is_timed(engines):
+    """While cycles win, auto runs plain steps now and then to keep a step's time current. As only
+    a step inside a run is timed (above), a refresh runs plain steps until one is: each run of
+    them is three steps, the middle one timed, and cycles go on after it."""
+    engine = engines["qwen3"]
+    prompt = _prompt(engine)
+    reference, _ = _tokens(engine, prompt, SamplingParams(), speculative=False)
+    forced = ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), [15] * N_TOKENS,
+                           engine.target.vocab_size, engine.drafter.config.target_layer_ids)
+    forced_engine = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
+    policy = AutoSpeculation(Timings(), AcceptanceCounts(15, decay=0.98), 16, refresh_every=2)
+    seen, observe = [], policy.observe
+    policy.observe = lambda width, context, s, accepted: (seen.append((width, s is not None)),
+                                                          observe(width, context, s, accepted))
+    tokens, _ = _tokens(forced_engine, prompt, SamplingParams(), speculation=policy)
+    assert tokens == reference
+    runs, run = [], []
+    for width, timed in seen:
+        if width == 0:
+            run.append(timed)
+        elif run:
+            runs, run = runs + [run], []
+    assert len(runs) >= 3  # the opening one (no step timed yet) and refreshes
+    assert all(run == [False, True, False] for run in runs), seen
+    assert policy.timings.count(0) == len(runs)
 
 
 def test_one_slow_sample_does_not_keep_a_width_off():
