@@ -132,17 +132,22 @@ def main() -> None:
         for context in args.contexts:
             for mode in ("off", "on", "auto"):  # warm-up: compiles, and auto measures this machine
                 _decode(engine, context, mode, args.max_tokens)
-            runs, samples = {m: [] for m in ("off", "on", "auto")}, []
+            runs, samples, sequences = {m: [] for m in ("off", "on", "auto")}, [], []
             for _ in range(args.repeats):
                 for mode in runs:
-                    runs[mode].append(_decode(engine, context, mode, args.max_tokens, samples))
+                    sequence = []  # auto's steps in order: (width, ms or None: not timed)
+                    runs[mode].append(_decode(engine, context, mode, args.max_tokens, sequence))
+                    if sequence:
+                        samples += sequence
+                        sequences.append([(w, s if s is None else round(1e3 * s, 3)) for w, s, _ in sequence])
             t, on, auto = (statistics.median(runs[m]) for m in ("off", "on", "auto"))
             last = _decode.last  # auto's last run: what it chose
             chose = {"cycles": last.cycles, "plain_steps": last.plain_steps, "widths": last.cycle_widths}
             g = with_graphs[str(context)]
             row = {"context": context, "tokens_per_cycle": float(name), "target": t, "target_graphs": g,
                    "dflash": on, "auto": auto, "auto_vs_target": auto / max(t, g), "auto_vs_dflash": auto / on,
-                   "auto_vs_best": auto / max(t, g, on), "auto_chose": chose, "auto_samples": _summary(samples)}
+                   "auto_vs_best": auto / max(t, g, on), "auto_chose": chose, "auto_samples": _summary(samples),
+                   "auto_sequences": sequences}
             report["rows"].append(row)
             print(f"{context:>7} {name:>9} | {t:8.1f} {g:8.1f} {on:8.1f} {auto:8.1f} | {row['auto_vs_target']:10.2f}x "
                   f"{row['auto_vs_dflash']:10.2f}x {row['auto_vs_best']:8.2f}x  auto: {chose}", flush=True)
