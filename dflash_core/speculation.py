@@ -11,13 +11,15 @@ machine measured:
   cycle of each width, per context-length bucket (powers of two), the lower median of recent
   samples. A cycle is timed only after a cycle of its width (a first one, after plain steps or
   another width, is run again to be timed), so that its price is what a run of cycles pays; a
-  width timed only once or twice is tried again now and then while another one runs.
+  width timed only once or twice is tried again now and then while another one runs. A plain
+  step is timed only inside a run of them (the engine queues each before reading the one ahead,
+  so at a run's edges read to read is not one step's time).
 - the acceptance by block position, from this generation's own cycles (its last ten or so
   weigh most, so a generation whose text turns easy or hard is followed) on top of the model's
   pooled history (`AcceptanceCounts` that decay), giving the expected tokens of a cycle of width w.
 
 It runs cycles at the width with the best expected tokens per second while that beats plain
-steps by `margin` (with a plain step now and then to keep that time current); otherwise plain
+steps by `margin` (with a few plain steps now and then to keep that time current); otherwise plain
 steps, whose taps (from the same target forward) go into the drafter's context in one block before
 the next cycle, so switching back costs nothing, and a probe cycle every so often. After a losing
 probe the next one waits as long as keeps probing within 2 % of the plain steps, and no longer (a
