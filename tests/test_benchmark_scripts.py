@@ -229,3 +229,33 @@ def test_gated_delta_deltas_needs_cuda():
     """Its comparison runs the CUDA kernels (the pure-MLX path's replay is tests/test_kernels.py's)."""
     done = _run("benchmarks/gated_delta_deltas.py")
     assert done.returncode != 0 and "needs MLX's CUDA backend" in done.stderr
+
+
+def test_gpu_auto_keeps_autos_steps_in_order(tmp_path):
+    """gpu_auto.py's rows carry each measured auto run's steps in order (width, ms or None), the
+    record the plain-step timing fix came from (docs/performance.md, "On the GPU, and what a plain
+    step's time was")."""
+    out = tmp_path / "auto.json"
+    done = _run("benchmarks/gpu_auto.py", "--shape", "tiny-qwen3", "--contexts", "64", "--repeats", "2",
+                "--max-tokens", "40", "--forced", "6.4", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    sequences = row["auto_sequences"]
+    assert len(sequences) == 2  # one per measured auto run
+    last, chose = sequences[-1], row["auto_chose"]
+    assert len(last) == chose["cycles"] + chose["plain_steps"]
+    assert last[0][1] is None  # a generation's first step is not timed
+    assert all(w in (0, 2, 4, 8, 16) and (ms is None or ms > 0) for w, ms in last)
+    assert sum(1 for w, _ in last if w) == chose["cycles"]
+
+
+def test_gpu_warm_up_times_the_warm_up_and_the_first_requests():
+    done = _run("benchmarks/gpu_warm_up.py", "--shape", "tiny-qwen3", "--mode", "warm")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["mode"] == "warm" and report["warm_up_s"] > 0
+    assert [report[f"request{i}"]["prompt"] for i in (1, 2, 3)] == [500, 700, 2000]
+    assert all(report[f"request{i}"]["wall_s"] > 0 for i in (1, 2, 3))
+    cold = _run("benchmarks/gpu_warm_up.py", "--shape", "tiny-qwen3", "--mode", "cold")
+    assert cold.returncode == 0, cold.stderr
+    assert "warm_up_s" not in json.loads(cold.stdout.strip().splitlines()[-1])
