@@ -176,7 +176,8 @@ class AutoSpeculation:
     rounds: Optional[RoundCosts] = None  # the model's batched rounds (None: never batched)
     margin: float = 1.1
     settled: int = 3  # samples of a width after which it is not explored again while another one runs
-    refresh_every: int = 32  # while speculating, plain steps after this many cycles keep their time current
+    refresh_every: int = 32  # while speculating, plain steps after this many cycles (up to 4x as many
+    # where cycles win by far) keep their time current
     refresh_steps: int = 4  # the most plain steps a refresh runs waiting for one to be timed
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
@@ -259,7 +260,10 @@ class AutoSpeculation:
             best = self.widths[0]  # the block's last positions never verified: probe the whole block
         if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
-            if self._refreshing or self._cycles_since_step >= self.refresh_every:
+            # The more cycles win by, the less a step's price can have moved enough to change the
+            # choice: refresh it less often (a refresh is three plain steps in place of cycles).
+            every = self.refresh_every * min(4.0, max(1.0, rates[best] * step / 2))
+            if self._refreshing or self._cycles_since_step >= every:
                 # A step measured long ago (or under other load) would keep cycles on. Plain steps
                 # until one is timed: the engine times a step only inside a run of them (engine.py).
                 self._explore, self._refreshing = True, max(self._refreshing, 1)

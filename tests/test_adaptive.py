@@ -207,7 +207,7 @@ def test_a_refresh_runs_plain_steps_until_one_is_timed(engines):
     forced = ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), [15] * N_TOKENS,
                            engine.target.vocab_size, engine.drafter.config.target_layer_ids)
     forced_engine = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
-    policy = AutoSpeculation(Timings(), AcceptanceCounts(15, decay=0.98), 16, refresh_every=2)
+    policy = AutoSpeculation(Timings(), AcceptanceCounts(15, decay=0.98), 16, refresh_every=1)
     seen, observe = [], policy.observe
     policy.observe = lambda width, context, s, accepted: (seen.append((width, s is not None)),
                                                           observe(width, context, s, accepted))
@@ -273,6 +273,30 @@ def test_auto_speculates_when_cycles_win():
     # width timed once or twice tried again after a few of those steps (two cycles each time).
     assert tail.count(0) <= len(tail) // 30 + 1
     assert len(tail) - tail.count(16) - tail.count(0) <= 2 * 3
+
+
+def _cycles_between_steps(plans):
+    """Cycles between consecutive plain steps, after the first cycle."""
+    gaps, run = [], None
+    for width in plans:
+        if width and run is not None:
+            run += 1
+        elif not width:
+            if run:
+                gaps.append(run)
+            run = 0
+    return gaps
+
+
+def test_the_step_is_refreshed_less_often_the_more_cycles_win():
+    """Refreshing a step's price costs plain steps in place of cycles. Where cycles win by far (16
+    tokens for a step's time) a stale price cannot change the choice soon: refreshes come 4x
+    further apart; where cycles win narrowly (1.2x), every 32 cycles."""
+    far = _feed(_controller(), 100, 0.01, lambda w: 0.01, lambda w: w - 1, 900)
+    narrow = _feed(_controller(), 100, 0.01, lambda w: 0.025, lambda w: min(2, w - 1), 900)
+    assert 120 <= min(_cycles_between_steps(far)[1:]), _cycles_between_steps(far)
+    gaps = _cycles_between_steps(narrow)[1:]
+    assert gaps and all(32 <= g <= 36 for g in gaps), gaps
 
 
 def test_auto_finds_the_width_that_pays():
