@@ -259,3 +259,14 @@ def test_gpu_warm_up_times_the_warm_up_and_the_first_requests():
     cold = _run("benchmarks/gpu_warm_up.py", "--shape", "tiny-qwen3", "--mode", "cold")
     assert cold.returncode == 0, cold.stderr
     assert "warm_up_s" not in json.loads(cold.stdout.strip().splitlines()[-1])
+
+
+def test_auto_simulated_keeps_auto_near_the_better_mode(tmp_path):
+    """auto on the simulated machines (steps planned and timed in the engine's order): never far
+    below the better of plain steps and always-on, on any machine or acceptance pattern."""
+    out = tmp_path / "sim.json"
+    done = _run("benchmarks/auto_simulated.py", "--seeds", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 48
+    assert min(r["auto_over_best"] for r in rows) > 0.85, sorted(r["auto_over_best"] for r in rows)[:3]
