@@ -178,7 +178,8 @@ class AutoSpeculation:
     settled: int = 3  # samples of a width after which it is not explored again while another one runs
     refresh_every: int = 32  # while speculating, plain steps after this many cycles (up to 4x as many
     # where cycles win by far) keep their time current
-    refresh_steps: int = 4  # the most plain steps a refresh runs waiting for one to be timed
+    refresh_steps: int = 4  # plain steps observed untimed after which a refresh gives up (one more
+    # may be queued already)
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
     prior_weight: float = 8.0  # the model's history counts as this many of this generation's cycles
     recent: float = 0.9  # each cycle, this generation's older cycles count this much less
@@ -261,7 +262,7 @@ class AutoSpeculation:
         if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
             # The more cycles win by, the less a step's price can have moved enough to change the
-            # choice: refresh it less often (a refresh is three plain steps in place of cycles).
+            # choice: refresh it less often (alone, a refresh is three plain steps in place of cycles).
             every = self.refresh_every * min(4.0, max(1.0, rates[best] * step / 2))
             if self._refreshing or self._cycles_since_step >= every:
                 # A step measured long ago (or under other load) would keep cycles on. Plain steps
