@@ -9,6 +9,7 @@ from families import sample_prompt as _prompt
 from forced import ForcedDrafter
 
 from dflash_core.engine import Engine
+from dflash_core.grammar import GrammarSpec
 from dflash_core.sampling import SamplingParams
 from dflash_core.speculation import AcceptanceCounts, AutoSpeculation, Timings
 
@@ -195,6 +196,13 @@ def test_a_plain_step_is_timed_only_inside_a_run(engines):
     assert [s is not None for s in seconds] == expected
     assert expected.count(True) > expected.count(False) > 2  # (each kind occurs)
     assert all(s > 0 for s in seconds if s is not None)
+    # Under a grammar no step is queued early (its next mask needs this token): each is timed.
+    policy = Scheduled(plans)
+    seconds = []
+    policy.observe = lambda width, context, s, accepted: seconds.append(s)
+    list(engine.generate(_prompt(engine), max_tokens=60, stop_token_ids=set(), speculation=policy,
+                         grammar=GrammarSpec("regex", "[a-z ]{0,400}")))
+    assert len(seconds) > len(plans) and seconds[0] is None and all(s is not None for s in seconds[1:])
 
 
 def test_a_refresh_runs_plain_steps_until_one_is_timed(engines):
