@@ -211,16 +211,19 @@ def test_a_refresh_runs_plain_steps_until_one_is_timed(engines):
     them is three steps, the middle one timed, and cycles go on after it."""
     engine = engines["qwen3"]
     prompt = _prompt(engine)
-    reference, _ = _tokens(engine, prompt, SamplingParams(), speculative=False)
-    forced = ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), [15] * N_TOKENS,
+
+    def tokens_of(engine, **kwargs):
+        return [t for c in engine.generate(prompt, max_tokens=480, stop_token_ids=set(), **kwargs) for t in c.token_ids]
+
+    reference = tokens_of(engine, speculative=False)
+    forced = ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), [15] * 480,
                            engine.target.vocab_size, engine.drafter.config.target_layer_ids)
     forced_engine = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
     policy = AutoSpeculation(Timings(), AcceptanceCounts(15, decay=0.98), 16, refresh_every=1)
     seen, observe = [], policy.observe
     policy.observe = lambda width, context, s, accepted: (seen.append((width, s is not None)),
                                                           observe(width, context, s, accepted))
-    tokens, _ = _tokens(forced_engine, prompt, SamplingParams(), speculation=policy)
-    assert tokens == reference
+    assert tokens_of(forced_engine, speculation=policy) == reference
     runs, run = [], []
     for width, timed in seen:
         if width == 0:
