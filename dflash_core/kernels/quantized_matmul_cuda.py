@@ -321,15 +321,3 @@ def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx
                           shape: tuple[int, int, int] | None = None) -> mx.array:
     """x [M, K] (bf16) @ dequantize(w [N, K/8], scales, biases).T -> [M, N] bf16."""
     return quantized_matmuls_cuda(x, [(w, scales, biases)], group_size, shape)[0]
-
-
-def _nvrtc_inputs(parts: int) -> list[tuple[str, str]]:
-    return [(name, "__nv_bfloat16" if name[0] in "xsb" else "uint32_t") for name in _input_names(parts)]
-
-
-# Local compile checks without a GPU (NVRTC): (header, source, inputs, outputs, template values).
-NVRTC_CASES = [
-    (_HEADER, _part_selection(parts) + _BODY, _nvrtc_inputs(parts), [(f"y{i}", "__nv_bfloat16") for i in range(parts)],
-     [("OutT", "__nv_bfloat16"), ("G", 64), ("NW", nw), ("MT", mt), ("U", u), ("NT", nt)])
-    for parts, nw, mt, u, nt in [(1, 4, 1, 2, 1), (1, 8, 2, 2, 2), (2, 2, 4, 1, 2), (3, 3, 2, 1, 1), (4, 4, 1, 2, 1)]
-]
