@@ -7,9 +7,11 @@ fixed number of drafts per cycle (`random_models.ForcedAcceptance`): 0, 2 and 5.
 3 and 6.4 tokens per cycle). For each context and acceptance, in one process, alternating: decode
 tok/s of the target alone, of DFlash on, and of auto (median of --repeats, 256 tokens each, after
 one warm-up generation per mode in which auto measures this machine as a server would; the
-samples auto was given in the measured runs are summarized per kind, `auto_samples`). The
-target alone also runs in a second process with MLX's CUDA graphs on (they are read once per
-process, and off in a speculating one: docs/performance.md), reported as `target_graphs`.
+samples auto was given in the measured runs are summarized per kind, `auto_samples`, and kept in
+order per run, `auto_sequences`; `same_repeat_ratios` are the medians of each repeat's own
+ratios, which move less with the machine's drift between repeats). The target alone also runs in a
+second process with MLX's CUDA graphs on (they are read once per process, and off in a speculating
+one: docs/performance.md), reported as `target_graphs`.
 """
 
 from __future__ import annotations
@@ -144,13 +146,20 @@ def main() -> None:
             last = _decode.last  # auto's last run: what it chose
             chose = {"cycles": last.cycles, "plain_steps": last.plain_steps, "widths": last.cycle_widths}
             g = with_graphs[str(context)]
+            # The same repeat's modes ran one after the other: their ratio, per repeat, then the median,
+            # moves less with this machine's drift between repeats than a ratio of medians does.
+            paired = {"auto_vs_target": statistics.median(a / o for a, o in zip(runs["auto"], runs["off"])),
+                      "auto_vs_dflash": statistics.median(a / o for a, o in zip(runs["auto"], runs["on"])),
+                      "auto_vs_best": statistics.median(a / max(o, n) for a, o, n in zip(runs["auto"], runs["off"], runs["on"]))}
             row = {"context": context, "tokens_per_cycle": float(name), "target": t, "target_graphs": g,
                    "dflash": on, "auto": auto, "auto_vs_target": auto / max(t, g), "auto_vs_dflash": auto / on,
-                   "auto_vs_best": auto / max(t, g, on), "auto_chose": chose, "auto_samples": _summary(samples),
-                   "auto_sequences": sequences}
+                   "auto_vs_best": auto / max(t, g, on), "same_repeat_ratios": paired, "auto_chose": chose,
+                   "auto_samples": _summary(samples), "auto_sequences": sequences}
             report["rows"].append(row)
             print(f"{context:>7} {name:>9} | {t:8.1f} {g:8.1f} {on:8.1f} {auto:8.1f} | {row['auto_vs_target']:10.2f}x "
                   f"{row['auto_vs_dflash']:10.2f}x {row['auto_vs_best']:8.2f}x  auto: {chose}", flush=True)
+            print("         same-repeat ratios (median; target in this process): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in paired.items()), flush=True)
             print("         auto's samples (ms): " + "; ".join(f"{k}: {v['n']} x {v['median_ms']:.2f} "
                   f"[{v['min_ms']:.2f}-{v['max_ms']:.2f}]" for k, v in row["auto_samples"].items()), flush=True)
         del engine

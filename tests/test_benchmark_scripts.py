@@ -247,6 +247,9 @@ def test_gpu_auto_keeps_autos_steps_in_order(tmp_path):
     assert last[0][1] is None  # a generation's first step is not timed
     assert all(w in (0, 2, 4, 8, 16) and (ms is None or ms > 0) for w, ms in last)
     assert sum(1 for w, _ in last if w) == chose["cycles"]
+    assert set(row["same_repeat_ratios"]) == {"auto_vs_target", "auto_vs_dflash", "auto_vs_best"}
+    assert 0 < row["same_repeat_ratios"]["auto_vs_best"] <= max(row["same_repeat_ratios"]["auto_vs_target"],
+                                                               row["same_repeat_ratios"]["auto_vs_dflash"])
 
 
 def test_gpu_warm_up_times_the_warm_up_and_the_first_requests():
