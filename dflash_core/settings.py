@@ -142,6 +142,11 @@ class Settings(Strict):
             os.environ["MLX_USE_CUDA_GRAPHS"] = "1" if self.cuda_graphs else "0"
         else:  # automatic: an MLX_USE_CUDA_GRAPHS already set by the user is left alone
             os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0" if any(m.drafter for m in self.models) else "1")
+        # MLX's CUDA caches (its graphs among them) throw once they miss 2 x their size in a row (a
+        # "thrashing check", MLX 0.32's lru_cache.h). A server whose op sequences keep changing
+        # (batches whose rows come and go, speculation's widths) would then fail requests where it
+        # should only run slower. Off, unless the user set it.
+        os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
 
     def sampling_defaults(self, spec: ModelSettings, generation_defaults: Optional[dict] = None) -> dict:
         """What a request leaves unset: the checkpoint's generation_config.json defaults, then

@@ -282,12 +282,28 @@ def test_cuda_graphs_follow_speculation(monkeypatch, models, setting, expected):
     import os
 
     monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("MLX_ENABLE_CACHE_THRASHING_CHECK", raising=False)
     Settings.model_validate({"models": models, "cuda_graphs": setting}).apply_backend_settings()
     assert os.environ["MLX_USE_CUDA_GRAPHS"] == expected
     # A value in the environment stays when the config leaves it automatic, and yields when it says.
     monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "from-env")
     Settings.model_validate({"models": models, "cuda_graphs": setting}).apply_backend_settings()
     assert os.environ["MLX_USE_CUDA_GRAPHS"] == ("from-env" if setting is None else expected)
+
+
+def test_mlx_cache_thrashing_check_is_off_unless_the_user_set_it(monkeypatch):
+    """MLX's CUDA caches throw after 2 x their size of misses in a row: a server runs slower there
+    instead of failing requests. A value the user exported stays."""
+    import os
+
+    models = [{"name": "a", "target": "x", "drafter": None}]
+    monkeypatch.delenv("MLX_ENABLE_CACHE_THRASHING_CHECK", raising=False)
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    Settings.model_validate({"models": models}).apply_backend_settings()
+    assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    monkeypatch.setenv("MLX_ENABLE_CACHE_THRASHING_CHECK", "1")
+    Settings.model_validate({"models": models}).apply_backend_settings()
+    assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "1"
 
 
 def test_model_sampling_defaults_are_typed(tmp_path):
