@@ -117,6 +117,11 @@ class AcceptanceCounts:
             self.accepted[j] += j < accepted
 
 
+def auto_widths(block_size: int) -> list[int]:
+    """The cycle widths `auto` chooses among, widest first: the block and 8, 4, 2 below it."""
+    return sorted({w for w in (block_size, 8, 4, 2) if 2 <= w <= block_size}, reverse=True)
+
+
 def _extrapolated(width: int, measured: dict[int, float]) -> float:
     """A cycle's time at `width` from other widths' (`AutoSpeculation.cycle_seconds`)."""
     below = [w for w in measured if w < width]
@@ -199,7 +204,7 @@ class AutoSpeculation:
     _explore: bool = False  # a refresh step just ran: look at the widths timed too few times
 
     def __post_init__(self):
-        self.widths = sorted({w for w in (self.block_size, 8, 4, 2) if 2 <= w <= self.block_size}, reverse=True)
+        self.widths = auto_widths(self.block_size)
         self._counts = AcceptanceCounts(self.block_size - 1, decay=self.recent)
 
     def expected_tokens(self, width: int) -> float:

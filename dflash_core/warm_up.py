@@ -19,6 +19,7 @@ from typing import Optional
 
 from .batching import generate_together
 from .engine import Engine
+from .speculation import auto_widths
 
 # Prompt lengths: a context within one chunk of keys of the exact attention kernel (128), and past it.
 PROMPT_LENGTHS = (16, 300)
@@ -49,10 +50,10 @@ class FixedPlans:
 
 
 def warm_up_plans(block_size: int) -> list[int]:
-    """Every width `auto` uses (speculation.AutoSpeculation.widths), twice in a row, then a
-    full-width cycle after each of `CATCH_UPS` plain steps."""
+    """Every width `auto` uses (`speculation.auto_widths`), twice in a row, then a full-width cycle
+    after each of `CATCH_UPS` plain steps."""
     plans: list[int] = []
-    for width in sorted({w for w in (block_size, 8, 4, 2) if 2 <= w <= block_size}, reverse=True):
+    for width in auto_widths(block_size):
         plans += [width, width]
     for steps in CATCH_UPS:
         plans += [0] * steps + [block_size]
