@@ -19,14 +19,14 @@ machine measured:
   pooled history (`AcceptanceCounts` that decay), giving the expected tokens of a cycle of width w.
 
 It runs cycles at the width with the best expected tokens per second while that beats plain
-steps by `margin` (with a few plain steps now and then to keep that time current); otherwise plain
-steps, whose taps (from the same target forward) go into the drafter's context in one block before
-the next cycle, so switching back costs nothing, and a probe cycle every so often. After a losing
-probe the next one waits as long as keeps probing within 2 % of the plain steps, and no longer (a
-probe that lost 8 steps' worth, as on a CPU, waits 400; one that lost 0.8, as on a GPU, 40); until
-a probe has been judged, the wait doubles from 4. Widths are explored from the block size down.
-Output never depends on any of this: a plain step and a cycle both commit exactly the target's
-tokens.
+steps by `margin` (with a few plain steps now and then to keep that time current, costing at most
+2 % of the cycles' time); otherwise plain steps, whose taps (from the same target forward) go into
+the drafter's context in one block before the next cycle, so switching back costs nothing, and a
+probe cycle every so often. After a losing probe the next one waits as long as keeps probing
+within 2 % of the plain steps, and no longer (a probe that lost 8 steps' worth, as on a CPU, waits
+400; one that lost 0.8, as on a GPU, 40); until a probe has been judged, the wait doubles from 4.
+Widths are explored from the block size down. Output never depends on any of this: a plain step
+and a cycle both commit exactly the target's tokens.
 
 Timings are wall times between this generation's reads: with other generations interleaved on
 the worker, both kinds of step include their share of the others' time. In a batch, where every
@@ -171,6 +171,24 @@ class ProbeSchedule:
 
 
 @dataclass
+class RefreshSchedule:
+    """While a model speculates, when its generations run plain steps to keep a step's price
+    current: once the cycles since a step was last priced took long enough that a refresh costs at
+    most `overhead` of their time (as losing probes may cost of the plain steps, `ProbeSchedule`),
+    from every `shortest` cycles (cycles win narrowly: a refresh costs little) to every `longest`.
+    Kept per model, so that short generations do not each refresh anew."""
+
+    shortest: int = 32
+    longest: int = 256
+    overhead: float = 0.02
+    cycles: float = 0.0  # cycles since a step was last priced (rounds, in a batch)
+
+    def due(self, cost: float) -> bool:
+        """`cost`: what a refresh costs, in cycles' time."""
+        return self.cycles >= min(self.longest, max(self.shortest, cost / self.overhead))
+
+
+@dataclass
 class AutoSpeculation:
     """One generation's choices (see the module docstring)."""
 
@@ -179,10 +197,9 @@ class AutoSpeculation:
     block_size: int
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     rounds: Optional[RoundCosts] = None  # the model's batched rounds (None: never batched)
+    refreshes: RefreshSchedule = field(default_factory=RefreshSchedule)
     margin: float = 1.1
     settled: int = 3  # samples of a width after which it is not explored again while another one runs
-    refresh_every: int = 32  # while speculating, plain steps after this many cycles (up to 4x as many
-    # where cycles win by far) keep their time current
     refresh_steps: int = 4  # plain steps observed untimed after which a refresh gives up (one more
     # may be queued already)
     recheck_every: int = 16  # while off, plain steps between two full looks at the rates
@@ -192,7 +209,6 @@ class AutoSpeculation:
     widths: list[int] = field(init=False)  # the widths tried, widest first
     _counts: AcceptanceCounts = field(init=False)  # this generation's
     _note: Optional[str] = None
-    _cycles_since_step: int = 0
     _refreshing: int = 0  # plain steps run so far by a refresh under way (0: none is)
     _steps_since_check: int = 0
     _probe_width: Optional[int] = None
@@ -266,10 +282,12 @@ class AutoSpeculation:
             best = self.widths[0]  # the block's last positions never verified: probe the whole block
         if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
-            # The more cycles win by, the less a step's price can have moved enough to change the
-            # choice: refresh it less often (alone, a refresh is three plain steps in place of cycles).
-            every = self.refresh_every * min(4.0, max(1.0, rates[best] * step / 2))
-            if self._refreshing or self._cycles_since_step >= every:
+            # A refresh's cost, in cycles: alone, three plain steps make their tokens where cycles
+            # would have made them; the first, not queued early behind a cycle, waits for its own
+            # build (about a step more); the cycle after them writes their taps (about a cycle
+            # more). On an H100 refreshes every 32 cycles cost 5-10 % (docs/performance.md).
+            cost = (4 * step - 3 * cycles[best] / self.expected_tokens(best)) / cycles[best] + 1
+            if self._refreshing or self.refreshes.due(cost):
                 # A step measured long ago (or under other load) would keep cycles on. Plain steps
                 # until one is timed: the engine times a step only inside a run of them (engine.py).
                 self._explore, self._refreshing = True, max(self._refreshing, 1)
@@ -304,7 +322,10 @@ class AutoSpeculation:
             self.timings.record(width, context, seconds)
         self._untimed_cycle = bool(width) and alone and not timed
         self._last, kept = width, timed or not alone
-        self._cycles_since_step = self._cycles_since_step + 1 if width else 0
+        if width:
+            self.refreshes.cycles += 1.0 / self._batch_rows()
+        elif kept or self._refreshing >= self.refresh_steps:  # priced, or a refresh gave up: the
+            self.refreshes.cycles = 0.0  # next one waits its turn
         if self._refreshing and not width:
             self._refreshing = 0 if kept or self._refreshing >= self.refresh_steps else self._refreshing + 1
         if width:
@@ -348,6 +369,7 @@ class ModelSpeculation:
     block_size: int
     timings: Timings = field(default_factory=Timings)
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
+    refreshes: RefreshSchedule = field(default_factory=RefreshSchedule)
     rounds: RoundCosts = field(init=False)
     prior: AcceptanceCounts = field(init=False)
 
@@ -360,4 +382,4 @@ class ModelSpeculation:
         if mode == "on":
             return AlwaysSpeculate(self.block_size)
         return AutoSpeculation(self.timings, self.prior, self.block_size, self.probes,
-                               self.rounds if batched else None)
+                               self.rounds if batched else None, self.refreshes)
