@@ -8,8 +8,10 @@ fixed number of drafts per cycle (`random_models.ForcedAcceptance`): 0, 2 and 5.
 tok/s of the target alone, of DFlash on, and of auto (median of --repeats, 256 tokens each, after
 one warm-up generation per mode in which auto measures this machine as a server would; the
 samples auto was given in the measured runs are summarized per kind, `auto_samples`, and kept in
-order per run, `auto_sequences`; `same_repeat_ratios` are the medians of each repeat's own
-ratios, which move less with the machine's drift between repeats). The target alone also runs in a
+order per run, `auto_sequences`: (width, the time auto was given or None, the wall time since the
+step before, which covers the steps auto is given no time for); `runs` has every repeat's tok/s
+per mode, and `same_repeat_ratios` the medians of each repeat's own ratios, which move less with
+the machine's drift between repeats). The target alone also runs in a
 second process with MLX's CUDA graphs on (they are read once per process, and off in a speculating
 one: docs/performance.md), reported as `target_graphs`.
 """
@@ -22,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,17 +50,21 @@ def _engine(shape: str, schedule):
 
 class Traced:
     """auto's choices for one generation (the model's shared state, as a server's), with every
-    sample it was given noted: (width, seconds or None, whether a plain step came just before)."""
+    sample it was given noted: (width, seconds or None, whether a plain step came just before, the
+    wall time since the step before was observed, which the engine does not give for every step:
+    at the edges of a run of plain steps, and the first step)."""
 
     def __init__(self, policy, samples: list):
-        self.policy, self.samples, self.after_step = policy, samples, True
+        self.policy, self.samples, self.after_step, self.observed = policy, samples, True, None
 
     def plan(self, context):
         return self.policy.plan(context)
 
     def observe(self, width, context, seconds, accepted):
-        self.samples.append((width, seconds, self.after_step))
-        self.after_step = width == 0
+        now = time.perf_counter()
+        wall = now - self.observed if self.observed is not None else None
+        self.samples.append((width, seconds, self.after_step, wall))
+        self.after_step, self.observed = width == 0, now
         self.policy.observe(width, context, seconds, accepted)
 
     def note(self):
@@ -68,7 +75,7 @@ def _summary(samples: list) -> dict:
     """Per kind of sample (a plain step; a cycle of width w, after a cycle or after plain steps):
     how many, and their median, fastest and slowest in ms."""
     kinds: dict[str, list] = {}
-    for width, seconds, after_step in samples:
+    for width, seconds, after_step, _ in samples:
         if seconds is None:  # (a generation's first step is not timed)
             continue
         kind = "step" if width == 0 else f"{width} after {'steps' if after_step else 'a cycle'}"
@@ -141,7 +148,8 @@ def main() -> None:
                     runs[mode].append(_decode(engine, context, mode, args.max_tokens, sequence))
                     if sequence:
                         samples += sequence
-                        sequences.append([(w, s if s is None else round(1e3 * s, 3)) for w, s, _ in sequence])
+                        sequences.append([(w, s if s is None else round(1e3 * s, 3), wall if wall is None else
+                                           round(1e3 * wall, 3)) for w, s, _, wall in sequence])
             t, on, auto = (statistics.median(runs[m]) for m in ("off", "on", "auto"))
             last = _decode.last  # auto's last run: what it chose
             chose = {"cycles": last.cycles, "plain_steps": last.plain_steps, "widths": last.cycle_widths}
@@ -154,7 +162,7 @@ def main() -> None:
             row = {"context": context, "tokens_per_cycle": float(name), "target": t, "target_graphs": g,
                    "dflash": on, "auto": auto, "auto_vs_target": auto / max(t, g), "auto_vs_dflash": auto / on,
                    "auto_vs_best": auto / max(t, g, on), "same_repeat_ratios": paired, "auto_chose": chose,
-                   "auto_samples": _summary(samples), "auto_sequences": sequences}
+                   "auto_samples": _summary(samples), "auto_sequences": sequences, "runs": runs}
             report["rows"].append(row)
             print(f"{context:>7} {name:>9} | {t:8.1f} {g:8.1f} {on:8.1f} {auto:8.1f} | {row['auto_vs_target']:10.2f}x "
                   f"{row['auto_vs_dflash']:10.2f}x {row['auto_vs_best']:8.2f}x  auto: {chose}", flush=True)

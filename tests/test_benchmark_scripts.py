@@ -232,9 +232,9 @@ def test_gated_delta_deltas_needs_cuda():
 
 
 def test_gpu_auto_keeps_autos_steps_in_order(tmp_path):
-    """gpu_auto.py's rows carry each measured auto run's steps in order (width, ms or None), the
-    record the plain-step timing fix came from (docs/performance.md, "On the GPU, and what a plain
-    step's time was")."""
+    """gpu_auto.py's rows carry each measured auto run's steps in order (width, ms or None, wall ms
+    since the step before), the record the plain-step timing fix came from (docs/performance.md,
+    "On the GPU, and what a plain step's time was"), and every repeat's tok/s per mode."""
     out = tmp_path / "auto.json"
     done = _run("benchmarks/gpu_auto.py", "--shape", "tiny-qwen3", "--contexts", "64", "--repeats", "2",
                 "--max-tokens", "40", "--forced", "6.4", "--out", str(out))
@@ -245,8 +245,13 @@ def test_gpu_auto_keeps_autos_steps_in_order(tmp_path):
     last, chose = sequences[-1], row["auto_chose"]
     assert len(last) == chose["cycles"] + chose["plain_steps"]
     assert last[0][1] is None  # a generation's first step is not timed
-    assert all(w in (0, 2, 4, 8, 16) and (ms is None or ms > 0) for w, ms in last)
-    assert sum(1 for w, _ in last if w) == chose["cycles"]
+    assert all(w in (0, 2, 4, 8, 16) and (ms is None or ms > 0) for w, ms, _ in last)
+    assert sum(1 for w, _, _ in last if w) == chose["cycles"]
+    # The wall between observations covers every step after the first, timed by the engine or not,
+    # and is at least the time the engine gave (taken from the same reads, a little earlier).
+    assert last[0][2] is None and all(wall > 0 for _, _, wall in last[1:])
+    assert all(wall >= 0.9 * ms for _, ms, wall in last[1:] if ms is not None)
+    assert {mode: len(tok_s) for mode, tok_s in row["runs"].items()} == {"off": 2, "on": 2, "auto": 2}
     assert set(row["same_repeat_ratios"]) == {"auto_vs_target", "auto_vs_dflash", "auto_vs_best"}
     assert 0 < row["same_repeat_ratios"]["auto_vs_best"] <= max(row["same_repeat_ratios"]["auto_vs_target"],
                                                                row["same_repeat_ratios"]["auto_vs_dflash"])
