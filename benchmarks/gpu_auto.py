@@ -3,17 +3,17 @@
     python benchmarks/gpu_auto.py --shape qwen3.5-9b --contexts 1024,8192,32768 --out gpu_auto.json
 
 A random-weight target at a real shape (bf16) and a random drafter; the target is made to accept a
-fixed number of drafts per cycle (`random_models.ForcedAcceptance`): 0, 2 and 5.4 on average (1,
-3 and 6.4 tokens per cycle). For each context and acceptance, in one process, alternating: decode
-tok/s of the target alone, of DFlash on, and of auto (median of --repeats, 256 tokens each, after
-one warm-up generation per mode in which auto measures this machine as a server would; the
-samples auto was given in the measured runs are summarized per kind, `auto_samples`, and kept in
-order per run, `auto_sequences`: (width, the time auto was given or None, the wall time since the
-step before, which covers the steps auto is given no time for); `runs` has every repeat's tok/s
-per mode, and `same_repeat_ratios` the medians of each repeat's own ratios, which move less with
-the machine's drift between repeats). The target alone also runs in a
-second process with MLX's CUDA graphs on (they are read once per process, and off in a speculating
-one: docs/performance.md), reported as `target_graphs`.
+fixed number of drafts per cycle (`random_models.ForcedAcceptance`): 0, 2 and 5.4 on average (1, 3
+and 6.4 tokens per cycle). For each context and acceptance, in one process, alternating: decode
+tok/s of the target alone, of DFlash on, and of auto (median of --repeats, 256 tokens each, the
+modes' order reversed every other repeat, after one warm-up generation per mode in which auto
+measures this machine as a server would; the samples auto was given in the measured runs are
+summarized per kind, `auto_samples`, and kept in order per run, `auto_sequences`: (width, the time
+auto was given or None, the wall time since the step before, which covers the steps auto is given
+no time for); `runs` has every repeat's tok/s per mode, and `same_repeat_ratios` the medians of
+each repeat's own ratios, which move less with the machine's drift between repeats). The target
+alone also runs in a second process with MLX's CUDA graphs on (they are read once per process, and
+off in a speculating one: docs/performance.md), reported as `target_graphs`.
 """
 
 from __future__ import annotations
@@ -142,16 +142,18 @@ def main() -> None:
             for mode in ("off", "on", "auto"):  # warm-up: compiles, and auto measures this machine
                 _decode(engine, context, mode, args.max_tokens)
             runs, samples, sequences = {m: [] for m in ("off", "on", "auto")}, [], []
-            for _ in range(args.repeats):
-                for mode in runs:
+            for repeat in range(args.repeats):
+                # Modes in turn, the order reversed every other repeat: a machine drifting steadily
+                # (clocks, heat) would otherwise favour whichever mode runs first in every repeat.
+                for mode in list(runs)[::-1 if repeat % 2 else 1]:
                     sequence = []  # auto's steps in order: (width, ms or None: not timed)
                     runs[mode].append(_decode(engine, context, mode, args.max_tokens, sequence))
-                    if sequence:
+                    if mode == "auto":
+                        last = _decode.last  # auto's last run: what it chose
                         samples += sequence
                         sequences.append([(w, s if s is None else round(1e3 * s, 3), wall if wall is None else
                                            round(1e3 * wall, 3)) for w, s, _, wall in sequence])
             t, on, auto = (statistics.median(runs[m]) for m in ("off", "on", "auto"))
-            last = _decode.last  # auto's last run: what it chose
             chose = {"cycles": last.cycles, "plain_steps": last.plain_steps, "widths": last.cycle_widths}
             g = with_graphs[str(context)]
             # The same repeat's modes ran one after the other: their ratio, per repeat, then the median,
