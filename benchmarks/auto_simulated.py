@@ -3,16 +3,18 @@
     python benchmarks/auto_simulated.py --seeds 3 --out auto_simulated.json
 
 No model runs: the controller (dflash_core/speculation.py) plans every step and is told the wall
-time a machine would take and the drafts a drafter would get accepted. Three machines: GPU-like, a
+time a machine would take and the drafts a drafter would get accepted. Four machines: GPU-like, a
 plain step 7.5 ms and a cycle 1.8 steps at any width (the demo pair on an H200, docs/train.md); the
 same with a first cycle (right after a plain step or a cycle of another width) costing twice as
-much, as with CUDA graphs on an H100; and CPU-like, a cycle 9 steps (this project's 2-core
-box). Acceptance: each draft position accepted with probability p given the one before was
-(iid), stretches of 60 or 200 tokens that alternate
-between a high and a low p (a generation whose text turns easy and hard), or a p that changes
-every 128 tokens through a list (prompts of different kinds), in one generation of 4000 tokens or
-in 32 of 125. Steps are planned and timed in the engine's order. Reported: tok/s of plain steps
-only, always-on cycles and auto, and auto over the better of the other two, the mean over --seeds.
+much, as with CUDA graphs on an H100; the same with the first plain step after a cycle costing two
+steps more (on an H100 a refresh's three steps cost about six: docs/performance.md, "The two
+engines on an H100"); and CPU-like, a cycle 9 steps (this project's 2-core box). Acceptance: each
+draft position accepted with probability p given the one before was (iid), stretches of 60 or 200
+tokens that alternate between a high and a low p (a generation whose text turns easy and hard), or
+a p that changes every 128 tokens through a list (prompts of different kinds), in one generation of
+4000 tokens or in 32 of 125. Steps are planned and timed in the engine's order. Reported: tok/s of
+plain steps only, always-on cycles and auto, and auto over the better of the other two, the mean
+over --seeds.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from dflash_core.speculation import ModelSpeculation  # noqa: E402
 
 STEP = 0.0075
 # (name, a cycle's cost in plain steps, a first cycle's cost in cycles: one right after a plain step or
-# a cycle of another width; with CUDA graphs on an H100, about 2: docs/performance.md, "Never slower")
-MACHINES = (("GPU-like", 1.8, 1.0), ("GPU-like, first cycles 2x", 1.8, 2.0), ("CPU-like", 9.0, 1.0))
+# a cycle of another width, with CUDA graphs on an H100 about 2: docs/performance.md, "Never slower";
+# what the first plain step after a cycle costs more, in steps)
+MACHINES = (("GPU-like", 1.8, 1.0, 0.0), ("GPU-like, first cycles 2x", 1.8, 2.0, 0.0),
+            ("GPU-like, first steps +2", 1.8, 1.0, 2.0), ("CPU-like", 9.0, 1.0, 0.0))
 
 
 def geometric(p: float, width: int, rng: random.Random) -> int:
@@ -51,23 +55,27 @@ def scenarios() -> dict:
 
 
 def run(mode: str, p_of, cycle_steps: float, generations: int, seed: int, total: int = 4000,
-        first: float = 1.0) -> float:
-    """`first`: what a cycle costs, in cycles, right after a plain step or a cycle of another width."""
+        first: float = 1.0, first_step: float = 0.0) -> float:
+    """`first`: what a cycle costs, in cycles, right after a plain step or a cycle of another width;
+    `first_step`: what a plain step right after a cycle costs more, in steps."""
     rng, model, seconds, made_all = random.Random(seed), ModelSpeculation(16), 0.0, 0
     for gen in range(generations):
         policy, context, made, last = model.policy(mode), 64, 0, None
         # In the engine's order (engine.py): the plan after a plain step is asked before that step
         # is observed (a plain step is queued early), and read to read is a step's time only where
         # it and the next were queued alike; a generation's first step is not timed.
-        width, queued_early, first_step = (policy.plan(context) if mode != "off" else 0), False, True
+        width, queued_early, opening = (policy.plan(context) if mode != "off" else 0), False, True
         while made < total // generations:
             planned = (policy.plan(context + 1) if mode != "off" else 0) if width == 0 else None
             accepted = geometric(p_of(made, gen), width, rng) if width else 0
-            wall = STEP if width == 0 else STEP * cycle_steps * (1 + 0.05 * rng.random()) * (1 if width == last else first)
-            timed = not first_step and queued_early == (planned == 0)
+            if width == 0:
+                wall = STEP * (1 + (first_step if last else 0))
+            else:
+                wall = STEP * cycle_steps * (1 + 0.05 * rng.random()) * (1 if width == last else first)
+            timed = not opening and queued_early == (planned == 0)
             policy.observe(width, context, wall if timed else None, accepted)
             seconds, made, context, last = seconds + wall, made + accepted + 1, context + accepted + 1, width
-            queued_early, first_step = planned == 0, False
+            queued_early, opening = planned == 0, False
             width = planned if planned is not None else (policy.plan(context) if mode != "off" else 0)
         made_all += made
     return made_all / seconds
@@ -79,11 +87,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
-    for machine, cycle_steps, first in MACHINES:
+    for machine, cycle_steps, first, first_step in MACHINES:
         for name, p_of in scenarios().items():
             for generations in (1, 32):
-                runs = {m: [run(m, p_of, cycle_steps, generations, s, first=first) for s in range(args.seeds)]
-                        for m in ("off", "on", "auto")}
+                runs = {m: [run(m, p_of, cycle_steps, generations, s, first=first, first_step=first_step)
+                            for s in range(args.seeds)] for m in ("off", "on", "auto")}
                 mean = {m: statistics.mean(v) for m, v in runs.items()}
                 ratio = statistics.mean(a / max(o, n) for a, o, n in zip(runs["auto"], runs["off"], runs["on"]))
                 rows.append({"machine": machine, "acceptance": name, "generations": generations,

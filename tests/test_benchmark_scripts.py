@@ -276,5 +276,9 @@ def test_auto_simulated_keeps_auto_near_the_better_mode(tmp_path):
     done = _run("benchmarks/auto_simulated.py", "--seeds", "3", "--out", str(out))
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 48
-    assert min(r["auto_over_best"] for r in rows) > 0.85, sorted(r["auto_over_best"] for r in rows)[:3]
+    assert len(rows) == 64
+    # The machine whose first plain step after a cycle costs two steps more pays that at every switch,
+    # which at the break-even acceptance (p = 0.5) comes often: 0.85 there (docs/performance.md).
+    for machine in {r["machine"] for r in rows}:
+        ratios = sorted(r["auto_over_best"] for r in rows if r["machine"] == machine)
+        assert ratios[0] > (0.8 if "first steps" in machine else 0.85), (machine, ratios[:3])
