@@ -146,7 +146,7 @@ def main() -> None:
                 # Modes in turn, the order reversed every other repeat: a machine drifting steadily
                 # (clocks, heat) would otherwise favour whichever mode runs first in every repeat.
                 for mode in list(runs)[::-1 if repeat % 2 else 1]:
-                    sequence = []  # auto's steps in order: (width, ms or None: not timed)
+                    sequence = []  # auto's steps in order: (width, ms or None: not timed, wall ms)
                     runs[mode].append(_decode(engine, context, mode, args.max_tokens, sequence))
                     if mode == "auto":
                         last = _decode.last  # auto's last run: what it chose

@@ -175,8 +175,11 @@ class RefreshSchedule:
     """While a model speculates, when its generations run plain steps to keep a step's price
     current: once the cycles since a step was last priced took long enough that a refresh costs at
     most `overhead` of their time (as losing probes may cost of the plain steps, `ProbeSchedule`),
-    from every `shortest` cycles (cycles win narrowly: a refresh costs little) to every `longest`.
-    Kept per model, so that short generations do not each refresh anew."""
+    from every `shortest` cycles to every `longest`. Kept per model, so that short generations do
+    not each refresh anew, and one generation's refresh serves the others taking turns with it (in a
+    batch every row refreshes in the same round: the round is what gets priced). The step priced is
+    the refreshing generation's context's; one that refreshes at another length re-prices its own
+    only at its next refresh."""
 
     shortest: int = 32
     longest: int = 256
@@ -283,13 +286,15 @@ class AutoSpeculation:
         if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
             self.speculating, self._note = True, None
             # A refresh's cost, in cycles: alone, three plain steps make their tokens where cycles
-            # would have made them; the first, not queued early behind a cycle, waits for its own
-            # build (about a step more); the cycle after them writes their taps (about a cycle
-            # more). On an H100 refreshes every 32 cycles cost 5-10 % (docs/performance.md).
-            cost = (4 * step - 3 * cycles[best] / self.expected_tokens(best)) / cycles[best] + 1
+            # would have made them, and cost about two steps more at their edges (on an H100 three
+            # cost about six: docs/performance.md); the cycle after them writes their taps (about a
+            # cycle more). While cycles win (step > cycle / tokens) that is over 1 + 2/16 cycles.
+            cost = (5 * step - 3 * cycles[best] / self.expected_tokens(best)) / cycles[best] + 1
             if self._refreshing or self.refreshes.due(cost):
                 # A step measured long ago (or under other load) would keep cycles on. Plain steps
                 # until one is timed: the engine times a step only inside a run of them (engine.py).
+                if not self._refreshing and share == 1.0:  # claimed: the model's other generations,
+                    self.refreshes.cycles = 0.0  # taking turns with this one, need not refresh too
                 self._explore, self._refreshing = True, max(self._refreshing, 1)
                 return 0
             if self._explore:  # after the refresh, a width timed 1 to `settled`-1 times (in all): one
