@@ -73,12 +73,15 @@ class Traced:
 
 def _summary(samples: list) -> dict:
     """Per kind of sample (a plain step; a cycle of width w, after a cycle or after plain steps):
-    how many, and their median, fastest and slowest in ms."""
+    how many, and their median, fastest and slowest in ms; and the steps auto was given no time for
+    (the edges of a run of plain steps, a generation's first step) by their wall time: `untimed`."""
     kinds: dict[str, list] = {}
-    for width, seconds, after_step, _ in samples:
-        if seconds is None:  # (a generation's first step is not timed)
-            continue
+    for width, seconds, after_step, wall in samples:
         kind = "step" if width == 0 else f"{width} after {'steps' if after_step else 'a cycle'}"
+        if seconds is None:
+            if wall is None:  # a generation's first step
+                continue
+            kind, seconds = f"untimed {kind}", wall
         kinds.setdefault(kind, []).append(1e3 * seconds)
     return {k: {"n": len(v), "median_ms": round(statistics.median(v), 3), "min_ms": round(min(v), 3),
                 "max_ms": round(max(v), 3)} for k, v in sorted(kinds.items())}
