@@ -289,7 +289,7 @@ class AutoSpeculation:
             # would have made them, and cost about two steps more at their edges (on an H100 three
             # cost about six: docs/performance.md); the cycle after them writes their taps (about a
             # cycle more). While cycles win (step > cycle / tokens) that is over 1 + 2/16 cycles.
-            cost = (5 * step - 3 * cycles[best] / self.expected_tokens(best)) / cycles[best] + 1
+            cost = (5 * step - 3 / rates[best]) / cycles[best] + 1  # (a cycle's time per token: 1 / rate)
             if self._refreshing or self.refreshes.due(cost):
                 # A step measured long ago (or under other load) would keep cycles on. Plain steps
                 # until one is timed: the engine times a step only inside a run of them (engine.py).
@@ -329,10 +329,12 @@ class AutoSpeculation:
         self._last, kept = width, timed or not alone
         if width:
             self.refreshes.cycles += 1.0 / self._batch_rows()
-        elif kept or self._refreshing >= self.refresh_steps:  # priced, or a refresh gave up: the
-            self.refreshes.cycles = 0.0  # next one waits its turn
-        if self._refreshing and not width:
-            self._refreshing = 0 if kept or self._refreshing >= self.refresh_steps else self._refreshing + 1
+        else:
+            ended = kept or self._refreshing >= self.refresh_steps  # priced, or a refresh gave up
+            if ended:
+                self.refreshes.cycles = 0.0  # the next one waits its turn
+            if self._refreshing:
+                self._refreshing = 0 if ended else self._refreshing + 1
         if width:
             self._probe_width = None  # a cycle measured: look again at the next plan
             self._probed = kept and not self.speculating
