@@ -171,10 +171,11 @@ def _needs_announcing(engine, kwargs: dict) -> bool:
     return (kwargs.get("speculation") or engine.speculation) == "auto"
 
 
-def _auto_policy(engine, channel: Channel):
-    """`auto`'s policy on this rank: rank 0 chooses and announces, the others follow."""
+def _auto_policy(engine, channel: Channel, batched: bool):
+    """`auto`'s policy on this rank: rank 0 chooses and announces, the others follow. `batched`:
+    the generation runs in batched rounds, which price its steps (speculation.py)."""
     if channel.leader:
-        return AnnouncedPolicy(engine.speculation_state.policy("auto"), channel)
+        return AnnouncedPolicy(engine.speculation_state.policy("auto", batched), channel)
     return FollowedPolicy(channel)
 
 
@@ -197,7 +198,7 @@ class LockstepEngine:
         if not sampling.greedy and sampling.seed is None:
             kwargs["sampling"] = _with_seed(sampling, self.channel.number(secrets.randbits(62)))
         if _needs_announcing(self.engine, kwargs):
-            kwargs["speculation"] = _auto_policy(self.engine, self.channel)
+            kwargs["speculation"] = _auto_policy(self.engine, self.channel, kwargs.get("batched", False))
         return self.engine.generate(prompt_tokens, **kwargs)
 
 
@@ -286,7 +287,7 @@ class LeaderEngine:
         kwargs["sampling"] = _with_seed(sampling, secrets.randbits(62))
         message = request_message(prompt_tokens, kwargs)  # before the policy: followers make their own
         if _needs_announcing(self.engine, kwargs):
-            kwargs["speculation"] = _auto_policy(self.engine, self.channel)
+            kwargs["speculation"] = _auto_policy(self.engine, self.channel, batched=True)
             message["speculation"] = "followed"
         stream = self.engine.generate(prompt_tokens, batched=True, **kwargs)  # validates: raises before announcing
         self._next_id += 1

@@ -302,7 +302,9 @@ class Engine:
     def _remember_generation(self, state: DecodeState, prompt, produced, kept: int) -> None:
         """Snapshot the end of a finished generation when the caches hold only tokens that were
         handed out (the next turn of a conversation starts with them). The snapshot this request
-        started from stays: a retry or an edited last message may want it again."""
+        started from is gone by now: the prompt's own snapshots, which extend it, pruned it
+        (prefix_cache.py); a retry or an edited last message restores the prompt's last message
+        boundaries, which were stored."""
         generated = state.fed[len(prompt) :]
         if self.prefix_cache is not None and len(generated) <= kept and generated == produced[: len(generated)]:
             state.settle(self.target)

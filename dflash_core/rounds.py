@@ -41,6 +41,7 @@ class RoundCosts:
     def __init__(self, max_width: int = 16, forget: float = 0.98):
         self.forget = forget
         self.rows = 0  # decoding rows in the latest round (0: none, or not batched)
+        self.ended = 0  # rounds ended so far: the rows planning now plan round `ended` + 1
         # Columns: the round's fixed cost, plain rows, then rows cycling at width 2..max_width.
         self._columns = max_width + 1
         self._gram = np.zeros((self._columns, self._columns))
@@ -59,6 +60,7 @@ class RoundCosts:
         last = self._last
         self._last = (list(widths), now) if widths else None
         self.rows = len(widths)
+        self.ended += 1
         if last is None or not clean:
             return
         before, ended = last

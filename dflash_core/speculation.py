@@ -154,11 +154,17 @@ class ProbeSchedule:
             self.countdown -= share
             return False
         self.countdown = self.interval
-        self.interval = min(2 * self.interval, self.longest)
+        # (never shorter: a losing probe may have set a wait past `longest`)
+        self.interval = max(self.interval, min(2 * self.interval, self.longest))
         return True
 
     def winning(self) -> None:
         self.interval = self.shortest
+
+    def streak_ended(self) -> None:
+        """A generation's cycles stopped winning: its next probe comes after the shortest wait
+        (`winning` set it), not after what was left of a wait from before the streak."""
+        self.countdown = min(self.countdown, self.interval)
 
     def lost(self, steps: float) -> None:
         """The last probe cost `steps` plain steps' worth more than it gave (0 or less: it gained,
@@ -185,10 +191,21 @@ class RefreshSchedule:
     longest: int = 256
     overhead: float = 0.02
     cycles: float = 0.0  # cycles since a step was last priced (rounds, in a batch)
+    _round: int = -1  # in a batch: the last round whose rows were told whether to refresh
+    _round_due: bool = False  # what they were told
 
-    def due(self, cost: float) -> bool:
-        """`cost`: what a refresh costs, in cycles' time."""
-        return self.cycles >= min(self.longest, max(self.shortest, cost / self.overhead))
+    def due(self, cost: float, round_number: Optional[int] = None) -> bool:
+        """`cost`: what a refresh costs, in cycles' time. `round_number`: in a batch, the round this
+        row plans; its rows all get the answer the first to ask got (rows plan one after the other
+        while the count moves), and a refresh due starts the count again."""
+        if round_number is not None and round_number == self._round:
+            return self._round_due
+        due = self.cycles >= min(self.longest, max(self.shortest, cost / self.overhead))
+        if round_number is not None:
+            self._round, self._round_due = round_number, due
+            if due:
+                self.cycles = 0.0
+        return due
 
 
 @dataclass
@@ -290,7 +307,7 @@ class AutoSpeculation:
             # cost about six: docs/performance.md); the cycle after them writes their taps (about a
             # cycle more). While cycles win (step > cycle / tokens) that is over 1 + 2/16 cycles.
             cost = (5 * step - 3 / rates[best]) / cycles[best] + 1  # (a cycle's time per token: 1 / rate)
-            if self._refreshing or self.refreshes.due(cost):
+            if self._refreshing or self.refreshes.due(cost, self.rounds.ended if share < 1.0 else None):
                 # A step measured long ago (or under other load) would keep cycles on. Plain steps
                 # until one is timed: the engine times a step only inside a run of them (engine.py).
                 if not self._refreshing and share == 1.0:  # claimed: the model's other generations,
@@ -303,6 +320,8 @@ class AutoSpeculation:
                 if unsettled and share == 1.0:
                     return unsettled[0]
             return best
+        if self.speculating:
+            self.probes.streak_ended()
         self.speculating, self._refreshing = False, 0
         if rates and self._probed:  # what the probe just measured says cycles lose: wait accordingly
             # The next probe's loss: alone, two cycles, the first as dear as the last probe's was.
@@ -322,7 +341,8 @@ class AutoSpeculation:
         # plain steps, the write of their taps into the drafter's context). In a batch the wall is
         # the round's, not this step's: the rounds price it (rounds.py).
         alone = self._batch_rows() == 1
-        timed = seconds is not None and alone and (width == 0 or width == self._last)
+        # (0 s: a clock too coarse for the step, no time)
+        timed = seconds is not None and seconds > 0 and alone and (width == 0 or width == self._last)
         if timed:
             self.timings.record(width, context, seconds)
         self._untimed_cycle = bool(width) and alone and not timed

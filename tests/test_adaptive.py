@@ -129,6 +129,69 @@ def test_a_losing_probe_waits_until_probing_has_cost_a_fiftieth():
     assert all(gap >= 0.02 ** -1 * 8 for gap in after_first_look), probes
 
 
+def test_a_probe_comes_soon_after_a_winning_streak_ends():
+    """Cycles lost long enough for the probe wait to grow long, then won for a while, then stopped:
+    the next probe comes after the shortest wait, not after what was left of the wait before."""
+    policy = _controller()
+    accepting = [False]
+    machine = dict(step=0.01, cycle=lambda w: 0.03, accepted=lambda w: w - 1 if accepting[0] else 0)
+    _feed(policy, 100, n=400, **machine)  # losing: the wait grows to some hundreds of steps
+    assert policy.probes.interval >= 100, policy.probes
+    accepting[0] = True
+    won = [w for w in _feed(policy, 100, n=1000, **machine)]
+    assert won[-100:].count(0) < 5  # speculating (a refresh now and then)
+    accepting[0] = False
+    after = _feed(policy, 100, n=300, **machine)
+    stopped = next(i for i in range(len(after)) if not any(after[i:i + 8]))  # (not a refresh's steps)
+    probe = next(i for i in range(stopped, len(after)) if after[i])
+    assert probe - stopped <= 2 * policy.probes.shortest, after
+
+
+def test_an_unjudged_probe_never_shortens_the_wait():
+    """A probe the generation ended before judging doubles the wait up to `longest`; a wait already
+    longer (set by a losing probe) stays."""
+    from dflash_core.speculation import ProbeSchedule
+
+    probes = ProbeSchedule()
+    probes.lost(8.0)  # a CPU-like loss: 400 steps
+    waits = []
+    for _ in range(2000):
+        if probes.due():
+            waits.append(probes.interval)
+    assert waits and min(waits) >= 400, waits
+
+
+def test_a_zero_second_sample_counts_as_untimed():
+    """A clock too coarse for a step gives 0 s: the sample is not a price (a price of 0 would divide
+    every rate by zero) and `auto` keeps deciding."""
+    policy = _controller()
+    plans = _feed(policy, 100, 0.0, lambda w: 0.0, lambda w: 1, 40)
+    assert policy.timings.count(0) == 0 and all(policy.timings.count(w) == 0 for w in policy.widths)
+    assert len(plans) == 40
+
+
+def test_a_batch_refreshes_all_its_rows_in_one_round():
+    """8 rows cycling on a GPU-like machine, each observing its last step then planning the next in
+    the engine's order (the model's count of cycles moving between them): when a refresh is due,
+    every row runs its plain step in the same round, so that round prices a step for all of them;
+    no round mixes refreshing rows with cycling ones, and none is skipped."""
+    model = ModelSpeculation(16)
+    policies = [model.policy("auto", batched=True) for _ in range(8)]
+    plans, log, seconds = [0] * 8, [], 0.0
+    for _ in range(1500):
+        wall = 0.010 + 0.0002 * sum(w or 1 for w in plans) + 0.001 * sum(1 for w in plans if w)
+        seconds += wall
+        for i, p in enumerate(policies):
+            p.observe(plans[i], 100, wall, min(6, plans[i] - 1) if plans[i] else 0)
+            plans[i] = p.plan(100)
+        model.rounds.end_round([w or 1 for w in plans], True, seconds)
+        log.append(list(plans))
+    tail = log[300:]
+    refreshing = [r for r in tail if 0 in r]
+    assert refreshing and all(r == [0] * 8 for r in refreshing), [r for r in refreshing if r != [0] * 8]
+    assert len(refreshing) <= len(tail) / 32
+
+
 def test_auto_follows_a_generation_whose_acceptance_changes():
     """A GPU-like machine (a cycle costs 1.8 steps at any width) and a generation whose drafts are
     rejected for 60 tokens, then accepted 5 at a time for 60, and so on: auto cycles through the

@@ -284,3 +284,28 @@ def test_a_request_travels_to_the_other_ranks_whole():
     message = json.loads(json.dumps(request_message([4, 5, 6], kwargs)))  # what the wire carries
     prompt, back = request_arguments(message)
     assert prompt == [4, 5, 6] and back == kwargs
+
+
+def test_rank_0_prices_its_batched_auto_rows_by_their_rounds(qwen3_pair):
+    """Rank 0 serves every generation in batched rounds, so its `auto` rows are priced by their
+    shares of a round (rounds.py), as one process's batch is: two rows together record no wall time
+    between their own reads (a round's wall is not one row's step), where rows judging by those
+    walls, as alone, would."""
+    import mlx.core as mx
+
+    from dflash_core.batching import generate_together
+    from dflash_core.distributed import Channel, LeaderEngine
+
+    target, drafter = qwen3_pair
+    prompt = list(range(5, 40))
+    requests = [{"prompt_tokens": prompt, "max_tokens": 24, "stop_token_ids": set(), "speculation": "auto"}] * 2
+    leader = LeaderEngine(load_engine(str(target), str(drafter), prefill_chunk=16), Channel(mx.distributed.init()))
+    generate_together(leader, requests, max_rows=2)
+    timings = leader.speculation_state.timings
+    assert leader.speculation_state.rounds.coefficients() is not None  # the rounds were timed
+    assert all(timings.count(w) == 0 for w in [0, *leader.speculation_state.policy("auto").widths])
+    # The same two rows as alone (the policy before this was fixed): their walls are recorded.
+    alone = load_engine(str(target), str(drafter), prefill_chunk=16)
+    state = alone.speculation_state
+    generate_together(alone, [{**r, "speculation": state.policy("auto")} for r in requests], max_rows=2)
+    assert sum(state.timings.count(w) for w in [0, *state.policy("auto").widths]) > 0
