@@ -113,16 +113,19 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
 
 def output_grammar(request: ChatCompletionRequest, tokenizer, markers: Markers, opening: str, in_reasoning: bool,
                    tools) -> Optional[GrammarSpec]:
-    """What the output must match: the response format's JSON, or strict tools' calls."""
+    """What the output must match: the response format's JSON, strict tools' calls, or (a format
+    with tools the model may call) either of the two. The format is the final answer's: where the
+    server opened a call (tool_choice required or named) this turn is a call, not the answer."""
     literals = structured.Literals(hf_tokenizer(tokenizer).get_added_vocab())
-    answer = structured.response_format_grammar(request.response_format, markers, in_reasoning, literals)
-    calls = None
-    if request.tool_choice != "none":
-        named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
-        calls = structured.strict_tools_grammar(tools or [], markers, opening, in_reasoning, literals, named)
-    if answer is not None and (calls is not None or opening):
-        raise bad_request("response_format cannot be combined with strict or forced tool calls", param="response_format")
-    return answer or calls
+    structured.format_schema(request.response_format)  # a malformed format is a 400 whatever the turn
+    if request.tool_choice == "none" or not tools:
+        return structured.response_format_grammar(request.response_format, markers, in_reasoning, literals)
+    if not opening:
+        both = structured.answer_or_calls_grammar(request.response_format, tools, markers, in_reasoning, literals)
+        if both is not None:
+            return both
+    named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
+    return structured.strict_tools_grammar(tools, markers, opening, in_reasoning, literals, named)
 
 
 def reasoning_budget(request: ChatCompletionRequest, tokenizer, markers: Markers,

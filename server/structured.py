@@ -3,7 +3,8 @@
 
 - `response_format` `json_object` / `json_schema` (Responses: `text.format`; Messages:
   `output_config.format`): the answer is that JSON, after the model's reasoning when the prompt
-  opened a reasoning block.
+  opened a reasoning block; with tools the model may call, either that JSON or tool calls (the
+  format is the final answer's).
 - `strict` function tools: every tool call the model writes has arguments that match its schema,
   in the tool-call form of the model's template: JSON (`<tool_call>{"name", "arguments"}`, Qwen's
   JSON templates and the generic tools prompt), Qwen's XML parameters, or Gemma 4's `call:NAME{...}`.
@@ -63,20 +64,57 @@ def _reasoning_prefix(lit: Literals, markers: Markers, starts_in_reasoning: bool
     return lit.until("think", markers.reasoning_end) + "\n"
 
 
-def response_format_grammar(response_format, markers: Markers, starts_in_reasoning: bool,
-                            lit: Literals) -> Optional[GrammarSpec]:
+def format_schema(response_format) -> Optional[Any]:
+    """The JSON schema a response format asks the answer to match (None: free text)."""
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        schema: Any = {"type": "object"}
-    else:
-        spec = response_format.json_schema
-        if spec is None or spec.schema_ is None:
-            raise bad_request("response_format json_schema needs json_schema.schema", param="response_format")
-        schema = spec.schema_
+        return {"type": "object"}
+    spec = response_format.json_schema
+    if spec is None or spec.schema_ is None:
+        raise bad_request("response_format json_schema needs json_schema.schema", param="response_format")
+    return spec.schema_
+
+
+def response_format_grammar(response_format, markers: Markers, starts_in_reasoning: bool,
+                            lit: Literals) -> Optional[GrammarSpec]:
+    schema = format_schema(response_format)
+    if schema is None:
+        return None
     think = _reasoning_prefix(lit, markers, starts_in_reasoning)
     start = "start: think WS %json " if think else "start: WS %json "
     return GrammarSpec("lark", HEADER + start + json.dumps(schema) + "\nWS: /[ \\t\\n]*/\n" + think)
+
+
+def answer_or_calls_grammar(response_format, tools: list[dict], markers: Markers, starts_in_reasoning: bool,
+                            lit: Literals) -> Optional[GrammarSpec]:
+    """A response format with tools the model may call: as the APIs define it, the format is the
+    final answer's, so the output is either that JSON or tool calls in the template's form (one or
+    more, whitespace between, no text around them), after the reasoning. Strict tools' calls match
+    their schemas; the others' arguments are free. None without a format."""
+    schema = format_schema(response_format)
+    if schema is None:
+        return None
+    if not tools or not markers.has_tools:  # nothing the model could call in a form we read
+        return response_format_grammar(response_format, markers, starts_in_reasoning, lit)
+    strict = [t["function"] for t in tools if t["function"].get("strict")]
+    if strict and len(strict) != len(tools):
+        raise bad_request("strict must be the same for every tool of a request", param="tools")
+    rules = _Rules(lit)
+    if strict:
+        bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for head, core, tail in
+                  (_call_parts(rules, markers, f) for f in strict)]
+        rules.lines.append(f"call: {lit(markers.tool_start)} ({' | '.join(bodies)})")
+    elif markers.tool_format == GEMMA4:  # (its strings are between special tokens, which no text rule matches)
+        rules.lines.append(f'call: {lit(markers.tool_start)} "call:" /[A-Za-z_][A-Za-z0-9_.:-]*/ '
+                           f"{_gemma_any(rules)} {lit(markers.tool_end)}")
+    else:
+        rules.lines += [f"call: {lit(markers.tool_start)} free", lit.until("free", markers.tool_end)]
+    think = _reasoning_prefix(lit, markers, starts_in_reasoning)
+    return GrammarSpec("lark", HEADER + "\n".join([
+        "start: think body" if think else "start: body", "body: answer | calls",
+        f"answer: WS %json {json.dumps(schema)}", "calls: WS call (WS call)* WS", "WS: /[ \\t\\n]*/",
+        *rules.lines, think]))
 
 
 # --------------------------------------------------------------------------- strict tools

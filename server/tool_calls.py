@@ -75,7 +75,9 @@ def _arguments_text(arguments: Any) -> str:
         arguments = json.loads(arguments)
     if not isinstance(arguments, dict):
         raise ValueError(f"tool arguments must be an object, got {type(arguments).__name__}")
-    return json.dumps(arguments, ensure_ascii=False)
+    # NaN and Infinity (Python's json reads them, and 1e999 as inf) are not JSON: clients' parsers
+    # reject them, so such a call is no call (ValueError: its text stays content).
+    return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 def _to_tool_call(item: Any) -> ToolCall:

@@ -416,6 +416,21 @@ def test_malformed_tool_call_falls_back_to_content(scripted):
     assert "<tool_call>" in content and "Rome" in content and finish == ["stop"]
 
 
+@pytest.mark.parametrize("value", ["1e999", "NaN", "-Infinity"])
+def test_a_call_with_a_number_json_cannot_hold_is_content(scripted, value):
+    """Python's json reads NaN, Infinity and 1e999 (as inf); no JSON parser of a client does. Such a
+    call stays text, on every API, streamed or not (the Messages API answered a 500 before)."""
+    text = '</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "x", "n": %s}}\n</tool_call>' % value
+    _script(scripted, "scripted-qwen", text)
+    _, content, _, finish = _stream_chat(scripted.client, "scripted-qwen", tools=[WEATHER_TOOL])
+    assert "<tool_call>" in content and finish == ["stop"]
+    tool = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    body = {"model": "scripted-qwen", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    for stream in (False, True):
+        r = httpx.post(scripted.url + "/v1/messages", json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 200 and "tool_use" not in r.text and value in r.text, r.text[-500:]
+
+
 def test_gemma4_tool_call(scripted):
     _script(scripted, "scripted-gemma", '<|tool_call>call:get_weather{city:<|"|>Lima<|"|>,days:2}<tool_call|>')
     chunks, content, _, finish = _stream_chat(scripted.client, "scripted-gemma", tools=[WEATHER_TOOL])

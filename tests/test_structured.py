@@ -10,7 +10,7 @@ from mlx_lm.utils import load_tokenizer
 from dflash_core.grammar import compile_grammar, tokenizer_info
 from dflash_core.prompts import hf_tokenizer
 from dflash_server.schemas import ResponseFormat
-from dflash_server.structured import Literals, response_format_grammar, strict_tools_grammar
+from dflash_server.structured import Literals, answer_or_calls_grammar, response_format_grammar, strict_tools_grammar
 from dflash_server.tool_calls import GEMMA4_MARKERS, QWEN_JSON_MARKERS, QWEN_XML_MARKERS
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
@@ -80,3 +80,28 @@ def test_json_answer_after_reasoning(qwen):
                                    Literals(qwen.get_added_vocab()))
     assert _matches(qwen, spec, 'Thinking {about} it.\n</think>\n\n{"a": [1, 2]}')
     assert not _matches(qwen, spec, "Thinking.\n</think>\n\nno json")
+
+
+ANSWER = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "out", "schema": {
+    "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}})
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "loose"])
+@pytest.mark.parametrize("form, markers, call", [
+    ("xml", QWEN_XML_MARKERS, XML_CALL), ("json", QWEN_JSON_MARKERS, JSON_CALL), ("gemma", GEMMA4_MARKERS, GEMMA_CALL),
+])
+def test_a_format_with_tools_is_the_answer_or_calls(qwen, gemma, form, markers, call, strict):
+    """A response format applies to the final answer: with tools the output is that JSON, or tool
+    calls (Codex sends its output schema with all its tools), never text, nor JSON off the schema."""
+    hf = gemma if markers is GEMMA4_MARKERS else qwen
+    reasoning = "" if markers is GEMMA4_MARKERS else "Let me see.\n</think>\n\n"
+    tool = {"type": "function", "function": {**WEATHER["function"], "strict": strict}}
+    spec = answer_or_calls_grammar(ANSWER, [tool], markers, bool(reasoning), Literals(hf.get_added_vocab()))
+    assert _matches(hf, spec, reasoning + '{"answer": "sunny"}')
+    assert _matches(hf, spec, reasoning + call)
+    assert _matches(hf, spec, reasoning + call + "\n" + call)
+    assert not _matches(hf, spec, reasoning + '{"reply": "sunny"}')
+    assert not _matches(hf, spec, reasoning + "I will call it. " + call)
+    assert not _matches(hf, spec, reasoning + call + '\n{"answer": "sunny"}')
+    bad_call = call.replace("get_weather", "get_time")
+    assert _matches(hf, spec, reasoning + bad_call) != strict  # strict calls name their tools

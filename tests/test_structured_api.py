@@ -183,3 +183,34 @@ def test_a_thinking_budget_ends_the_reasoning(live):
     out = [client.messages.create(model=m, max_tokens=30, messages=MESSAGES, extra_body={"temperature": 0},
                                   thinking={"type": "enabled", "budget_tokens": 6}) for m in ("spec", "alone")]
     assert [b.model_dump() for b in out[0].content] == [b.model_dump() for b in out[1].content]
+
+
+def test_a_format_with_tools_lets_the_model_call_them(qwen3_5_pair):
+    """A response format is the final answer's (Codex sends its output schema with all its tools):
+    on every API the model can still call a tool, and its answer still matches the format."""
+    call = ("</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    answer = '</think>\n\n{"city":"Oslo","days":2}'  # (compact: SCHEMA's whitespace rule)
+    loose = {"name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    with scripted_server({"s": qwen3_5_pair}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+        for strict in (True, False):
+            tool = {"type": "function", "function": {**loose, "strict": strict}}
+            script(server, "s", call)
+            out = client.chat.completions.create(model="s", messages=MESSAGES, tools=[tool], response_format=fmt)
+            assert out.choices[0].finish_reason == "tool_calls"
+            assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
+            script(server, "s", answer)
+            out = client.chat.completions.create(model="s", messages=MESSAGES, tools=[tool], response_format=fmt)
+            assert json.loads(out.choices[0].message.content) == {"city": "Oslo", "days": 2}
+        script(server, "s", call)
+        out = client.responses.create(model="s", input="Weather?", tools=[{"type": "function", **loose}],
+                                      text={"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}})
+        assert [o.type for o in out.output if o.type != "reasoning"] == ["function_call"] and out.status == "completed"
+        assert json.loads(out.output[-1].arguments) == {"city": "Paris", "days": 3}
+        out = claude.messages.create(model="s", max_tokens=200, messages=[{"role": "user", "content": "Weather?"}],
+                                     tools=[{"name": "get_weather", "input_schema": loose["parameters"]}],
+                                     extra_body={"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+        assert out.stop_reason == "tool_use" and out.content[-1].input == {"city": "Paris", "days": 3}
