@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dflash_core.kernels import attention_cuda, bf16_matmul_cuda, gated_delta_cuda, quantized_matmul_cuda
+from dflash_core.kernels import attention_cuda, attention_mma_cuda, bf16_matmul_cuda, gated_delta_cuda, quantized_matmul_cuda
 
 
 def _nvidia(relative: str):
@@ -117,7 +117,8 @@ class CompilingKernels:
         return launch
 
 
-KERNEL_GETTERS = [attention_cuda._chunks_kernel, attention_cuda._combine_kernel, bf16_matmul_cuda._kernel,
+KERNEL_GETTERS = [attention_cuda._chunks_kernel, attention_cuda._combine_kernel, attention_mma_cuda.chunks_kernel,
+                  bf16_matmul_cuda._kernel,
                   quantized_matmul_cuda._kernel, gated_delta_cuda._kernel, gated_delta_cuda._replay_kernel]
 
 
@@ -147,7 +148,8 @@ def test_attention_kernels_compile(kernels):
                 assert attention_cuda.supported(q, k, v, mask)
                 assert attention_cuda.attention(q, k, v, D**-0.5, mask).shape == q.shape
     names = {name for name, _ in kernels.compiled.values()}
-    assert names == {"dflash_attention_chunks", "dflash_attention_combine"}
+    # bf16 and fp16 up to head dim 256 on tensor cores; 512 and float32 on the scalar kernel
+    assert names == {"dflash_attention_mma_chunks", "dflash_attention_chunks", "dflash_attention_combine"}
     assert len(kernels.compiled) >= 20
 
 

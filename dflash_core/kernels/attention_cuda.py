@@ -32,6 +32,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import attention_mma_cuda
+
 CHUNK = 128  # key slots per thread block: fixed, so a query's sums never depend on the buffer's length
 MAX_QUERIES = 16
 MAX_GRID = 65535  # blocks along a CUDA grid's y and z axes
@@ -320,16 +322,21 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
     mask = _mask4(mask) if has_mask else mx.zeros((1, 1, 1, 1), mx.bool_)
     final = chunks == 1
     n = B * Hq * L
-    out, part_m, part_l, part_o = _chunks_kernel()(
-        inputs=[q, k, v, mask, mx.array(scale, mx.float32)],
-        template=[("InT", q.dtype), ("D", D), ("TK", TK), ("W", W), ("CHUNK", CHUNK),
-                  ("HAS_MASK", has_mask), ("FINAL", final)],
-        grid=(groups * W * 32, chunks, B * k.shape[1]),
-        threadgroup=(W * 32, 1, 1),
-        output_shapes=[(B, Hq, L, D) if final else (1,), (1,) if final else (n, chunks),
-                       (1,) if final else (n, chunks), (1,) if final else (n, chunks, D)],
-        output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32],
-    )
+    outputs = dict(output_shapes=[(B, Hq, L, D) if final else (1,), (1,) if final else (n, chunks),
+                                  (1,) if final else (n, chunks), (1,) if final else (n, chunks, D)],
+                   output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32])
+    inputs = [q, k, v, mask, mx.array(scale, mx.float32)]
+    if attention_mma_cuda.takes(q.dtype, D):  # by dtype and head dim only: decode and verify alike
+        TK, WR = attention_mma_cuda.mma_layout(D, rows)
+        out, part_m, part_l, part_o = attention_mma_cuda.chunks_kernel()(
+            inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("WR", WR), ("CHUNK", CHUNK),
+                                     ("HAS_MASK", has_mask), ("FINAL", final)],
+            grid=(-(-rows // (WR * 16)) * WR * 32, chunks, B * k.shape[1]), threadgroup=(WR * 32, 1, 1), **outputs)
+    else:
+        out, part_m, part_l, part_o = _chunks_kernel()(
+            inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("W", W), ("CHUNK", CHUNK),
+                                     ("HAS_MASK", has_mask), ("FINAL", final)],
+            grid=(groups * W * 32, chunks, B * k.shape[1]), threadgroup=(W * 32, 1, 1), **outputs)
     if final:
         return out
     per_block = 4
