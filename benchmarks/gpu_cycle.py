@@ -18,7 +18,8 @@ with a 4-bit kernel launch or bf16 product per weight instead of one per shared 
 GEMM (cuBLASLt) for bf16 products instead of our stream kernel (`cublas`), with MLX's fused
 attention (`fused`), and with the target's decode and verify attention as before the exact kernel
 (dflash_core/kernels/attention_cuda.py): MLX's fused attention for one query, the stacked GEMMs for
-a block (`stacked`), all in the same process.
+a block (`stacked`), and with the exact attention's scalar kernel instead of its tensor-core one
+(`scalar-attention`), all in the same process.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ PATHS = {
     "cublas": KernelOptions(bf16_stream=False),
     "fused": KernelOptions(block_attention=False, exact_attention=False),
     "stacked": KernelOptions(exact_attention=False),
+    "scalar-attention": KernelOptions(tensor_core_attention=False),
 }
 
 
@@ -211,7 +213,8 @@ def main() -> int:
                              "bf16 GEMM), unfused (dflash with a "
                              "4-bit launch or bf16 product per weight, not one per shared input), cublas (dflash with MLX's "
                              "GEMM for bf16 products instead of our stream kernel), fused (dflash with MLX's fused "
-                             "attention), stacked (dflash with the target's attention as before the exact kernel)")
+                             "attention), stacked (dflash with the target's attention as before the exact kernel), "
+                             "scalar-attention (dflash with the exact attention's scalar kernel, not tensor cores)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

@@ -87,23 +87,41 @@ def test_matches_mlx(dtype, heads, kv_heads, D, L, T):
 
 
 @cuda_only
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "scalar"])
 @pytest.mark.parametrize("D,kv_heads", [(128, 2), (256, 4), (512, 1)])
-def test_a_query_gets_the_same_bits_alone_or_in_a_block(D, kv_heads):
+def test_a_query_gets_the_same_bits_alone_or_in_a_block(D, kv_heads, tensor_cores):
     """A verify's query over the cache's whole buffer (its tail masked) and the same query as a
     decode step over the keys written so far (a slice, no mask): the same bits, at positions on
-    both sides of the chunk boundaries and in one-chunk buffers."""
+    both sides of the chunk boundaries and in one-chunk buffers, with either kernel."""
     T = 1024
     q, k, v = _qkv(1, 8, kv_heads, 16, T, D)
     scale = D**-0.5
+
+    def attend(q, k, v, mask=None):
+        return attention_cuda.attention(q, k, v, scale, mask, tensor_cores)
+
     for start in (0, 100, 120, 127, 250, 700):
-        block = attention_cuda.attention(q, k, v, scale, buffer_mask(T, start, 16))
-        longer = attention_cuda.attention(q, mx.concatenate([k, k], axis=2), mx.concatenate([v, v], axis=2), scale,
-                                          buffer_mask(2 * T, start, 16))
+        block = attend(q, k, v, buffer_mask(T, start, 16))
+        longer = attend(q, mx.concatenate([k, k], axis=2), mx.concatenate([v, v], axis=2), buffer_mask(2 * T, start, 16))
         assert mx.array_equal(block, longer)
         for i in (0, 5, 15):
             seen = start + i + 1
-            alone = attention_cuda.attention(q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], scale)
+            alone = attend(q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen])
             assert mx.array_equal(alone[:, :, 0], block[:, :, i]), (start, i)
+
+
+@cuda_only
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_tensor_cores_and_the_scalar_kernel_agree(D):
+    """The tensor-core kernel rounds the probabilities to bf16 before their product with the values
+    (as FlashAttention does), the scalar one keeps them in float32: the two agree within bf16's
+    rounding, and the scalar-attention path of gpu_cycle.py measures the same attention."""
+    q, k, v = _qkv(2, 16, 4, 16, 900, D, seed=5)
+    mask = buffer_mask(900, 800, 16)
+    cores = attention_cuda.attention(q, k, v, D**-0.5, mask, True)
+    scalar = attention_cuda.attention(q, k, v, D**-0.5, mask, False)
+    np.testing.assert_allclose(np.array(cores.astype(mx.float32)), np.array(scalar.astype(mx.float32)),
+                               rtol=2e-2, atol=2e-2)
 
 
 @cuda_only

@@ -147,6 +147,12 @@ def test_attention_kernels_compile(kernels):
             for mask in (None, mx.ones((L, T), mx.bool_)):
                 assert attention_cuda.supported(q, k, v, mask)
                 assert attention_cuda.attention(q, k, v, D**-0.5, mask).shape == q.shape
+    # The scalar kernel for bf16 too (`KernelOptions.tensor_core_attention` off: gpu_cycle.py's
+    # scalar-attention path).
+    count = len(kernels.compiled)
+    q, k, v = _normal(1, 8, 16, 128), _normal(1, 2, 1000, 128), _normal(1, 2, 1000, 128)
+    assert attention_cuda.attention(q, k, v, 128**-0.5, mx.ones((16, 1000), mx.bool_), False).shape == q.shape
+    assert len(kernels.compiled) > count
     names = {name for name, _ in kernels.compiled.values()}
     # bf16 and fp16 up to head dim 256 on tensor cores; 512 and float32 on the scalar kernel
     assert names == {"dflash_attention_mma_chunks", "dflash_attention_chunks", "dflash_attention_combine"}

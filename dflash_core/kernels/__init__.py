@@ -35,6 +35,9 @@ class KernelOptions:
     # On CUDA, a target's decode and verify attention in our kernel, each query rounded alike alone or
     # in a block (attention_cuda.py); else the stacked GEMMs and MLX's fused attention, which do not.
     exact_attention: bool = True
+    # With exact_attention: bf16/fp16 head dims 16-256 on tensor cores (attention_mma_cuda.py), else the
+    # scalar kernel; either way a query's bits do not depend on the others.
+    tensor_core_attention: bool = True
     # Verifies record every GatedDeltaNet step (CUDA), else rollbacks replay the recurrence from its inputs.
     step_states: bool = True
     # With step_states: a step's delta (1/Dk of its state) rather than its state, the rollback replaying

@@ -76,7 +76,7 @@ def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
     [B, Hkv, T_i, D]; `mask` (bool, [L, T], or [B, 1 or Hq, L, T] with T = sum T_i) says which
     keys a query sees."""
     if len(keys) == 1 and exact(q, keys[0], values[0], mask, kernels):
-        return attention_cuda.attention(q, keys[0], values[0], scale, mask)
+        return attention_cuda.attention(q, keys[0], values[0], scale, mask, kernels.tensor_core_attention)
     path = path_for(q, mask, kernels)
     if path == "stacked":
         return stacked(q, keys, values, scale, mask)
@@ -93,7 +93,7 @@ def single_query(q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mas
     blocks take on the CPU and on CUDA. A "causal" mask shows one query every key, as no mask does."""
     mask = None if isinstance(mask, str) else mask
     if exact(q, k, v, mask, kernels):
-        return attention_cuda.attention(q, k, v, scale, mask)
+        return attention_cuda.attention(q, k, v, scale, mask, kernels.tensor_core_attention)
     if path_for(q, mask, kernels) == "cpu":
         return unfused_cpu(q, k, v, scale, mask)
     return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)
@@ -159,8 +159,9 @@ def stacked(q, keys, values, scale, mask) -> mx.array:
 def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """Which implementation a verify or draft block's attention uses here (for `dflash doctor`)."""
     if backend() == "cuda" and kernels.exact_attention:
+        cores = " on tensor cores for bf16/fp16 head_dim 16-256" if kernels.tensor_core_attention else ""
         return (f"dflash's kernel for a target's 1-{attention_cuda.MAX_QUERIES} queries (head_dim in "
-                f"{attention_cuda.HEAD_DIMS}, rows rounded alike); a drafter's blocks as stacked GEMMs")
+                f"{attention_cuda.HEAD_DIMS}, rows rounded alike{cores}); a drafter's blocks as stacked GEMMs")
     if backend() == "cuda" and kernels.block_attention:
         return f"stacked GEMMs for 2-{MAX_QUERIES} queries with a mask (head_dim <= {MAX_HEAD_DIM}); MLX fused otherwise"
     if backend() == "cpu" and kernels.cpu_softmax and cpu_extension.extension() is not None:

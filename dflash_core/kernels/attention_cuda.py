@@ -308,9 +308,12 @@ def rows_per_block(rows: int, head_dim: int, dtype: mx.Dtype) -> int:
     return W
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optional[mx.array] = None) -> mx.array:
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optional[mx.array] = None,
+              tensor_cores: bool = True) -> mx.array:
     """softmax(q k^T * scale, over the keys `mask` shows each query; all of them without one) v,
-    [B, Hq, L, D] in q's dtype, for inputs `supported` takes. A query that sees no key gets zeros."""
+    [B, Hq, L, D] in q's dtype, for inputs `supported` takes. A query that sees no key gets zeros.
+    `tensor_cores`: bf16/fp16 head dims the tensor-core kernel takes go through it, else through
+    the scalar one (a decode and a verify must pass the same)."""
     B, Hq, L, D = q.shape
     T = k.shape[2]
     rows = Hq // k.shape[1] * L  # query rows per KV head
@@ -326,7 +329,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
                                   (1,) if final else (n, chunks), (1,) if final else (n, chunks, D)],
                    output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32])
     inputs = [q, k, v, mask, mx.array(scale, mx.float32)]
-    if attention_mma_cuda.takes(q.dtype, D):  # by dtype and head dim only: decode and verify alike
+    if tensor_cores and attention_mma_cuda.takes(q.dtype, D):  # by dtype and head dim: decode and verify alike
         TK, WR = attention_mma_cuda.mma_layout(D, rows)
         out, part_m, part_l, part_o = attention_mma_cuda.chunks_kernel()(
             inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("WR", WR), ("CHUNK", CHUNK),
