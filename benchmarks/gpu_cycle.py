@@ -19,7 +19,8 @@ GEMM (cuBLASLt) for bf16 products instead of our stream kernel (`cublas`), with 
 attention (`fused`), and with the target's decode and verify attention as before the exact kernel
 (dflash_core/kernels/attention_cuda.py): MLX's fused attention for one query, the stacked GEMMs for
 a block (`stacked`), and with the exact attention's scalar kernel instead of its tensor-core one
-(`scalar-attention`), all in the same process.
+(`scalar-attention`) or with 512 key slots per thread block instead of 128 (`chunk512`), all in
+the same process.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ PATHS = {
     "fused": KernelOptions(block_attention=False, exact_attention=False),
     "stacked": KernelOptions(exact_attention=False),
     "scalar-attention": KernelOptions(tensor_core_attention=False),
+    "chunk512": KernelOptions(attention_chunk=512),
 }
 
 
@@ -214,7 +216,8 @@ def main() -> int:
                              "4-bit launch or bf16 product per weight, not one per shared input), cublas (dflash with MLX's "
                              "GEMM for bf16 products instead of our stream kernel), fused (dflash with MLX's fused "
                              "attention), stacked (dflash with the target's attention as before the exact kernel), "
-                             "scalar-attention (dflash with the exact attention's scalar kernel, not tensor cores)")
+                             "scalar-attention (dflash with the exact attention's scalar kernel, not tensor cores), "
+                             "chunk512 (dflash with 512 key slots per block of the exact attention, not 128)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

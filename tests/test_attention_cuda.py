@@ -87,18 +87,19 @@ def test_matches_mlx(dtype, heads, kv_heads, D, L, T):
 
 
 @cuda_only
-@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "scalar"])
+@pytest.mark.parametrize("tensor_cores,chunk", [(True, 128), (False, 128), (True, 512)],
+                         ids=["tensor-cores", "scalar", "tensor-cores-chunk512"])
 @pytest.mark.parametrize("D,kv_heads", [(128, 2), (256, 4), (512, 1)])
-def test_a_query_gets_the_same_bits_alone_or_in_a_block(D, kv_heads, tensor_cores):
+def test_a_query_gets_the_same_bits_alone_or_in_a_block(D, kv_heads, tensor_cores, chunk):
     """A verify's query over the cache's whole buffer (its tail masked) and the same query as a
     decode step over the keys written so far (a slice, no mask): the same bits, at positions on
-    both sides of the chunk boundaries and in one-chunk buffers, with either kernel."""
+    both sides of the chunk boundaries and in one-chunk buffers, with either kernel and chunk size."""
     T = 1024
     q, k, v = _qkv(1, 8, kv_heads, 16, T, D)
     scale = D**-0.5
 
     def attend(q, k, v, mask=None):
-        return attention_cuda.attention(q, k, v, scale, mask, tensor_cores)
+        return attention_cuda.attention(q, k, v, scale, mask, tensor_cores, chunk)
 
     for start in (0, 100, 120, 127, 250, 700):
         block = attend(q, k, v, buffer_mask(T, start, 16))

@@ -153,6 +153,12 @@ def test_attention_kernels_compile(kernels):
     q, k, v = _normal(1, 8, 16, 128), _normal(1, 2, 1000, 128), _normal(1, 2, 1000, 128)
     assert attention_cuda.attention(q, k, v, 128**-0.5, mx.ones((16, 1000), mx.bool_), False).shape == q.shape
     assert len(kernels.compiled) > count
+    # 512 key slots per block (`KernelOptions.attention_chunk`, gpu_cycle.py's chunk512 path).
+    count = len(kernels.compiled)
+    assert attention_cuda.attention(q, k, v, 128**-0.5, mx.ones((16, 1000), mx.bool_), True, 512).shape == q.shape
+    assert len(kernels.compiled) > count
+    with pytest.raises(ValueError, match="multiple of 32"):
+        attention_cuda.attention(q, k, v, 128**-0.5, None, True, 100)
     names = {name for name, _ in kernels.compiled.values()}
     # bf16 and fp16 up to head dim 256 on tensor cores; 512 and float32 on the scalar kernel
     assert names == {"dflash_attention_mma_chunks", "dflash_attention_chunks", "dflash_attention_combine"}

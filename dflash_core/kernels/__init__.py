@@ -38,6 +38,9 @@ class KernelOptions:
     # With exact_attention: bf16/fp16 head dims 16-256 on tensor cores (attention_mma_cuda.py), else the
     # scalar kernel; either way a query's bits do not depend on the others.
     tensor_core_attention: bool = True
+    # With exact_attention: key slots per thread block (fixed per model, so that a decode and a verify
+    # cut a query's keys alike); fewer blocks and partial sums at long context the larger it is.
+    attention_chunk: int = 128
     # Verifies record every GatedDeltaNet step (CUDA), else rollbacks replay the recurrence from its inputs.
     step_states: bool = True
     # With step_states: a step's delta (1/Dk of its state) rather than its state, the rollback replaying

@@ -76,7 +76,8 @@ def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
     [B, Hkv, T_i, D]; `mask` (bool, [L, T], or [B, 1 or Hq, L, T] with T = sum T_i) says which
     keys a query sees."""
     if len(keys) == 1 and exact(q, keys[0], values[0], mask, kernels):
-        return attention_cuda.attention(q, keys[0], values[0], scale, mask, kernels.tensor_core_attention)
+        return attention_cuda.attention(q, keys[0], values[0], scale, mask, kernels.tensor_core_attention,
+                                        kernels.attention_chunk)
     path = path_for(q, mask, kernels)
     if path == "stacked":
         return stacked(q, keys, values, scale, mask)
@@ -93,7 +94,8 @@ def single_query(q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mas
     blocks take on the CPU and on CUDA. A "causal" mask shows one query every key, as no mask does."""
     mask = None if isinstance(mask, str) else mask
     if exact(q, k, v, mask, kernels):
-        return attention_cuda.attention(q, k, v, scale, mask, kernels.tensor_core_attention)
+        return attention_cuda.attention(q, k, v, scale, mask, kernels.tensor_core_attention,
+                                        kernels.attention_chunk)
     if path_for(q, mask, kernels) == "cpu":
         return unfused_cpu(q, k, v, scale, mask)
     return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)

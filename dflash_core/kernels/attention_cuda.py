@@ -309,17 +309,20 @@ def rows_per_block(rows: int, head_dim: int, dtype: mx.Dtype) -> int:
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optional[mx.array] = None,
-              tensor_cores: bool = True) -> mx.array:
+              tensor_cores: bool = True, chunk: int = CHUNK) -> mx.array:
     """softmax(q k^T * scale, over the keys `mask` shows each query; all of them without one) v,
     [B, Hq, L, D] in q's dtype, for inputs `supported` takes. A query that sees no key gets zeros.
     `tensor_cores`: bf16/fp16 head dims the tensor-core kernel takes go through it, else through
-    the scalar one (a decode and a verify must pass the same)."""
+    the scalar one; `chunk`: key slots per block (a multiple of 32, at least CHUNK). A decode and
+    a verify must pass the same of both."""
+    if chunk % 32 or chunk < CHUNK:
+        raise ValueError(f"chunk must be a multiple of 32 and at least {CHUNK}, not {chunk}")
     B, Hq, L, D = q.shape
     T = k.shape[2]
     rows = Hq // k.shape[1] * L  # query rows per KV head
     W = rows_per_block(rows, D, q.dtype)
     groups = -(-rows // W)
-    chunks = -(-T // CHUNK)
+    chunks = -(-T // chunk)
     TK = tile_keys(D, q.dtype)
     has_mask = mask is not None
     mask = _mask4(mask) if has_mask else mx.zeros((1, 1, 1, 1), mx.bool_)
@@ -332,12 +335,12 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
     if tensor_cores and attention_mma_cuda.takes(q.dtype, D):  # by dtype and head dim: decode and verify alike
         TK, WR = attention_mma_cuda.mma_layout(D, rows)
         out, part_m, part_l, part_o = attention_mma_cuda.chunks_kernel()(
-            inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("WR", WR), ("CHUNK", CHUNK),
+            inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("WR", WR), ("CHUNK", chunk),
                                      ("HAS_MASK", has_mask), ("FINAL", final)],
             grid=(-(-rows // (WR * 16)) * WR * 32, chunks, B * k.shape[1]), threadgroup=(WR * 32, 1, 1), **outputs)
     else:
         out, part_m, part_l, part_o = _chunks_kernel()(
-            inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("W", W), ("CHUNK", CHUNK),
+            inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("W", W), ("CHUNK", chunk),
                                      ("HAS_MASK", has_mask), ("FINAL", final)],
             grid=(groups * W * 32, chunks, B * k.shape[1]), threadgroup=(W * 32, 1, 1), **outputs)
     if final:
