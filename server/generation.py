@@ -73,7 +73,8 @@ class Run:
             loop=asyncio.get_running_loop(),
             engine=engine,
             together=self.scheduler.batching,  # steps with the model's other generations, else alone
-            tokens=len(self.prompt.tokens) + (self.max_tokens or engine.max_context or 0),
+            # (the caches never hold more than the context, whatever max_tokens asks)
+            tokens=_cache_tokens(len(self.prompt.tokens), self.max_tokens, engine.max_context),
         )
         try:
             self.scheduler.submit(self.job)
@@ -391,3 +392,11 @@ class CompletionResponder:
         text = "".join([t async for t in self._texts()])
         return self._body(text, self._finish_reason(), usage=self.run.usage(self.matcher.matched_end),
                           dflash=self.run.report())
+
+
+def _cache_tokens(prompt: int, max_tokens: Optional[int], max_context: Optional[int]) -> int:
+    """The most tokens a generation's caches will hold: the prompt and what it may generate, within
+    the model's context (a max_tokens far past it would otherwise never fit beside another job,
+    and hold back the queue behind it)."""
+    most = prompt + (max_tokens if max_tokens is not None else max_context or 0)
+    return min(most, max_context) if max_context else most

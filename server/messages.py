@@ -133,7 +133,14 @@ def _shown_tools(body) -> list[Tool]:
         if tool.defer_loading and tool.strict:
             # Strict calls are enforced by a grammar over the listed tools, which a deferred tool is not.
             raise bad_request(f"tool {tool.name!r}: a deferred tool cannot be strict here", param="tools")
+    if body.tools and all(t.defer_loading for t in body.tools):
+        raise bad_request("at least one tool must not be deferred (defer_loading)", param="tools")  # as Anthropic answers
     return [t for t in body.tools or () if not t.defer_loading or t.name == named]
+
+
+def _chat_tool(tool: Tool) -> dict:
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description or "",
+                                             "parameters": tool.input_schema, "strict": tool.strict}}
 
 
 def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
@@ -143,9 +150,8 @@ def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
         # the combination, rather than turning thinking off unasked.
         raise bad_request("thinking may not be enabled when tool_choice forces tool use (type any or tool)",
                           param="thinking")
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema, "strict": t.strict}}
-             for t in _shown_tools(body)]
+    shown = _shown_tools(body)
+    tools = [_chat_tool(t) for t in shown]
     thinking = _thinking(body)
     fmt = body.output_config.format if body.output_config else None
     request = {
@@ -153,7 +159,7 @@ def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
         "parallel_tool_calls": False if body.tool_choice and body.tool_choice.disable_parallel_tool_use else None,
         "max_tokens": max_tokens, "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
         "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None,
-        "max_reasoning_tokens": body.thinking.budget_tokens if body.thinking and body.thinking.type == "enabled" else None,
+        "max_reasoning_tokens": body.thinking.budget_tokens if thinking else None,  # (enabled or adaptive, on)
     }
     if isinstance(body, MessagesRequest):
         request.update(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -162,6 +168,9 @@ def to_chat(body, max_tokens: int = 1) -> ChatCompletionRequest:
         chat_request = ChatCompletionRequest.model_validate({k: v for k, v in request.items() if v is not None})
     except ValueError as e:
         raise bad_request(f"invalid request: {e}") from e
+    # The deferred tools the prompt does not list: a tool_reference may have loaded them, and their
+    # calls are read with their schemas (a Qwen XML call's values are typed by it).
+    chat_request._unlisted_tools = [_chat_tool(t) for t in body.tools or () if all(t is not s for s in shown)]
     if isinstance(body, MessagesRequest) and body.stop_sequences:
         # Set after validation: the chat request's limit of 4 is OpenAI's; Anthropic's API has none.
         chat_request.stop = list(body.stop_sequences)

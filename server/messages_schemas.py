@@ -7,7 +7,7 @@ generated say why next to them (README.md, "Messages API", lists them too).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
@@ -164,12 +164,18 @@ class Metadata(StrictModel):
     user_id: Optional[str] = None  # logged with the request
 
 
+MAX_STOP_SEQUENCES, MAX_STOP_LENGTH = 256, 1024
+
+
 class MessagesRequest(StrictModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: Union[str, list[TextBlock], None] = None
-    stop_sequences: Optional[list[str]] = None
+    # Anthropic's API states no limit; each one is matched against the output as it streams, on the
+    # server's event loop, so a bound keeps one request from stalling the others (docs/api.md).
+    stop_sequences: Optional[list[Annotated[str, Field(max_length=MAX_STOP_LENGTH)]]] = Field(
+        None, max_length=MAX_STOP_SEQUENCES)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None

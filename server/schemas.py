@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator
 
 
 class StrictModel(BaseModel):
@@ -194,6 +194,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None  # false: the output ends with its first call
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
+    # Not a request field: tools the prompt does not list that the model may still call (the
+    # Messages API's deferred tools, which a tool_reference loads), as chat tools: their calls are
+    # parsed with their schemas.
+    _unlisted_tools: list[dict] = PrivateAttr(default_factory=list)
     # dflash's extension (Messages' thinking.budget_tokens maps to it): the reasoning block the
     # prompt opens ends within this many tokens, its end marker forced then (masked, lossless).
     max_reasoning_tokens: Optional[int] = Field(default=None, ge=1)

@@ -77,7 +77,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: f
         # Off the event loop: a long conversation takes a while to render and tokenize, and every
         # other stream and /health would wait for it.
         prompt = await asyncio.to_thread(chat.chat_prompt, body, served.engine.tokenizer, served.markers, defaults)
-        parser = ChatOutputParser(prompt.markers, [t.model_dump() for t in body.tools or []], body.tool_choice,
+        callable_tools = [t.model_dump() for t in body.tools or []] + body._unlisted_tools
+        parser = ChatOutputParser(prompt.markers, callable_tools, body.tool_choice,
                                   body.stop, prompt.starts_in_reasoning, single_call=body.parallel_tool_calls is False)
         grammar = await _compiled(served, prompt.grammar, "response_format" if body.response_format else "tools")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

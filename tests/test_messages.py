@@ -238,6 +238,15 @@ def test_stop_sequences_and_stop_reasons(scripted):
     many = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50,
                                            stop_sequences=["a1", "b2", "c3", "d4", "two"])
     assert many.content[0].text == "One " and many.stop_sequence == "two"
+    # Each is matched as the output streams, on the event loop: bounded in number and length.
+    up_to_the_bound = [f"x{i}" for i in range(255)] + ["two"]
+    assert scripted.client.messages.create(model="scripted", messages=HI, max_tokens=50,
+                                           stop_sequences=up_to_the_bound).stop_sequence == "two"
+    for stops in ([f"x{i}" for i in range(257)], ["y" * 1025]):
+        r = httpx.post(scripted.url + "/v1/messages", json={"model": "scripted", "messages": HI, "max_tokens": 5,
+                                                            "stop_sequences": stops})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert "stop_sequences" in r.json()["error"]["message"]
     short = scripted.client.messages.create(model="scripted", messages=HI, max_tokens=3)
     assert short.stop_reason == "max_tokens"
     beta = scripted.client.beta.messages.create(model="scripted", messages=HI, max_tokens=50,
@@ -347,13 +356,36 @@ def test_deferred_tools_show_where_a_tool_search_loads_them(scripted):
                                           max_tokens=200)
     assert out.stop_reason == "tool_use" and out.content[-1].name == "get_forecast"
     assert out.content[-1].input == {"city": "Oslo"}
+    # Its arguments are read with its schema, as a listed tool's are (Qwen's XML values are text).
+    typed = {**DEFERRED, "input_schema": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "tags": {"type": "array"}}}}
+    script(scripted, "scripted", "</think>\n\n<tool_call>\n<function=get_forecast>\n<parameter=city>\nOslo\n</parameter>\n"
+           "<parameter=days>\n5\n</parameter>\n<parameter=tags>\n[\"a\"]\n</parameter>\n</function>\n</tool_call>")
+    out = scripted.client.messages.create(model="scripted", messages=searched, tools=[SEARCH, typed], max_tokens=200)
+    assert out.content[-1].input == {"city": "Oslo", "days": 5, "tags": ["a"]}
 
     bad = [({"messages": [*searched[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
                                           "content": [{"type": "tool_reference", "tool_name": "nope"}]}]}],
              "tools": [SEARCH, DEFERRED]}, "'nope'"),
            ({"messages": searched[:1], "tools": [{**SEARCH, "strict": True}, {**DEFERRED, "strict": True}]},
-            "cannot be strict")]
+            "cannot be strict"),
+           ({"messages": searched[:1], "tools": [{**SEARCH, "defer_loading": True}, DEFERRED]}, "must not be deferred")]
     for body, said in bad:
         response = httpx.post(scripted.url + "/v1/messages", json={"model": "scripted", "max_tokens": 5, **body},
                               timeout=30)
         assert response.status_code == 400 and said in response.json()["error"]["message"], response.text
+
+
+def test_a_thinking_budget_bounds_adaptive_thinking_too():
+    """`budget_tokens` bounds the reasoning whenever thinking is on (enabled, or adaptive above
+    effort low), and means nothing when it is off."""
+    def budget(thinking, **extra):
+        body = MessagesRequest.model_validate({"model": "m", "max_tokens": 10, "messages": HI, "thinking": thinking,
+                                               **extra})
+        return to_chat(body).max_reasoning_tokens
+
+    assert budget({"type": "enabled", "budget_tokens": 6}) == 6
+    assert budget({"type": "adaptive", "budget_tokens": 6}) == 6
+    assert budget({"type": "adaptive", "budget_tokens": 6}, output_config={"effort": "high"}) == 6
+    assert budget({"type": "adaptive", "budget_tokens": 6}, output_config={"effort": "low"}) is None
+    assert budget({"type": "disabled", "budget_tokens": 6}) is None

@@ -103,3 +103,15 @@ def test_the_process_exits_cleanly_after_the_worker_ran_mlx():
         done = subprocess.run([sys.executable, "-c", EXITS_AFTER_QUEUED_WORK], capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_job_is_measured_by_what_its_caches_can_hold():
+    """Admission counts a job's tokens as its prompt plus max_tokens, never past the model's context:
+    a max_tokens of 2**40 (accepted: the context ends a generation first) must not make a job that
+    never fits beside another one, holding back the queue behind it."""
+    from dflash_server.generation import _cache_tokens
+
+    assert _cache_tokens(100, 2**40, 4096) == 4096
+    assert _cache_tokens(100, 50, 4096) == 150
+    assert _cache_tokens(100, None, 4096) == 4096  # no max_tokens: the context bounds it
+    assert _cache_tokens(100, 50, None) == 150
