@@ -112,12 +112,12 @@ def exact_attention_calls(monkeypatch):
     calls = []
     if backend() == "cuda":
         kernel = attention_cuda.attention
-    else:
-        def kernel(q, k, v, scale, mask=None):
+    else:  # (the kernel's options, tensor cores and chunk, mean nothing to the stand-in)
+        def kernel(q, k, v, scale, mask=None, *options):
             return attention.unfused_cpu(q, k, v, scale, mask)
     monkeypatch.setattr(attention, "backend", lambda: "cuda")
-    monkeypatch.setattr(attention_cuda, "attention",
-                        lambda q, k, v, scale, mask=None: calls.append(q.shape[2]) or kernel(q, k, v, scale, mask))
+    monkeypatch.setattr(attention_cuda, "attention", lambda q, k, v, scale, mask=None, *options:
+                        calls.append(q.shape[2]) or kernel(q, k, v, scale, mask, *options))
     return calls
 
 
