@@ -182,8 +182,9 @@ class RefreshSchedule:
     current: once the cycles since a step was last priced took long enough that a refresh costs at
     most `overhead` of their time (as losing probes may cost of the plain steps, `ProbeSchedule`),
     from every `shortest` cycles to every `longest`. Kept per model, so that short generations do
-    not each refresh anew, and one generation's refresh serves the others taking turns with it (in a
-    batch every row refreshes in the same round: the round is what gets priced). The step priced is
+    not each refresh anew, and one generation's refresh serves the others taking turns with it (taken
+    up by another if it ends first; in a batch every row refreshes in the same round: the round is
+    what gets priced). The step priced is
     the refreshing generation's context's; one that refreshes at another length re-prices its own
     only at its next refresh."""
 
@@ -191,8 +192,17 @@ class RefreshSchedule:
     longest: int = 256
     overhead: float = 0.02
     cycles: float = 0.0  # cycles since a step was last priced (rounds, in a batch)
+    claimed: Optional[float] = None  # `cycles` when a generation alone started the refresh under way
     _round: int = -1  # in a batch: the last round whose rows were told whether to refresh
     _round_due: bool = False  # what they were told
+
+    def claim(self) -> None:
+        """A generation alone starts a refresh: the others taking turns with it need not."""
+        self.claimed = self.cycles
+
+    def priced(self) -> None:
+        """A step was priced (or a refresh gave up): the next refresh waits its turn."""
+        self.cycles, self.claimed = 0.0, None
 
     def due(self, cost: float, round_number: Optional[int] = None) -> bool:
         """`cost`: what a refresh costs, in cycles' time. `round_number`: in a batch, the round this
@@ -200,11 +210,16 @@ class RefreshSchedule:
         while the count moves), and a refresh due starts the count again."""
         if round_number is not None and round_number == self._round:
             return self._round_due
+        if self.claimed is not None and round_number is None:
+            # Another generation is refreshing: the others need not, unless it has not priced a
+            # step while they ran twice the shortest wait of cycles (it ended first: closed, or a
+            # stop). Its plain steps add no cycles; the others' turns meanwhile add a few.
+            return self.cycles - self.claimed >= 2 * self.shortest
         due = self.cycles >= min(self.longest, max(self.shortest, cost / self.overhead))
         if round_number is not None:
             self._round, self._round_due = round_number, due
             if due:
-                self.cycles = 0.0
+                self.priced()  # (the round's rows all refresh: its plain rows price the step)
         return due
 
 
@@ -311,7 +326,7 @@ class AutoSpeculation:
                 # A step measured long ago (or under other load) would keep cycles on. Plain steps
                 # until one is timed: the engine times a step only inside a run of them (engine.py).
                 if not self._refreshing and share == 1.0:  # claimed: the model's other generations,
-                    self.refreshes.cycles = 0.0  # taking turns with this one, need not refresh too
+                    self.refreshes.claim()  # taking turns with this one, need not refresh too
                 self._explore, self._refreshing = True, max(self._refreshing, 1)
                 return 0
             if self._explore:  # after the refresh, a width timed 1 to `settled`-1 times (in all): one
@@ -352,7 +367,7 @@ class AutoSpeculation:
         else:
             ended = kept or self._refreshing >= self.refresh_steps  # priced, or a refresh gave up
             if ended:
-                self.refreshes.cycles = 0.0  # the next one waits its turn
+                self.refreshes.priced()
             if self._refreshing:
                 self._refreshing = 0 if ended else self._refreshing + 1
         if width:

@@ -415,6 +415,21 @@ def test_one_generation_s_refresh_serves_the_others_taking_turns(n):
     assert tail.count(0) / len(tail) < 0.025, tail.count(0) / len(tail)
 
 
+def test_a_refresh_whose_generation_ended_is_taken_up_soon():
+    """A generation starts a refresh (the others need not) and ends before its plain step is timed
+    (closed, a stop token): another generation refreshes within twice the shortest wait, not after a
+    whole interval with the step's price left stale."""
+    model = ModelSpeculation(16)
+    first = model.policy("auto")
+    _feed(first, 100, 0.01, lambda w: 0.02, lambda w: min(6, w - 1), 400)  # long enough to refresh
+    while first.plan(100) != 0:  # up to the refresh's first plain step, then the generation ends
+        first.observe(16, 100, 0.02, 6)
+    second = model.policy("auto")
+    plans = _feed(second, 100, 0.01, lambda w: 0.02, lambda w: min(6, w - 1), 200)
+    assert 0 in plans[:2 * model.refreshes.shortest + 4], plans
+    assert model.refreshes.claimed is None  # its refresh priced a step
+
+
 def test_auto_finds_the_width_that_pays():
     """Cycle cost grows with width (CPU) and only the first 3 drafts are ever accepted: a narrow
     width beats both plain steps and the full block."""
