@@ -228,7 +228,10 @@ class MessageBuilder:
         if block["type"] == "tool_use":
             block["input"] = json.loads(block.pop("_json", "") or "{}")
         self._open = None
-        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+        stop = {"type": "content_block_stop", "index": len(self.blocks) - 1}
+        if block["type"] == "thinking":  # Anthropic ends a thinking block with its signature; we sign nothing
+            return [self._delta({"type": "signature_delta", "signature": ""}), stop]
+        return [stop]
 
 
 class MessagesResponder:

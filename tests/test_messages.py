@@ -292,6 +292,9 @@ def test_thinking_display_omitted_sends_thinking_blocks_without_their_text(scrip
                          key="unused")
     deltas = [data["delta"]["type"] for name, data in events if name == "content_block_delta"]
     assert "thinking_delta" not in deltas and "text_delta" in deltas
+    # As Anthropic's: a thinking block's last delta is its signature (empty: nothing is signed here).
+    names = [(name, data.get("delta", {}).get("type"), data.get("index")) for name, data in events]
+    assert names.index(("content_block_delta", "signature_delta", 0)) + 1 == names.index(("content_block_stop", None, 0))
 
 
 def test_a_failing_generation_ends_the_stream_with_an_error_event(scripted):
