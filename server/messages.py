@@ -43,17 +43,23 @@ def _text(content) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content if isinstance(b, TextBlock))
 
 
-def tool_result_text(block: ToolResultBlock, tools: dict[str, Tool]) -> str:
+def tool_result_text(block: ToolResultBlock, tools: dict[str, Tool], loaded: set[str]) -> str:
     """A tool result as the model reads it: its text, with each run of tool_reference blocks (a
     tool search's answer) written as the definitions they load, one `<function>` line per tool in a
     `<functions>` block, where they stand. The definitions go here, not into the prompt's tool list,
-    so that the conversation before them (and its cached prefix) stays as it was."""
+    so that the conversation before them (and its cached prefix) stays as it was. A tool already
+    `loaded` earlier in the conversation is named, not written out again (a reference repeated
+    thousands of times would otherwise make a small request a prompt of gigabytes)."""
     content = block.content if isinstance(block.content, list) else [TextBlock(type="text", text=block.content or "")]
     parts: list[str] = []
     for referencing, run in itertools.groupby(content, key=lambda part: isinstance(part, ToolReferenceBlock)):
         if referencing:
-            parts.append("<functions>\n" + "\n".join(_loaded_definition(r.tool_name, tools) for r in run)
-                         + "\n</functions>")
+            lines = []
+            for r in run:
+                lines.append(_loaded_definition(r.tool_name, tools) if r.tool_name not in loaded
+                             else f"<function>{json.dumps({'name': r.tool_name})}</function>")
+                loaded.add(r.tool_name)
+            parts.append("<functions>\n" + "\n".join(lines) + "\n</functions>")
         else:
             parts += [part.text for part in run]
     text = "\n".join(parts)
@@ -73,29 +79,34 @@ def chat_messages(body) -> list[dict]:
     user's text, as Anthropic requires them first), tool_use blocks the assistant's tool calls,
     thinking blocks its reasoning_content."""
     tools = {t.name: t for t in body.tools or ()}
+    loaded: set[str] = set()  # the deferred tools whose definitions a tool_reference wrote out
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     for message in body.messages:
         blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
-            out: dict[str, Any] = {"role": "assistant", "content": ""}
+            out: dict[str, Any] = {"role": "assistant"}
+            said, thought = [], []  # (joined once: adding to a string block by block is quadratic)
             for block in blocks:
                 if isinstance(block, TextBlock):
-                    out["content"] += block.text
+                    said.append(block.text)
                 elif isinstance(block, ThinkingBlock):
-                    out["reasoning_content"] = out.get("reasoning_content", "") + block.thinking
+                    thought.append(block.thinking)
                 elif isinstance(block, ToolUseBlock):
                     out.setdefault("tool_calls", []).append(
                         {"id": block.id, "type": "function",
                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
                 elif not isinstance(block, RedactedThinkingBlock):
                     raise bad_request(f"a {block.type} block cannot be in an assistant message", param="messages")
+            out["content"] = "".join(said)
+            if thought:
+                out["reasoning_content"] = "".join(thought)
             messages.append(out)
             continue
         text = []
         for block in blocks:
             if isinstance(block, ToolResultBlock):
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                                 "content": tool_result_text(block, tools)})
+                                 "content": tool_result_text(block, tools, loaded)})
             elif isinstance(block, TextBlock):
                 text.append(block.text)
             else:

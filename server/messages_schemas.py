@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from .schemas import DflashOptions, StrictModel, by_type, text_only
+from .schemas import MAX_STOP_LENGTH, DflashOptions, StrictModel, by_type, text_only
 
 
 class CacheControl(StrictModel):
@@ -164,7 +164,7 @@ class Metadata(StrictModel):
     user_id: Optional[str] = None  # logged with the request
 
 
-MAX_STOP_SEQUENCES, MAX_STOP_LENGTH = 256, 1024
+MAX_STOP_SEQUENCES = 256
 
 
 class MessagesRequest(StrictModel):

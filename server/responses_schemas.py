@@ -6,7 +6,7 @@ is generated say why next to them (README.md, "Responses API", lists them too).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
@@ -222,7 +222,10 @@ class ResponsesRequest(Sampling):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     prompt_cache_key: Optional[str] = None  # the prefix cache is automatic and exact: no key needed
     prompt_cache_retention: Optional[str] = None  # likewise; entries live while memory allows
-    metadata: Optional[dict[str, str]] = None  # stored with the response and returned
+    # Stored with the response and returned: OpenAI's limits (16 pairs, keys of 64 characters,
+    # values of 512), which also bound what the response store holds per response.
+    metadata: Optional[Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                                 Field(max_length=16)]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # logged with the request

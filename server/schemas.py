@@ -143,9 +143,14 @@ class ChatTemplateKwargs(StrictModel):
     enable_thinking: Optional[bool] = None
 
 
+MAX_STOP_LENGTH = 1024  # characters: each stop string is matched as the output streams, on the event loop
+
+
 def _at_most_four(value):
     if isinstance(value, list) and len(value) > 4:
         raise ValueError("at most 4 stop sequences")
+    if any(len(stop) > MAX_STOP_LENGTH for stop in ([value] if isinstance(value, str) else value or ())):
+        raise ValueError(f"a stop sequence may be at most {MAX_STOP_LENGTH} characters")
     return value
 
 

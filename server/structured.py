@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Optional
 
 from dflash_core.grammar import GrammarSpec
@@ -32,21 +33,22 @@ class Literals:
         # Longest first, so a token that contains another is found whole.
         self.added = sorted((t for t in added_tokens if t), key=len, reverse=True)
         self.ids = dict(added_tokens)
+        # One scan of the text for all of them (leftmost, then longest): a search per token and
+        # occurrence took minutes for a tool name of 200,000 "<think>".
+        self._tokens = re.compile("|".join(map(re.escape, self.added))) if self.added else None
 
     def is_token(self, text: str) -> bool:
         return text in self.added
 
     def __call__(self, text: str) -> str:
-        parts, rest = [], text
-        while rest:
-            at, token = min(((rest.find(t), t) for t in self.added if t in rest), default=(-1, None))
-            if token is None:
-                parts.append(json.dumps(rest))
-                break
-            if at:
-                parts.append(json.dumps(rest[:at]))
-            parts.append(f"<[{self.ids[token]}]>")  # by id: a name like <|"|> would not parse
-            rest = rest[at + len(token):]
+        parts, at = [], 0
+        for found in self._tokens.finditer(text) if self._tokens is not None else ():
+            if found.start() > at:
+                parts.append(json.dumps(text[at:found.start()]))
+            parts.append(f"<[{self.ids[found.group()]}]>")  # by id: a name like <|"|> would not parse
+            at = found.end()
+        if at < len(text):
+            parts.append(json.dumps(text[at:]))
         return " ".join(parts) or '""'
 
     def until(self, name: str, marker: str) -> str:
@@ -194,12 +196,15 @@ def _gemma_members(rules: _Rules, schema: dict) -> str:
     required = set(schema.get("required") or ())
     after = {}  # (index, is_first) -> rule for the members from index on
     for i in range(len(props), -1, -1):
+        # One rule per value, used by both forms of the pair (writing the value twice doubled the
+        # grammar at every level of nesting: 20 levels made millions of rules).
+        value = rules.add(_gemma_value(rules, props[i][1])) if i < len(props) else None
         for first in (True, False):
             if i == len(props):
                 after[i, first] = '""'
                 continue
-            key, value = props[i]
-            pair = ("" if first else '"," ') + f'{rules.lit(key + ":")} {_gemma_value(rules, value)}'
+            key = props[i][0]
+            pair = ("" if first else '"," ') + f'{rules.lit(key + ":")} {value}'
             taken = rules.add(f"{pair} {after[i + 1, False]}")
             after[i, first] = taken if key in required else rules.add(f"{taken} | {after[i + 1, first]}")
     return after[0, True]

@@ -392,3 +392,22 @@ def test_a_thinking_budget_bounds_adaptive_thinking_too():
     assert budget({"type": "adaptive", "budget_tokens": 6}, output_config={"effort": "high"}) == 6
     assert budget({"type": "adaptive", "budget_tokens": 6}, output_config={"effort": "low"}) is None
     assert budget({"type": "disabled", "budget_tokens": 6}) is None
+
+
+def test_a_tool_s_definition_is_written_out_once_however_often_it_is_referenced():
+    """A tool_reference writes its tool's definition where it stands, the first time; later ones
+    name the tool (2000 references to a tool with a 100 KB description made a 192 KB request a
+    prompt of 200 MB)."""
+    from dflash_server.messages import chat_messages
+
+    big = {**DEFERRED, "description": "d" * 100_000}
+    refs = [{"type": "tool_reference", "tool_name": "get_forecast"}] * 2000
+    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "tools": [SEARCH, big], "messages": [
+        {"role": "user", "content": "Forecast?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "f"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": refs}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "ToolSearch", "input": {"query": "f"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": refs[:1]}]}]})
+    text = "".join(m["content"] for m in chat_messages(body))
+    assert text.count("d" * 100_000) == 1 and len(text) < 200_000
+    assert text.count('<function>{"name": "get_forecast"}</function>') == 2000

@@ -180,10 +180,11 @@ def _error(response, status, param=None, code=None):
         ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages",
          "context_length_exceeded"),
         ({"model": "tiny", "messages": MESSAGES, "store": True}, 400, "store", None),
+        ({"model": "tiny", "messages": MESSAGES, "stop": ["x" * 1025]}, 400, "stop", None),
     ],
     ids=["malformed-json", "wrong-type", "messages-not-list", "n2", "top-logprobs-alone", "top-logprobs-21",
          "response-format-type", "bad-schema", "unknown-field", "top-p-zero", "logit-bias-range", "unknown-model",
-         "prompt-too-long", "store"],
+         "prompt-too-long", "store", "stop-length"],
 )
 def test_bad_requests(live, client, body, status, param, code):
     _error(_post(live, "/v1/chat/completions", body), status, param, code)
