@@ -117,11 +117,11 @@ def output_grammar(request: ChatCompletionRequest, tokenizer, markers: Markers, 
     with tools the model may call) either of the two. The format is the final answer's: where the
     server opened a call (tool_choice required or named) this turn is a call, not the answer."""
     literals = structured.Literals(hf_tokenizer(tokenizer).get_added_vocab())
-    structured.format_schema(request.response_format)  # a malformed format is a 400 whatever the turn
+    schema = structured.format_schema(request.response_format)  # (a malformed format is a 400 whatever the turn)
     if request.tool_choice == "none" or not tools:
-        return structured.response_format_grammar(request.response_format, markers, in_reasoning, literals)
+        return structured.response_format_grammar(schema, markers, in_reasoning, literals)
     if not opening:
-        both = structured.answer_or_calls_grammar(request.response_format, tools, markers, in_reasoning, literals)
+        both = structured.answer_or_calls_grammar(schema, tools, markers, in_reasoning, literals)
         if both is not None:
             return both
     named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None

@@ -146,7 +146,7 @@ class ChatTemplateKwargs(StrictModel):
 MAX_STOP_LENGTH = 1024  # characters: each stop string is matched as the output streams, on the event loop
 
 
-def _at_most_four(value):
+def _bounded_stops(value):
     if isinstance(value, list) and len(value) > 4:
         raise ValueError("at most 4 stop sequences")
     if any(len(stop) > MAX_STOP_LENGTH for stop in ([value] if isinstance(value, str) else value or ())):
@@ -154,7 +154,7 @@ def _at_most_four(value):
     return value
 
 
-StopField = Annotated[Union[str, list[str], None], AfterValidator(_at_most_four)]
+StopField = Annotated[Union[str, list[str], None], AfterValidator(_bounded_stops)]
 
 
 class DflashOptions(StrictModel):

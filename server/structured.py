@@ -78,9 +78,9 @@ def format_schema(response_format) -> Optional[Any]:
     return spec.schema_
 
 
-def response_format_grammar(response_format, markers: Markers, starts_in_reasoning: bool,
+def response_format_grammar(schema: Optional[Any], markers: Markers, starts_in_reasoning: bool,
                             lit: Literals) -> Optional[GrammarSpec]:
-    schema = format_schema(response_format)
+    """The answer is JSON matching `schema` (`format_schema`; None: free text, no grammar)."""
     if schema is None:
         return None
     think = _reasoning_prefix(lit, markers, starts_in_reasoning)
@@ -88,20 +88,18 @@ def response_format_grammar(response_format, markers: Markers, starts_in_reasoni
     return GrammarSpec("lark", HEADER + start + json.dumps(schema) + "\nWS: /[ \\t\\n]*/\n" + think)
 
 
-def answer_or_calls_grammar(response_format, tools: list[dict], markers: Markers, starts_in_reasoning: bool,
+def answer_or_calls_grammar(schema: Optional[Any], tools: list[dict], markers: Markers, starts_in_reasoning: bool,
                             lit: Literals) -> Optional[GrammarSpec]:
-    """A response format with tools the model may call: as the APIs define it, the format is the
-    final answer's, so the output is either that JSON or tool calls in the template's form (one or
-    more, whitespace between, no text around them), after the reasoning. Strict tools' calls match
-    their schemas; the others' arguments are free. None without a format."""
-    schema = format_schema(response_format)
+    """A response format (its `schema`, `format_schema`) with tools the model may call: as the APIs
+    define it, the format is the final answer's, so the output is either that JSON or tool calls in
+    the template's form (one or more, whitespace between, no text around them), after the
+    reasoning. Strict tools' calls match their schemas; the others' arguments are free. None
+    without a format."""
     if schema is None:
         return None
     if not tools or not markers.has_tools:  # nothing the model could call in a form we read
-        return response_format_grammar(response_format, markers, starts_in_reasoning, lit)
-    strict = [t["function"] for t in tools if t["function"].get("strict")]
-    if strict and len(strict) != len(tools):
-        raise bad_request("strict must be the same for every tool of a request", param="tools")
+        return response_format_grammar(schema, markers, starts_in_reasoning, lit)
+    strict = _strict_functions(tools)
     rules = _Rules(lit)
     if strict:
         bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for head, core, tail in
@@ -220,6 +218,14 @@ def _gemma_any(rules: _Rules) -> str:
     return "gany"
 
 
+def _strict_functions(tools: Optional[list[dict]]) -> list[dict]:
+    """The functions of the strict tools: every tool's, or none (a request mixing them is a 400)."""
+    strict = [t["function"] for t in tools or () if t["function"].get("strict")]
+    if strict and len(strict) != len(tools):
+        raise bad_request("strict must be the same for every tool of a request", param="tools")
+    return strict
+
+
 def _call_parts(rules: _Rules, markers: Markers, function: dict) -> tuple[str, str, str]:
     """(text after the start marker that names the call, Lark for its arguments, text that ends it)."""
     name = function["name"]
@@ -236,13 +242,11 @@ def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: st
                          lit: Literals, named: Optional[str] = None) -> Optional[GrammarSpec]:
     """The grammar for requests with strict function tools, or None when none is strict.
     `forced_opening`: what the server wrote of a call (tool_choice required or `named`)."""
-    strict = [t["function"] for t in tools or () if t["function"].get("strict")]
+    strict = _strict_functions(tools)
     if not strict:
         return None
     if markers.tool_format not in (QWEN_JSON, QWEN_XML, GEMMA4):
         raise bad_request("this model's template has no tool-call form to enforce strict schemas in", param="tools")
-    if len(strict) != len(tools):
-        raise bad_request("strict must be the same for every tool of a request", param="tools")
     rules = _Rules(lit)
     calls = [(f["name"], *_call_parts(rules, markers, f)) for f in strict]
     bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for _, head, core, tail in calls]

@@ -10,7 +10,13 @@ from mlx_lm.utils import load_tokenizer
 from dflash_core.grammar import compile_grammar, tokenizer_info
 from dflash_core.prompts import hf_tokenizer
 from dflash_server.schemas import ResponseFormat
-from dflash_server.structured import Literals, answer_or_calls_grammar, response_format_grammar, strict_tools_grammar
+from dflash_server.structured import (
+    Literals,
+    answer_or_calls_grammar,
+    format_schema,
+    response_format_grammar,
+    strict_tools_grammar,
+)
 from dflash_server.tool_calls import GEMMA4_MARKERS, QWEN_JSON_MARKERS, QWEN_XML_MARKERS
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
@@ -76,7 +82,7 @@ def test_no_strict_tool_no_grammar(qwen):
 
 
 def test_json_answer_after_reasoning(qwen):
-    spec = response_format_grammar(ResponseFormat(type="json_object"), QWEN_XML_MARKERS, True,
+    spec = response_format_grammar(format_schema(ResponseFormat(type="json_object")), QWEN_XML_MARKERS, True,
                                    Literals(qwen.get_added_vocab()))
     assert _matches(qwen, spec, 'Thinking {about} it.\n</think>\n\n{"a": [1, 2]}')
     assert not _matches(qwen, spec, "Thinking.\n</think>\n\nno json")
@@ -96,7 +102,7 @@ def test_a_format_with_tools_is_the_answer_or_calls(qwen, gemma, form, markers, 
     hf = gemma if markers is GEMMA4_MARKERS else qwen
     reasoning = "" if markers is GEMMA4_MARKERS else "Let me see.\n</think>\n\n"
     tool = {"type": "function", "function": {**WEATHER["function"], "strict": strict}}
-    spec = answer_or_calls_grammar(ANSWER, [tool], markers, bool(reasoning), Literals(hf.get_added_vocab()))
+    spec = answer_or_calls_grammar(format_schema(ANSWER), [tool], markers, bool(reasoning), Literals(hf.get_added_vocab()))
     assert _matches(hf, spec, reasoning + '{"answer": "sunny"}')
     assert _matches(hf, spec, reasoning + call)
     assert _matches(hf, spec, reasoning + call + "\n" + call)

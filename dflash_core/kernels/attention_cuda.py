@@ -320,10 +320,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
     B, Hq, L, D = q.shape
     T = k.shape[2]
     rows = Hq // k.shape[1] * L  # query rows per KV head
-    W = rows_per_block(rows, D, q.dtype)
-    groups = -(-rows // W)
     chunks = -(-T // chunk)
-    TK = tile_keys(D, q.dtype)
     has_mask = mask is not None
     mask = _mask4(mask) if has_mask else mx.zeros((1, 1, 1, 1), mx.bool_)
     final = chunks == 1
@@ -339,10 +336,11 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
                                      ("HAS_MASK", has_mask), ("FINAL", final)],
             grid=(-(-rows // (WR * 16)) * WR * 32, chunks, B * k.shape[1]), threadgroup=(WR * 32, 1, 1), **outputs)
     else:
+        TK, W = tile_keys(D, q.dtype), rows_per_block(rows, D, q.dtype)
         out, part_m, part_l, part_o = _chunks_kernel()(
             inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("W", W), ("CHUNK", chunk),
                                      ("HAS_MASK", has_mask), ("FINAL", final)],
-            grid=(groups * W * 32, chunks, B * k.shape[1]), threadgroup=(W * 32, 1, 1), **outputs)
+            grid=(-(-rows // W) * W * 32, chunks, B * k.shape[1]), threadgroup=(W * 32, 1, 1), **outputs)
     if final:
         return out
     per_block = 4
