@@ -44,6 +44,9 @@ class ServerSettings(Strict):
         0.9, gt=0, le=1, description="a waiting generation starts only while the memory in use plus what its "
         "caches will take stays under this share of the device's memory; the others wait in the queue")
     request_timeout: Optional[float] = Field(600.0, gt=0, description="seconds a request may take")
+    send_timeout: Optional[float] = Field(
+        60.0, gt=0, description="seconds one event of a stream may wait for a client that stopped reading; "
+        "then the stream ends (its generation already ends at request_timeout)")
     # Longer than clients keep an idle connection (httpx, under the OpenAI and Anthropic Python SDKs:
     # 5 s; Node's fetch: 4 s): the client closes an idle connection first, so it never sends a
     # request on one the server is timing out at that moment (uvicorn's own 5 s is httpx's 5 s).

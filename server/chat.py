@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from pydantic_core import PydanticSerializationError
+
 from dflash_core.grammar import GrammarSpec
 from dflash_core.prompts import MessageError, encode_rendered, hf_tokenizer, render_chat
 from dflash_core.sampling import SamplingError, SamplingParams
@@ -48,6 +50,14 @@ def _surrogate_at(value, path: str = "") -> Optional[str]:
 
 def refuse_surrogates(body) -> None:
     """A 400 naming the field of `body` (any API's request) that holds a lone surrogate."""
+    try:
+        # pydantic-core's JSON writer fails on a lone surrogate, and runs on a 16 MB body in a
+        # tenth of the time of a Python walk of its dump (~2 s, on the event loop): walk only to
+        # name the field once there is one.
+        body.model_dump_json(exclude_none=True, by_alias=True)
+        return
+    except PydanticSerializationError:
+        pass
     where = _surrogate_at(body.model_dump(exclude_none=True, by_alias=True))
     if where is not None:
         raise bad_request(f"{where} holds a lone UTF-16 surrogate, which is not text", param=where)

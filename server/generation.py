@@ -22,7 +22,7 @@ from .logprobs import TokenText, chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .models import ServedModel
 from .output_text import ChatOutputParser, Delta, StopMatcher, collect_deltas, delta_to_openai
-from .scheduler import Job, QueueFullError, Scheduler, SchedulerStopped
+from .scheduler import Job, JobTimedOut, QueueFullError, Scheduler, SchedulerStopped
 
 
 class ClientGone(Exception):
@@ -75,6 +75,8 @@ class Run:
             together=self.scheduler.batching,  # steps with the model's other generations, else alone
             # (the caches never hold more than the context, whatever max_tokens asks)
             tokens=_cache_tokens(len(self.prompt.tokens), self.max_tokens, engine.max_context),
+            # Enforced by the worker too: a stream whose client stops reading is not awaited here.
+            deadline=None if self.timeout is None else self.started + self.timeout,
         )
         try:
             self.scheduler.submit(self.job)
@@ -100,13 +102,14 @@ class Run:
                     try:
                         item = await asyncio.wait_for(self.job.outputs.get(), remaining)
                     except asyncio.TimeoutError:
-                        raise APIError(504, f"the request took longer than {self.timeout:g} s", type="server_error",
-                                       code="timeout") from None
+                        raise self.timed_out() from None
                     if isinstance(item, GenerationChunk):
                         item = self.merge_waiting(item)
                 if item is None:
                     return
                 if isinstance(item, BaseException):
+                    if isinstance(item, JobTimedOut):
+                        raise self.timed_out() from item
                     if isinstance(item, (RequestError, SamplingError, GrammarError)):  # the engine's own input checks
                         raise APIError(400, str(item)) from item
                     if isinstance(item, SchedulerStopped):  # shutting down (or the worker died)
@@ -123,6 +126,9 @@ class Run:
                     return
         finally:
             self.cancel()  # a no-op after a normal end; frees the worker on any early exit
+
+    def timed_out(self) -> APIError:
+        return APIError(504, f"the request took longer than {self.timeout:g} s", type="server_error", code="timeout")
 
     def merge_waiting(self, chunk: GenerationChunk) -> GenerationChunk:
         """`chunk` and the chunks already queued behind it as one: when the worker makes tokens

@@ -32,6 +32,11 @@ class SchedulerStopped(Exception):
     pass
 
 
+class JobTimedOut(Exception):
+    """A generation still running (or waiting) at its deadline: the worker ends it there, whether
+    or not its client is reading (a stream nobody reads is never awaited, so the reader cannot)."""
+
+
 @dataclass
 class Job:
     """One request's generation. `start` runs on the worker thread and returns the step iterator
@@ -49,6 +54,7 @@ class Job:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
+    deadline: Optional[float] = None  # time.perf_counter() past which the worker ends it (None: never)
     steps: Optional[Iterator[Any]] = None
 
     def cancel(self) -> None:
@@ -56,6 +62,9 @@ class Job:
 
     def _deliver(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
 
 
 class Scheduler:
@@ -153,9 +162,11 @@ class Scheduler:
         return len(self._active)
 
     def _drop_cancelled_waiting(self) -> None:
-        for job in [j for j in self._waiting if j.cancelled.is_set()]:
+        """Clients that gave up, and jobs past their deadline, leave the queue (and are answered)."""
+        now = time.perf_counter()
+        for job in [j for j in self._waiting if j.cancelled.is_set() or j.expired(now)]:
             self._waiting.remove(job)
-            job._deliver(None)
+            job._deliver(None if job.cancelled.is_set() else JobTimedOut("waited past the deadline"))
 
     # ---------------------------------------------------------------- the worker thread
     def _run(self) -> None:
@@ -217,9 +228,12 @@ class Scheduler:
     def _round(self) -> None:
         """One step of every active job: those of one engine together, the others alone."""
         together: dict[int, tuple[Any, list[Job]]] = {}
+        now = time.perf_counter()
         for job in list(self._active):
             if job.cancelled.is_set():
                 self._finish(job, None)
+            elif job.expired(now):
+                self._finish(job, JobTimedOut("ran past the deadline"))
             elif job.engine is None or not job.together:
                 self._step(job)
             elif self._started(job):

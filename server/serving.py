@@ -148,8 +148,12 @@ async def respond(state: ServerState, endpoint: str, request: Request, run: Run,
             finally:
                 finish()
 
-        # The background task also runs when the client left before the stream even started.
-        return EventSourceResponse(events(), ping=15, background=BackgroundTask(finish))
+        # The background task also runs when the client left before the stream even started. A
+        # client that stops reading blocks the sends once the socket's buffers fill: the worker
+        # still ends its generation at the deadline (`Job.deadline`), and a send blocked for
+        # `send_timeout` ends the response, which releases the model.
+        return EventSourceResponse(events(), ping=15, background=BackgroundTask(finish),
+                                   send_timeout=state.settings.server.send_timeout)
     try:
         return await until_disconnect(request, responder.complete())
     except ClientGone:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from dflash_server.scheduler import Job, Scheduler, SchedulerStopped
+from dflash_server.scheduler import Job, JobTimedOut, Scheduler, SchedulerStopped
 
 
 class Fatal(BaseException):
@@ -69,6 +70,7 @@ def test_retry_after_follows_the_measured_service_rate():
 
 EXITS_AFTER_QUEUED_WORK = """
 import asyncio
+import time
 import mlx.core as mx
 from dflash_server.scheduler import Scheduler
 
@@ -115,3 +117,48 @@ def test_a_job_is_measured_by_what_its_caches_can_hold():
     assert _cache_tokens(100, 50, 4096) == 150
     assert _cache_tokens(100, None, 4096) == 4096  # no max_tokens: the context bounds it
     assert _cache_tokens(100, 50, None) == 150
+
+
+def _endless(closed: list):
+    def steps():
+        try:
+            n = 0
+            while True:
+                n += 1
+                yield n
+        finally:
+            closed.append(True)
+    return steps
+
+
+def test_the_worker_ends_a_generation_at_its_deadline_whether_or_not_it_is_read():
+    """A stream whose client stops reading is never awaited, so only the worker can hold the
+    request to its timeout: it ends the generation there (and frees it), read or not."""
+    async def scenario():
+        scheduler = Scheduler(queue_size=4, max_active=1)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        closed: list = []
+        job = Job(start=_endless(closed), loop=loop, deadline=time.perf_counter() + 0.5)
+        scheduler.submit(job)
+        # Nobody reads while it runs: wait for the worker to let it go.
+        while scheduler.active or scheduler.waiting:
+            await asyncio.sleep(0.01)
+        items = []
+        while not job.outputs.empty():
+            items.append(job.outputs.get_nowait())
+        assert isinstance(items[-1], JobTimedOut) and closed == [True]
+        assert all(isinstance(i, int) for i in items[:-1]) and len(items) > 1
+
+        # One waiting behind a generation without a deadline is answered when its own passes.
+        running = Job(start=_endless([]), loop=loop)
+        scheduler.submit(running)
+        waiting = Job(start=_endless([]), loop=loop, deadline=time.perf_counter() + 0.2)
+        scheduler.submit(waiting)
+        ended = await asyncio.wait_for(waiting.outputs.get(), 30)
+        assert isinstance(ended, JobTimedOut) and "waited" in str(ended)
+        assert scheduler.active == 1 and scheduler.waiting == 0
+        running.cancel()
+        scheduler.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

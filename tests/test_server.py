@@ -725,3 +725,25 @@ def _read_response(conn) -> bytes:
     while len(body) < length:
         body += conn.recv(65536)
     return head + b"\r\n\r\n" + body
+
+
+def test_a_request_past_its_timeout_is_a_504_in_each_apis_shape(scripted):
+    """request_timeout ends the generation (on the worker: a client that stops reading is held to it
+    too) and answers in the API's shape; the server keeps serving."""
+    server = scripted.state.settings.server
+    _script(scripted, "scripted-qwen", "</think>\n\nAn answer that never gets out in time.")
+    saved, server.request_timeout = server.request_timeout, 1e-6
+    try:
+        body = {"model": "scripted-qwen", "messages": [{"role": "user", "content": "hi"}]}
+        error = _error(httpx.post(scripted.url + "/v1/chat/completions", json=body, timeout=30), 504, code="timeout")
+        assert "took longer than" in error["message"]
+        with httpx.stream("POST", scripted.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert any('"timeout"' in e for e in events) and events[-1] == "data: [DONE]"
+        messages = {"model": "scripted-qwen", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+        response = httpx.post(scripted.url + "/v1/messages", json=messages, timeout=30)
+        assert response.status_code == 504 and response.json()["type"] == "error"
+    finally:
+        server.request_timeout = saved
+    _, content, _, finish = _stream_chat(scripted.client, "scripted-qwen")
+    assert content.startswith("An answer") and finish == ["stop"]
