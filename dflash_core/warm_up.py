@@ -7,7 +7,8 @@ times `speculation: auto` takes of them. `warm_up` meets the variants a server's
 contexts shorter and longer than one chunk of the attention kernel's keys, plain steps, every
 width `auto` verifies (each twice, so that a cycle after a cycle runs too), the drafter's context
 written after 1 to 33 plain steps (one of each row variant of the small-M product, and one past
-it), the target alone, and a batch of rows. Prefill shapes follow the prompts, which no warm-up
+it), the target alone, a batch of rows, and steps and cycles with log-probabilities and with a
+grammar. Prefill shapes follow the prompts, which no warm-up
 can know. It runs on an engine of its own over the same weights, so the model's prefix cache and
 what `auto` measured are untouched; its tokens are thrown away.
 """
@@ -19,6 +20,7 @@ from typing import Optional
 
 from .batching import generate_together
 from .engine import Engine
+from .grammar import GrammarSpec, compile_grammar
 from .speculation import auto_widths
 
 # Prompt lengths: a context within one chunk of keys of the exact attention kernel (128), and past it.
@@ -100,4 +102,27 @@ def warm_up(engine: Engine, rows: int = 4) -> Optional[float]:
                                                   if engine.drafter is not None else {"speculative": False})}
                     for _ in range(rows)]
         generate_together(scratch, requests, max_rows=rows)
+        if length == PROMPT_LENGTHS[0]:
+            _warm_up_requests(engine, scratch, common)
     return time.perf_counter() - started if ran else None
+
+
+def _warm_up_requests(engine: Engine, scratch: Engine, common: dict) -> None:
+    """What some requests add to a step, each once, plain steps and cycles alike: log-probabilities
+    (a log-softmax and a top-k over the vocabulary) and a grammar's token masks. The grammar's view
+    of the vocabulary is built on the model's own engine, where requests find it (it takes seconds
+    for a large vocabulary); a tokenizer that grammars cannot use skips that part, as its requests
+    would be refused anyway."""
+    mixed = [engine.drafter.block_size, 0, 0, 2] if engine.drafter is not None else []
+    variants: list[dict] = [{"logprobs": 5}]
+    try:
+        spec = GrammarSpec("regex", "[a-z ]{64}")  # (a fixed length: it ends at its end, not after a token)
+        variants.append({"grammar": compile_grammar(spec, engine.grammar_tokenizer)})
+    except Exception:  # noqa: BLE001 - no grammars for this tokenizer (a random model's, say)
+        pass
+    for extra in variants:
+        for _ in scratch.generate(**common, max_tokens=4, speculative=False, **extra):
+            pass
+        if mixed:
+            for _ in scratch.generate(**common, max_tokens=most_tokens(mixed) + 1, speculation=FixedPlans(mixed), **extra):
+                pass

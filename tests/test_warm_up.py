@@ -48,6 +48,8 @@ def test_warm_up_leaves_the_model_as_it_was(request, family):
     assert not any(engine.speculation_state.prior.verified)
     assert engine.speculation_state.rounds.rows == 0  # no batched round counted on the model
     assert engine.cache_bytes_per_token is None
+    # The vocabulary's view for grammars is built now, where the model's requests find it.
+    assert engine._grammar_tokenizer is not None
     prompt = _prompt(engine)
     alone = [t for c in engine.generate(prompt, max_tokens=24, speculative=False, stop_token_ids=set()) for t in c.token_ids]
     auto = [t for c in engine.generate(prompt, max_tokens=24, stop_token_ids=set(), sampling=SamplingParams())
@@ -90,7 +92,9 @@ def test_every_plan_runs_when_every_draft_is_accepted(qwen3_pair):
     accepting = Engine(ForcedAcceptance(engine.target, [15], 16), engine.tokenizer, drafts, prefill_chunk=16)
     warm_up(accepting)
     cycles = [w for w in warm_up_plans(16) if w]
-    assert drafts.widths == cycles * 2  # both prompts
+    # Both prompts; after the first one's batch, a full and a narrow cycle with log-probabilities
+    # and with a grammar.
+    assert drafts.widths == cycles + [16, 2] * 2 + cycles
 
 
 @pytest.mark.parametrize("max_context", [64, 24])
