@@ -257,6 +257,21 @@ def test_masks_rows_follow_the_drafts(engines):
     assert mask.shape == (1, 600) and mask[0, :vocab].any() and not mask[0, vocab:].any()
 
 
+def test_generations_of_one_compiled_grammar_start_apart(engines):
+    """A compiled grammar is compiled once per request and may serve several generations (or
+    the next request's retry): each starts from the grammar's start, whatever the others did."""
+    engine = engines["qwen3"]
+    vocab, stop = engine.target.vocab_size, max(engine.eos_token_ids)
+    grammar = compile_grammar(GrammarSpec("regex", "ab[0-9]"), engine.grammar_tokenizer)
+    a, b = (engine.tokenizer.encode(s)[0] for s in ("a", "b"))
+    first = Constraint(grammar, vocab, {stop})
+    start = np.array(first.masks())
+    first.commit([a, b])
+    second = Constraint(grammar, vocab, {stop})
+    assert (np.array(second.masks()) == start).all() and not (np.array(first.masks()) == start).all()
+    assert second.consumed == 0 and first.consumed == 2
+
+
 def test_sampler_draws_only_allowed_tokens():
     vocab = 64
     logits = mx.random.normal((1, vocab), key=mx.random.key(0))
