@@ -153,7 +153,7 @@ def create_app(settings: Settings, channel=None) -> FastAPI:
         served = await state.pool.get(body.model)
         try:
             prompt = await asyncio.to_thread(chat.completion_prompt, body, served.engine.tokenizer,
-                                             served.engine.target.vocab_size)
+                                             served.engine.target.vocab_size, served.engine.max_context)
             run = start_run(state, served, body, prompt, None, arrival, logprobs=body.logprobs)
         except BaseException:
             state.pool.release(served)

@@ -11,7 +11,7 @@ from typing import Optional, Union
 from pydantic_core import PydanticSerializationError
 
 from dflash_core.grammar import GrammarSpec
-from dflash_core.prompts import MessageError, encode_rendered, hf_tokenizer, render_chat
+from dflash_core.prompts import MessageError, encode_rendered, hf_tokenizer, render_chat, tokens_past
 from dflash_core.sampling import SamplingError, SamplingParams
 
 from . import generic_tools, structured
@@ -88,7 +88,8 @@ def forced_tool_opening(markers: Markers, tool_choice) -> str:
     raise bad_request("this model's chat template has no tool-call format", param="tool_choice")
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, template_defaults: dict) -> Prompt:
+def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, template_defaults: dict,
+                max_context: Optional[int] = None) -> Prompt:
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     choice = request.tool_choice
     if choice is not None and choice != "none" and not tools:
@@ -114,6 +115,7 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
     except Exception as e:  # the template rejects this conversation (roles, order, ...)
         raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
     opening = forced_tool_opening(markers, choice) if forced else ""
+    check_context(tokens_past(tokenizer, text + opening, max_context), max_context, at_least=True)
     tokens = encode_rendered(tokenizer, text + opening)
     in_reasoning = prompt_starts_in_reasoning(text + opening, markers)
     return Prompt(text + opening, tokens, starts_in_reasoning=in_reasoning, forced_output=opening, markers=markers,
@@ -148,7 +150,7 @@ def reasoning_budget(request: ChatCompletionRequest, tokenizer, markers: Markers
     return None if end is None else (end, request.max_reasoning_tokens)
 
 
-def completion_prompt(request: CompletionRequest, tokenizer, vocab_size: int) -> Prompt:
+def completion_prompt(request: CompletionRequest, tokenizer, vocab_size: int, max_context: Optional[int] = None) -> Prompt:
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
         # The model's embedding, not the tokenizer, bounds the ids (an out-of-range gather is not checked).
@@ -162,6 +164,7 @@ def completion_prompt(request: CompletionRequest, tokenizer, vocab_size: int) ->
         prompt = prompt[0]
     if not prompt:
         raise bad_request("the prompt is empty", param="prompt")
+    check_context(tokens_past(tokenizer, prompt, max_context), max_context, "prompt", at_least=True)
     return Prompt(prompt, tokenizer.encode(prompt))
 
 
@@ -172,16 +175,19 @@ def max_new_tokens(request, defaults: dict) -> Optional[int]:
     return None  # until end of sequence or the context limit
 
 
-def check_context(prompt_tokens: int, max_context: Optional[int], param: str = "messages") -> None:
+def check_context(prompt_tokens: Optional[int], max_context: Optional[int], param: str = "messages",
+                  at_least: bool = False) -> None:
     """Only a prompt that leaves no room for one token is an error: a larger max_tokens than the
     room left generates up to the context limit and ends with `length` (as llama-server and
-    Ollama do; agent clients send their model's output limit, not what is left of ours)."""
-    if max_context is None or prompt_tokens < max_context:
+    Ollama do; agent clients send their model's output limit, not what is left of ours).
+    `at_least`: `prompt_tokens` is a lower bound (`prompts.tokens_past`; None: not known to be past)."""
+    if max_context is None or prompt_tokens is None or prompt_tokens < max_context:
         return
     raise APIError(
         400,
         f"This model's maximum context length is {max_context} tokens. However, the prompt has "
-        f"{prompt_tokens} tokens, leaving no room for the completion. Please reduce the length of the prompt.",
+        f"{'at least ' if at_least else ''}{prompt_tokens} tokens, leaving no room for the completion. "
+        "Please reduce the length of the prompt.",
         param=param,
         code="context_length_exceeded",
         # Anthropic's words for it, which Claude Code looks for to compact its conversation.

@@ -76,7 +76,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: f
         defaults = state.settings.template_defaults(served.settings)
         # Off the event loop: a long conversation takes a while to render and tokenize, and every
         # other stream and /health would wait for it.
-        prompt = await asyncio.to_thread(chat.chat_prompt, body, served.engine.tokenizer, served.markers, defaults)
+        prompt = await asyncio.to_thread(chat.chat_prompt, body, served.engine.tokenizer, served.markers, defaults,
+                                          served.engine.max_context)
         callable_tools = [t.model_dump() for t in body.tools or []] + body._unlisted_tools
         parser = ChatOutputParser(prompt.markers, callable_tools, body.tool_choice,
                                   body.stop, prompt.starts_in_reasoning, single_call=body.parallel_tool_calls is False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 import time
 
@@ -259,6 +260,21 @@ def test_context_error_reports_token_counts(live):
     _error(_post(live, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}),
            400, param="messages", code="context_length_exceeded")
     assert "512" in error["message"] and "prompt" in error["message"]
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized_whole(live):
+    """Counted piece by piece, a prompt is refused once it is certainly past the context: the
+    count it reports is a lower bound found early, far below the prompt's own (a tokenizer takes
+    about 200 bytes a character: a 15 MB prompt took 2.7 GB and 21 s)."""
+    tokenizer = live.state.pool._served["tiny"].engine.tokenizer
+    text = "word " * 200_000  # 1 MB
+    whole = len(tokenizer.encode(text))
+    for path, body, param in (("/v1/completions", {"model": "tiny", "prompt": text}, "prompt"),
+                              ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}]},
+                               "messages")):
+        error = _error(_post(live, path, body), 400, param=param, code="context_length_exceeded")
+        counted = int(re.search(r"at least (\d+) tokens", error["message"]).group(1))
+        assert 512 <= counted < whole / 2
 
 
 @pytest.mark.parametrize("key", [None, "wrong", "sk-\u00e9"])
