@@ -290,3 +290,17 @@ def test_auto_simulated_keeps_auto_near_the_better_mode(tmp_path):
     for machine in {r["machine"] for r in rows}:
         ratios = sorted(r["auto_over_best"] for r in rows if r["machine"] == machine)
         assert ratios[0] > (0.8 if "first steps" in machine else 0.85), (machine, ratios[:3])
+
+
+def test_gpu_plain_steps_times_each_kind_of_step(tmp_path):
+    """gpu_plain_steps.py's step variants and generations, on the tiny shape: every variant timed in
+    every repeat, and the generations made of what they say (plain steps only, or a cycle first)."""
+    out = tmp_path / "plain.json"
+    done = _run("benchmarks/gpu_plain_steps.py", "--shape", "tiny-qwen3_5", "--context", "80", "--steps", "24",
+                "--repeats", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert len(report["steps"]) == 4 and all(len(v) == 2 and min(v) > 0 for v in report["steps"].values())
+    runs = report["generations"]
+    assert all(r["cycles"] == 0 for r in runs["off"] + runs["plain"]) and all(r["cycles"] == 1 for r in runs["cycle1"])
+    assert all(r["plain_steps"] == 23 for r in runs["plain"]) and set(report["fastest"]) == set(report["median"])
