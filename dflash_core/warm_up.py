@@ -80,7 +80,7 @@ def warm_up(engine: Engine, rows: int = 4) -> Optional[float]:
         plans.pop()  # a short context: fewer of the plans
     budget = max(most_tokens(plans) + 2, 8)  # (8: the target alone's and the batch's tokens)
     ran = False
-    for length in PROMPT_LENGTHS:
+    for which, length in enumerate(PROMPT_LENGTHS):
         length = min(length, limit - budget)
         if length < 1:
             continue
@@ -102,7 +102,7 @@ def warm_up(engine: Engine, rows: int = 4) -> Optional[float]:
                                                   if engine.drafter is not None else {"speculative": False})}
                     for _ in range(rows)]
         generate_together(scratch, requests, max_rows=rows)
-        if length == PROMPT_LENGTHS[0]:
+        if which == 0:
             _warm_up_requests(engine, scratch, common)
     return time.perf_counter() - started if ran else None
 

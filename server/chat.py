@@ -35,17 +35,23 @@ def _surrogate_at(value, path: str = "") -> Optional[str]:
     """The path of the first string holding a lone UTF-16 surrogate ("\\ud800" in JSON): valid
     JSON, but no text, so no tokenizer can encode it."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or None
-        return None
+        return (path or None) if _not_text(value) else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
+        if isinstance(key, str) and _not_text(key):  # (a key of a free-form object, say a tool's schema)
+            return f"{path}.{key!a}" if path else ascii(key)
         found = _surrogate_at(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
         if found:
             return found
     return None
+
+
+def _not_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def refuse_surrogates(body) -> None:
@@ -56,11 +62,13 @@ def refuse_surrogates(body) -> None:
         # name the field once there is one.
         body.model_dump_json(exclude_none=True, by_alias=True)
         return
-    except PydanticSerializationError:
-        pass
+    except PydanticSerializationError as e:
+        surrogate = "surrogate" in str(e)
     where = _surrogate_at(body.model_dump(exclude_none=True, by_alias=True))
     if where is not None:
         raise bad_request(f"{where} holds a lone UTF-16 surrogate, which is not text", param=where)
+    if surrogate:  # somewhere the walk does not name
+        raise bad_request("the request holds a lone UTF-16 surrogate, which is not text")
 
 
 def refuse_unsupported(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import Response
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.background import BackgroundTask
 
 from dflash_core.grammar import CompiledGrammar, GrammarError, GrammarSpec, compile_grammar
@@ -48,6 +48,21 @@ class ServerState:
         self.live = LiveStats()  # the page's live view, by model
         self.responses = ResponseStore(settings.server.stored_responses)
         self.draining = False  # set at SIGTERM: new requests get 503, running ones finish (server/process.py)
+
+
+class StallingStream(EventSourceResponse):
+    """An SSE response whose send that waits past `send_timeout` on a client that stopped reading
+    ends it as a client gone (`on_stall`), not as a server error."""
+
+    def __init__(self, *args, on_stall, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_stall = on_stall
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            self.on_stall()
 
 
 @dataclass
@@ -149,12 +164,17 @@ async def respond(state: ServerState, endpoint: str, request: Request, run: Run,
             finally:
                 finish()
 
+        def stalled() -> None:
+            log.warning("a %s stream's client stopped reading for %g s: the stream ends", endpoint,
+                        state.settings.server.send_timeout)
+            metrics.cancelled.labels(endpoint=endpoint).inc()
+
         # The background task also runs when the client left before the stream even started. A
         # client that stops reading blocks the sends once the socket's buffers fill: the worker
         # still ends its generation at the deadline (`Job.deadline`), and a send blocked for
-        # `send_timeout` ends the response, which releases the model.
-        return EventSourceResponse(events(), ping=15, background=BackgroundTask(finish),
-                                   send_timeout=state.settings.server.send_timeout)
+        # `send_timeout` ends the response, which releases the model (closing `events`).
+        return StallingStream(events(), ping=15, background=BackgroundTask(finish),
+                              send_timeout=state.settings.server.send_timeout, on_stall=stalled)
     try:
         return await until_disconnect(request, responder.complete())
     except ClientGone:

@@ -122,10 +122,19 @@ def gemma4_arguments_json(text: str) -> str:
     return "".join(json.dumps(part) if i % 2 else _GEMMA4_BARE_KEY.sub(r'"\1":', part) for i, part in enumerate(parts))
 
 
+# The most time mlx-lm's Gemma 4 call pattern may take on one region. It is linear in well-formed
+# calls (200 KB in 20 ms) but quadratic in unclosed ones: "call:f{" 2000 times took 2 s, on the
+# event loop. A region that takes longer is no call: its text stays content.
+GEMMA4_PATTERN_SECONDS = 0.5
+
+
 def parse_gemma4_calls(text: str) -> list[dict[str, Any]]:
-    """mlx-lm's Gemma 4 parse (`mlx_lm.tool_parsers.gemma4`: its call pattern, linear in the
-    text), the arguments converted by `gemma4_arguments_json`."""
-    matches = list(_mlx_lm_parser(GEMMA4)._tool_call_regex.finditer(text))
+    """mlx-lm's Gemma 4 parse (`mlx_lm.tool_parsers.gemma4`: its call pattern, within
+    `GEMMA4_PATTERN_SECONDS`), the arguments converted by `gemma4_arguments_json`."""
+    try:
+        matches = list(_mlx_lm_parser(GEMMA4)._tool_call_regex.finditer(text, timeout=GEMMA4_PATTERN_SECONDS))
+    except TimeoutError as e:
+        raise ValueError(f"no call found within {GEMMA4_PATTERN_SECONDS} s") from e
     if not matches:
         raise ValueError("no function call")
     return [dict(name=m.group(1), arguments=json.loads(gemma4_arguments_json(m.group(2)))) for m in matches]

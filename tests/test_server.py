@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import socket
 import threading
 import time
 
@@ -610,7 +611,13 @@ def test_wrong_json_types_are_a_400(live, client, path, body, param):
     ("/v1/responses", '{"model": "tiny", "input": "x\\udfff"}', "input"),
     ("/v1/messages", '{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "\\ud800"}]}',
      "messages[0].content"),
-], ids=["chat", "completions", "responses", "messages"])
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+     '"function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"k\\udc00": {}}}}}]}',
+     "tools[0].function.parameters.properties.'k\\udc00'"),
+    ("/v1/messages", '{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "tools": '
+     '[{"name": "f", "input_schema": {"type": "object", "properties": {"\\ud800": {}}}}]}',
+     "tools[0].input_schema.properties.'\\ud800'"),
+], ids=["chat", "completions", "responses", "messages", "chat-schema-key", "messages-schema-key"])
 def test_a_lone_surrogate_is_a_400_naming_the_field(live, client, path, body, param):
     response = _post(live, path, body.encode())
     assert response.status_code == 400, response.text
@@ -763,3 +770,36 @@ def test_a_request_past_its_timeout_is_a_504_in_each_apis_shape(scripted):
         server.request_timeout = saved
     _, content, _, finish = _stream_chat(scripted.client, "scripted-qwen")
     assert content.startswith("An answer") and finish == ["stop"]
+
+
+def test_a_stream_whose_client_stopped_reading_ends_and_releases_the_model(qwen3_5_pair, caplog):
+    """A client that stops reading (and never closes) fills the socket's buffers: a send waiting
+    `send_timeout` ends the stream, counted as a client gone (not a server error), and the model is
+    released; the server goes on serving."""
+    settings = Settings(server=ServerSettings(send_timeout=1.0), models=[])
+    with scripted_server({"m": qwen3_5_pair}, settings) as server:
+        script(server, "m", "</think>\n\n" + " ".join(["the quick brown fox jumps over the lazy dog"] * 1500))
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                           "logprobs": True, "top_logprobs": 20, "max_tokens": 20000}).encode()
+        stalled = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        stalled.connect(("127.0.0.1", server.port))
+        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert stalled.recv(64).startswith(b"HTTP/1.1 200")  # then it reads no more
+        served = server.state.pool._served["m"]
+        deadline = time.monotonic() + 60
+        while (served.in_use or server.state.scheduler.active) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            assert served.in_use == 0 and server.state.scheduler.active == 0
+            cancelled = {s.labels["endpoint"]: s.value for s in server.state.metrics.cancelled.collect()[0].samples
+                         if s.name.endswith("_total")}
+            assert cancelled == {"chat": 1.0}
+            assert "stopped reading" in caplog.text and "unexpected error" not in caplog.text
+            script(server, "m", "</think>\n\nDone.")
+            ok = httpx.post(server.url + "/v1/chat/completions",
+                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "Done."
+        finally:
+            stalled.close()

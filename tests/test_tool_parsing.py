@@ -7,10 +7,18 @@ import json
 import time
 
 import mlx_lm.tool_parsers.gemma4 as mlx_lm_gemma4
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_server.tool_calls import GEMMA4, GEMMA4_STRING, gemma4_arguments_json, parse_gemma4_calls, parse_tool_body
+from dflash_server.tool_calls import (
+    GEMMA4,
+    GEMMA4_PATTERN_SECONDS,
+    GEMMA4_STRING,
+    gemma4_arguments_json,
+    parse_gemma4_calls,
+    parse_tool_body,
+)
 
 # What a model may write inside and around strings: the delimiter's pieces, braces, separators,
 # quotes, escapes, newlines and non-ASCII (no NUL: mlx-lm's placeholders are made of it).
@@ -82,3 +90,13 @@ def test_many_strings_in_one_call_convert_in_linear_time():
 
     small, large = seconds(2000), seconds(16000)
     assert large < 8 * small * 2.5  # 8x the strings: linear is ~8x, quadratic ~64x
+
+
+@pytest.mark.timed
+def test_a_region_of_unclosed_calls_is_given_up_in_bounded_time():
+    """mlx-lm's call pattern is quadratic in unclosed calls (2000 took 2 s): a region is given up
+    as no call (its text stays content) once the pattern has run GEMMA4_PATTERN_SECONDS."""
+    start = time.perf_counter()
+    with pytest.raises(ValueError):
+        parse_gemma4_calls("call:f{" * 4000)
+    assert time.perf_counter() - start < GEMMA4_PATTERN_SECONDS + 1.0
