@@ -44,6 +44,8 @@ class ServerSettings(Strict):
         0.9, gt=0, le=1, description="a waiting generation starts only while the memory in use plus what its "
         "caches will take stays under this share of the device's memory; the others wait in the queue")
     request_timeout: Optional[float] = Field(600.0, gt=0, description="seconds a request may take")
+    body_timeout: Optional[float] = Field(
+        60.0, gt=0, description="seconds a request's body may take to arrive; then 408")
     send_timeout: Optional[float] = Field(
         60.0, gt=0, description="seconds one event of a stream may wait for a client that stopped reading; "
         "then the stream ends (its generation already ends at request_timeout)")

@@ -9,6 +9,7 @@ import logging
 import secrets
 import time
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 from fastapi import FastAPI, Request
@@ -51,12 +52,13 @@ def create_app(settings: Settings, channel=None) -> FastAPI:
     app.state.dflash = state
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_middleware(InternalErrors)  # first added, so inside the counter and CORS
+    # Inside the key and Host checks: a body is read only for a request they let through (one
+    # without the key cannot hold 16 MB of the server's memory per connection).
+    app.add_middleware(LimitBody, limit=settings.server.max_request_bytes, seconds=settings.server.body_timeout)
     if settings.server.api_key:  # before the body is read: a bad key is a 401 whatever the body
         app.add_middleware(RequireKey, key=settings.server.api_key, open_metrics=settings.server.open_metrics)
     if settings.server.loopback:
         app.add_middleware(LoopbackHosts, extra=settings.server.allowed_hosts)
-    # Outside the key check, so an oversized body is refused before anything reads it.
-    app.add_middleware(LimitBody, limit=settings.server.max_request_bytes)
     app.add_middleware(RefuseWhileDraining, state=state)
     app.add_middleware(CountRequests, counter=state.metrics.requests)
     install_error_handlers(app)
@@ -226,10 +228,11 @@ class LoopbackHosts:
 class LimitBody:
     """Bodies over `limit` bytes are a 413 in the API's error shape: by Content-Length before
     anything is read, else once the received body passes the limit (it is read here, then handed
-    on whole)."""
+    on whole). A body not complete within `seconds` is a 408: a client that stops sending would
+    otherwise hold what it sent so far, and its connection, for as long as it likes."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, seconds: Optional[float] = None):
+        self.app, self.limit, self.seconds = app, limit, seconds
 
     def _too_large(self, path: str):
         return APIError(413, f"the request body is larger than {self.limit} bytes (server.max_request_bytes)",
@@ -243,8 +246,15 @@ class LimitBody:
         if length.isdigit() and int(length) > self.limit:
             return await self._too_large(path)(scope, receive, send)
         chunks, size = [], 0
+        deadline = None if self.seconds is None else time.perf_counter() + self.seconds
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), None if deadline is None else
+                                                 max(0.0, deadline - time.perf_counter()))
+            except asyncio.TimeoutError:
+                error = APIError(408, f"the request body did not arrive within {self.seconds:g} s "
+                                      "(server.body_timeout)", code="request_timeout")
+                return await error.response(path)(scope, receive, send)
             if message["type"] != "http.request":  # the client left while sending
                 return
             chunks.append(message.get("body", b""))

@@ -812,3 +812,34 @@ def test_a_stream_whose_client_stopped_reading_ends_and_releases_the_model(qwen3
             assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "Done."
         finally:
             stalled.close()
+
+
+def _partial_post(port: int, path: str, headers: bytes, sent: bytes, length: int) -> socket.socket:
+    """A POST that announces `length` bytes of body and sends only `sent`, then waits."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" + headers
+                 + b"Content-Length: %d\r\n\r\n" % length + sent)
+    conn.settimeout(30)
+    return conn
+
+
+def test_a_body_is_read_only_for_a_request_with_the_key_and_only_for_so_long(qwen3_5_pair):
+    """A client without the key is answered 401 from its headers, before any of its body is read
+    (it cannot hold the server's memory with unfinished bodies); a body that stops coming is a 408
+    after `server.body_timeout`, in the API's shape."""
+    target, drafter = qwen3_5_pair
+    settings = Settings(server=ServerSettings(api_key=KEY, body_timeout=1.0),
+                        models=[ModelSettings(name="tiny", target=str(target), drafter=str(drafter), max_context=512)])
+    with LiveServer(settings) as server:
+        keyless = _partial_post(server.port, "/v1/chat/completions", b"", b'{"model": "tiny", "mess', 10_000_000)
+        slow = _partial_post(server.port, "/v1/messages", b"x-api-key: " + KEY.encode() + b"\r\n", b'{"model"', 1000)
+        try:
+            assert keyless.recv(4096).startswith(b"HTTP/1.1 401")
+            answer = slow.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408") and b'"type":"error"' in answer.replace(b" ", b"")
+        finally:
+            keyless.close()
+            slow.close()
+        ok = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
