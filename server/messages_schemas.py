@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from .schemas import MAX_STOP_LENGTH, DflashOptions, StrictModel, by_type, text_only
+from .schemas import MAX_STOP_LENGTH, DflashOptions, StrictModel, ToolName, by_type, text_only
 
 
 class CacheControl(StrictModel):
@@ -106,7 +106,7 @@ class Message(StrictModel):
 
 class Tool(StrictModel):
     type: Optional[Literal["custom"]] = None
-    name: str
+    name: ToolName
     description: Optional[str] = None
     input_schema: dict[str, Any]
     cache_control: Optional[CacheControl] = None

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from .schemas import Sampling, StrictModel, by_type, text_only
+from .schemas import Sampling, StrictModel, ToolName, by_type, text_only
 
 ITEM_STATUS = Optional[Literal["in_progress", "completed", "incomplete"]]  # as we reported it: asks nothing
 _text_parts_only = text_only({"input_image": "images", "input_file": "files", "input_audio": "audio"}, "parts")
@@ -124,7 +124,7 @@ InputItem = by_type(
 
 class FunctionTool(StrictModel):
     type: Literal["function"]
-    name: str
+    name: ToolName
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
@@ -143,7 +143,7 @@ class CustomTool(StrictModel):
     with one string parameter, `input`)."""
 
     type: Literal["custom"]
-    name: str
+    name: ToolName
     description: Optional[str] = None
     format: Optional[CustomToolFormat] = None
     defer_loading: Optional[bool] = None  # as on FunctionTool
@@ -156,7 +156,7 @@ class NamespaceTool(StrictModel):
     """A group of tools under one name (Codex's sub-agent tools): shown as its functions."""
 
     type: Literal["namespace"]
-    name: str
+    name: ToolName
     description: Optional[str] = None
     tools: list[NamespacedTool]
 

@@ -10,6 +10,13 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator
 
+# A tool's name is written into the prompt's tool list and into the call markup the output is
+# parsed (and, for strict tools, constrained) by, so it is a plain identifier: OpenAI's names
+# (letters, digits, _ and -, up to 64) and Anthropic's fit, and so do a Responses namespace's
+# "namespace.name". A name such as "a>b" or one with a newline made strict calls to undeclared tools.
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,256}$"
+ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+
 
 class StrictModel(BaseModel):
     """Unknown fields and wrong JSON types (`"10"` or `true` for a number, `"yes"` for a boolean)
@@ -100,7 +107,7 @@ class Message(StrictModel):
 
 
 class FunctionDefinition(StrictModel):
-    name: str
+    name: ToolName
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None  # true: calls are constrained to the schema (server/structured.py)

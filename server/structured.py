@@ -134,12 +134,25 @@ class _Rules:
         return name
 
 
+# Property names a strict call's markup can carry as keys: Qwen's <parameter=KEY> tag (no <, > or
+# newline), Gemma 4's bare keys (mlx-lm reads only word characters as keys).
+XML_KEY = re.compile(r"[^<>\n]+")
+GEMMA_KEY = re.compile(r"[A-Za-z0-9_]+")
+
+
+def _writable_key(key: str, form: re.Pattern) -> None:
+    if not form.fullmatch(key):
+        raise bad_request(f"a strict tool's property name {key!r} cannot be written in this model's tool-call "
+                          "format", param="tools")
+
+
 def _xml_params(rules: _Rules, parameters: dict) -> str:
     """Qwen's XML form: one <parameter=P> block per property, in the schema's order (required ones
     always, the others optional); string values raw up to the closing tag, others as JSON."""
     lit, parts = rules.lit, []
     required = set(parameters.get("required") or ())
     for prop, schema in (parameters.get("properties") or {}).items():
+        _writable_key(prop, XML_KEY)
         head, close = lit(f"<parameter={prop}>\n"), lit("\n</parameter>\n")
         schema = schema if isinstance(schema, dict) else {}
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
@@ -191,6 +204,8 @@ def _gemma_members(rules: _Rules, schema: dict) -> str:
     """key:value pairs in sorted key order (the template's dictsort), separated by commas, the
     required ones always there."""
     props = sorted((schema.get("properties") or {}).items())
+    for key, _ in props:
+        _writable_key(key, GEMMA_KEY)
     required = set(schema.get("required") or ())
     after = {}  # (index, is_first) -> rule for the members from index on
     for i in range(len(props), -1, -1):

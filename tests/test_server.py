@@ -843,3 +843,30 @@ def test_a_body_is_read_only_for_a_request_with_the_key_and_only_for_so_long(qwe
         ok = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                         json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert ok.status_code == 200
+
+
+_OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "a>b", "parameters": _OBJECT}}]},
+     "tools"),
+    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                      "tools": [{"name": "x\ny", "input_schema": _OBJECT}]}, None),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": 'a", "b', "parameters": _OBJECT}]}, "tools"),
+    # A strict call's property names go into its markup (Qwen's <parameter=...> here).
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {
+                                  "name": "f", "strict": True,
+                                  "parameters": {"type": "object", "properties": {"</parameter>": {"type": "string"}}}}}]},
+     "tools"),
+], ids=["chat-name", "messages-name", "responses-name", "strict-property"])
+def test_tool_names_and_strict_keys_that_markup_cannot_carry_are_a_400(live, client, path, body, param):
+    """A tool's name, and a strict tool's property names, are written into the call markup that the
+    output is parsed and constrained by: "a>b" made strict calls to an undeclared tool "a"."""
+    response = _post(live, path, {"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    if param is not None:
+        assert response.json()["error"]["param"].startswith(param)
+    _still_serving(live, client)
