@@ -54,6 +54,9 @@ class ServerSettings(Strict):
     # request on one the server is timing out at that moment (uvicorn's own 5 s is httpx's 5 s).
     keep_alive: float = Field(120.0, gt=0, description="seconds an idle HTTP connection is kept open")
     stored_responses: int = Field(1000, ge=0, description="Responses API: stored responses kept in memory (LRU)")
+    stored_responses_mb: float = Field(
+        1024.0, gt=0, description="Responses API: the most MB (their JSON) the stored responses may take; "
+        "the least recently used go first")
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
     # Bound to a loopback address, only loopback host names are answered (a web page's DNS
     # rebinding cannot reach the server); these are accepted too.

@@ -46,7 +46,8 @@ class ServerState:
         self.pool = ModelPool(settings, self.scheduler, channel)
         self.metrics = Metrics(self.scheduler)
         self.live = LiveStats()  # the page's live view, by model
-        self.responses = ResponseStore(settings.server.stored_responses)
+        self.responses = ResponseStore(settings.server.stored_responses,
+                                       int(settings.server.stored_responses_mb * 2**20))
         self.draining = False  # set at SIGTERM: new requests get 503, running ones finish (server/process.py)
 
 

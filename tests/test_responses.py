@@ -290,3 +290,27 @@ def test_a_failing_generation_ends_the_stream_with_response_failed(scripted):
     assert events[-1].response.output[-1].status == "incomplete"  # the message it was writing
     EVENTS.validate_python(events[-1].model_dump())
     assert scripted.client.responses.create(model="scripted", input="go", max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_the_store_is_bounded_in_size_as_well_as_in_count():
+    """A conversation may carry text the prompt leaves out (earlier reasoning), which no context
+    limit bounds: the store keeps at most max_bytes of JSON, least recently used out."""
+    from dflash_server.errors import APIError
+    from dflash_server.response_store import ResponseStore
+
+    store = ResponseStore(capacity=100, max_bytes=10_000)
+    big = [{"role": "assistant", "content": "", "reasoning_content": "r" * 3000}]
+    for i in range(5):
+        store.put({"id": f"resp_{i}", "output": []}, big)
+    assert 9_000 < store.bytes <= 10_000  # three of about 3 KB each
+    store.get("resp_2")  # used: the least recently used go first
+    store.put({"id": "resp_5", "output": []}, big)
+    with pytest.raises(APIError):
+        store.get("resp_3")
+    assert store.get("resp_2")["conversation"] is big
+    store.put({"id": "huge", "output": []}, [{"role": "user", "content": "x" * 20_000}])  # over the whole budget
+    with pytest.raises(APIError):
+        store.get("huge")
+    before = store.bytes
+    store.delete("resp_5")
+    assert store.bytes < before and store.bytes == sum(e["bytes"] for e in store._items.values())
