@@ -75,7 +75,29 @@ def format_schema(response_format) -> Optional[Any]:
     spec = response_format.json_schema
     if spec is None or spec.schema_ is None:
         raise bad_request("response_format json_schema needs json_schema.schema", param="response_format")
+    _refuse_wide_bounds(spec.schema_, "response_format")
     return spec.schema_
+
+
+INT64 = 2**63 - 1
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _refuse_wide_bounds(schema: Any, param: str) -> None:
+    """A 400 for a numeric bound beyond 64 bits anywhere in `schema`: llguidance holds integers in
+    64 bits, and a minimum of 1e30 gave 9223372036854775807 (a value below it) and a 200."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in BOUNDS and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and abs(value) > INT64:
+                    raise bad_request(f"a schema's {key} of {value!r} is beyond what can be enforced (64-bit integers)",
+                                      param=param)
+                stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def response_format_grammar(schema: Optional[Any], markers: Markers, starts_in_reasoning: bool,
@@ -100,6 +122,8 @@ def answer_or_calls_grammar(schema: Optional[Any], tools: list[dict], markers: M
     if not tools or not markers.has_tools:  # nothing the model could call in a form we read
         return response_format_grammar(schema, markers, starts_in_reasoning, lit)
     strict = _strict_functions(tools)
+    for f in strict:
+        _refuse_wide_bounds(f.get("parameters"), "tools")
     rules = _Rules(lit)
     if strict:
         bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for head, core, tail in
@@ -262,6 +286,8 @@ def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: st
         return None
     if markers.tool_format not in (QWEN_JSON, QWEN_XML, GEMMA4):
         raise bad_request("this model's template has no tool-call form to enforce strict schemas in", param="tools")
+    for f in strict:
+        _refuse_wide_bounds(f.get("parameters"), "tools")
     rules = _Rules(lit)
     calls = [(f["name"], *_call_parts(rules, markers, f)) for f in strict]
     bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for _, head, core, tail in calls]
