@@ -123,10 +123,11 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, markers: Markers, tem
     except Exception as e:  # the template rejects this conversation (roles, order, ...)
         raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from e
     opening = forced_tool_opening(markers, choice) if forced else ""
-    check_context(tokens_past(tokenizer, text + opening, max_context), max_context, at_least=True)
-    tokens = encode_rendered(tokenizer, text + opening)
-    in_reasoning = prompt_starts_in_reasoning(text + opening, markers)
-    return Prompt(text + opening, tokens, starts_in_reasoning=in_reasoning, forced_output=opening, markers=markers,
+    text += opening  # (joined once: a prompt can be megabytes)
+    check_context(tokens_past(tokenizer, text, max_context), max_context, at_least=True)
+    tokens = encode_rendered(tokenizer, text)
+    in_reasoning = prompt_starts_in_reasoning(text, markers)
+    return Prompt(text, tokens, starts_in_reasoning=in_reasoning, forced_output=opening, markers=markers,
                   grammar=output_grammar(request, tokenizer, markers, opening, in_reasoning, shown_tools or tools),
                   reasoning_budget=reasoning_budget(request, tokenizer, markers, in_reasoning))
 

@@ -26,7 +26,7 @@ class ResponseStore:
         limit bounds: 24 requests of 12 MB of reasoning each held 560 MB."""
         if self.capacity == 0:
             return
-        size = len(json.dumps(conversation, ensure_ascii=False)) + len(json.dumps(response, ensure_ascii=False))
+        size = len(json.dumps(conversation)) + len(json.dumps(response))  # (ASCII JSON: characters are bytes)
         if self.max_bytes is not None and size > self.max_bytes:
             return  # larger than the whole store: not kept (a later previous_response_id to it is a 400)
         if response["id"] in self._items:

@@ -113,7 +113,7 @@ class Scheduler:
         with self._wake:
             if self._stopping or self.failure:
                 raise SchedulerStopped(self.failure or "the server is shutting down")
-            self._drop_cancelled_waiting()  # clients that gave up do not hold a queue slot
+            self._drop_cancelled_or_expired()  # clients that gave up (or ran out of time) hold no queue slot
             if len(self._waiting) >= self.queue_size:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
             self._waiting.append(job)
@@ -161,7 +161,7 @@ class Scheduler:
     def active(self) -> int:
         return len(self._active)
 
-    def _drop_cancelled_waiting(self) -> None:
+    def _drop_cancelled_or_expired(self) -> None:
         """Clients that gave up, and jobs past their deadline, leave the queue (and are answered)."""
         now = time.perf_counter()
         for job in [j for j in self._waiting if j.cancelled.is_set() or j.expired(now)]:
@@ -204,7 +204,7 @@ class Scheduler:
                     break
                 tasks = list(self._tasks)
                 self._tasks.clear()
-                self._drop_cancelled_waiting()
+                self._drop_cancelled_or_expired()
                 while self._waiting and len(self._active) < self.max_active and self._fits(self._waiting[0]):
                     self._active.append(self._waiting.popleft())
             for task, _ in tasks:

@@ -122,8 +122,6 @@ def answer_or_calls_grammar(schema: Optional[Any], tools: list[dict], markers: M
     if not tools or not markers.has_tools:  # nothing the model could call in a form we read
         return response_format_grammar(schema, markers, starts_in_reasoning, lit)
     strict = _strict_functions(tools)
-    for f in strict:
-        _refuse_wide_bounds(f.get("parameters"), "tools")
     rules = _Rules(lit)
     if strict:
         bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for head, core, tail in
@@ -258,10 +256,13 @@ def _gemma_any(rules: _Rules) -> str:
 
 
 def _strict_functions(tools: Optional[list[dict]]) -> list[dict]:
-    """The functions of the strict tools: every tool's, or none (a request mixing them is a 400)."""
+    """The functions of the strict tools: every tool's, or none (a request mixing them is a 400),
+    each with schema bounds a grammar can enforce (`_refuse_wide_bounds`)."""
     strict = [t["function"] for t in tools or () if t["function"].get("strict")]
     if strict and len(strict) != len(tools):
         raise bad_request("strict must be the same for every tool of a request", param="tools")
+    for function in strict:
+        _refuse_wide_bounds(function.get("parameters"), "tools")
     return strict
 
 
@@ -286,8 +287,6 @@ def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: st
         return None
     if markers.tool_format not in (QWEN_JSON, QWEN_XML, GEMMA4):
         raise bad_request("this model's template has no tool-call form to enforce strict schemas in", param="tools")
-    for f in strict:
-        _refuse_wide_bounds(f.get("parameters"), "tools")
     rules = _Rules(lit)
     calls = [(f["name"], *_call_parts(rules, markers, f)) for f in strict]
     bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for _, head, core, tail in calls]
