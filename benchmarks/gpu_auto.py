@@ -169,6 +169,8 @@ def main() -> None:
                    "auto_vs_best": auto / max(t, g, on), "same_repeat_ratios": paired, "auto_chose": chose,
                    "auto_samples": _summary(samples), "auto_sequences": sequences, "runs": runs}
             report["rows"].append(row)
+            if args.out:  # after every row: a run cut short by its time limit keeps what it measured
+                args.out.write_text(json.dumps(report, indent=2))
             print(f"{context:>7} {name:>9} | {t:8.1f} {g:8.1f} {on:8.1f} {auto:8.1f} | {row['auto_vs_target']:10.2f}x "
                   f"{row['auto_vs_dflash']:10.2f}x {row['auto_vs_best']:8.2f}x  auto: {chose}", flush=True)
             print("         same-repeat ratios (median; target in this process): " + ", ".join(
@@ -176,8 +178,6 @@ def main() -> None:
             print("         auto's samples (ms): " + "; ".join(f"{k}: {v['n']} x {v['median_ms']:.2f} "
                   f"[{v['min_ms']:.2f}-{v['max_ms']:.2f}]" for k, v in row["auto_samples"].items()), flush=True)
         del engine
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
