@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dflash_core.distributed import stop_followers
 from dflash_core.settings import Settings, is_loopback
 
-from . import chat, messages, responses
+from . import chat, content_encoding, messages, responses
 from .errors import APIError, install_error_handlers
 from .generation import ChatResponder, CompletionResponder
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -229,7 +229,8 @@ class LimitBody:
     """Bodies over `limit` bytes are a 413 in the API's error shape: by Content-Length before
     anything is read, else once the received body passes the limit (it is read here, then handed
     on whole). A body not complete within `seconds` is a 408: a client that stops sending would
-    otherwise hold what it sent so far, and its connection, for as long as it likes."""
+    otherwise hold what it sent so far, and its connection, for as long as it likes. A compressed
+    body is decoded here, under the same limit (server/content_encoding.py)."""
 
     def __init__(self, app, limit: int, seconds: Optional[float] = None):
         self.app, self.limit, self.seconds = app, limit, seconds
@@ -264,6 +265,15 @@ class LimitBody:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
+        headers = scope.get("headers") or []
+        applied = content_encoding.codings(b",".join(v for k, v in headers if k == b"content-encoding"))
+        if applied:  # decoded here, so that the API reads JSON, held to the same limit
+            try:
+                body = await asyncio.to_thread(content_encoding.decode, body, applied, self.limit)  # (off the event loop)
+            except APIError as error:
+                return await error.response(path)(scope, receive, send)
+            scope = {**scope, "headers": [(k, v) for k, v in headers if k not in (b"content-encoding", b"content-length")]
+                     + [(b"content-length", str(len(body)).encode())]}
         delivered = False
 
         async def replay():
