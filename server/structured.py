@@ -148,6 +148,7 @@ class _Rules:
     def __init__(self, lit: Literals):
         self.lit, self.lines, self.count = lit, [], 0
         self.has_any = False  # the rule for any Gemma value, written once when needed
+        self.shared: dict[str, str] = {}  # rules written once for all calls, by what they are
 
     def add(self, body: str, lazy: bool = False) -> str:
         self.count += 1
@@ -278,17 +279,40 @@ def _call_parts(rules: _Rules, markers: Markers, function: dict) -> tuple[str, s
     return f"call:{name}{{", _gemma_members(rules, parameters), f"}}{end}"
 
 
+def _any_arguments_parts(rules: _Rules, markers: Markers, function: dict) -> tuple[str, str, str]:
+    """`_call_parts` for a tool that is not strict: its name, and arguments held only to the form."""
+    name, end = function["name"], markers.tool_end
+    if markers.tool_format == QWEN_JSON:
+        return f'\n{{"name": "{name}", "arguments": ', '%json {"type": "object"}', f"}}\n{end}"
+    if markers.tool_format == QWEN_XML:  # <parameter=KEY> blocks, any keys, values raw to their end tag
+        if "xml_params" not in rules.shared:
+            lit = rules.lit
+            head, open_, close = lit("<parameter="), lit(">\n"), lit("\n</parameter>\n")
+            value = rules.add(f"/(.|\\n)*/ {close}", lazy=not lit.is_token("</parameter>"))
+            param = rules.add(f"{head} /[^<>\\n]+/ {open_} {value}")
+            rules.shared["xml_params"] = rules.add(f'{param}* ""')
+        return f"\n<function={name}>\n", rules.shared["xml_params"], f"</function>\n{end}"
+    if "gemma_object" not in rules.shared:
+        value, key = _gemma_any(rules), "/[A-Za-z_][A-Za-z0-9_-]*/"
+        rules.shared["gemma_object"] = rules.add(f'"{{" ({key} ":" {value} ("," {key} ":" {value})*)? "}}"')
+    return f"call:{name}", rules.shared["gemma_object"], end
+
+
 def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: str, starts_in_reasoning: bool,
                          lit: Literals, named: Optional[str] = None) -> Optional[GrammarSpec]:
-    """The grammar for requests with strict function tools, or None when none is strict.
-    `forced_opening`: what the server wrote of a call (tool_choice required or `named`)."""
+    """The grammar for requests with strict function tools: their calls match their schemas. Or,
+    where the server opened a call (`forced_opening`: tool_choice required or `named`) for tools
+    that are not strict, the call is finished well-formed: a tool of the request, arguments any
+    JSON object (Gemma 4: any object of its values; Qwen's XML: any text in the function block), so
+    that the forced call parses as one. Otherwise None: no grammar."""
     strict = _strict_functions(tools)
-    if not strict:
+    if not strict and not forced_opening:
         return None
     if markers.tool_format not in (QWEN_JSON, QWEN_XML, GEMMA4):
         raise bad_request("this model's template has no tool-call form to enforce strict schemas in", param="tools")
     rules = _Rules(lit)
-    calls = [(f["name"], *_call_parts(rules, markers, f)) for f in strict]
+    parts = _call_parts if strict else _any_arguments_parts
+    calls = [(f["name"], *parts(rules, markers, f)) for f in strict or [t["function"] for t in tools]]
     bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for _, head, core, tail in calls]
     rules.lines += ["TEXT: /(.|\\n)*/", lit.until("trigger", markers.tool_start),
                     f"call: trigger ({' | '.join(bodies)})", "rest: call* TEXT"]

@@ -81,6 +81,40 @@ def test_no_strict_tool_no_grammar(qwen):
     assert strict_tools_grammar([loose], QWEN_XML_MARKERS, "", False, Literals(qwen.get_added_vocab())) is None
 
 
+LOOSE = {"type": "function", "function": {**WEATHER["function"], "strict": False}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("markers, opening, call, off_schema, broken", [
+    (QWEN_XML_MARKERS, "<tool_call>\n", XML_CALL, XML_CALL.replace("\n3\n", "\nthree\n"),
+     XML_CALL.replace("</function>\n", "")),
+    (QWEN_JSON_MARKERS, "<tool_call>\n", JSON_CALL, JSON_CALL.replace('"city"', '"town"'),
+     JSON_CALL.replace('"Paris"', "Paris")),
+    (GEMMA4_MARKERS, "<|tool_call>call:", GEMMA_CALL, GEMMA_CALL.replace("days:3,", ""),
+     GEMMA_CALL.replace("{city:", "{city=")),
+], ids=["xml", "json", "gemma"])
+@pytest.mark.parametrize("named", [None, "get_weather"], ids=["required", "named"])
+def test_a_forced_call_of_loose_tools_is_finished_well_formed(qwen, gemma, markers, opening, call, off_schema,
+                                                              broken, named):
+    """tool_choice required or named with tools that are not strict: the call the server opened is
+    finished as a call the parser reads (a tool of the request, arguments in the form's syntax),
+    not held to the schema; text and more calls may follow, as in auto."""
+    hf = gemma if markers is GEMMA4_MARKERS else qwen
+    if named:
+        opening += "get_weather" if markers is GEMMA4_MARKERS else (
+            "<function=get_weather>\n" if markers is QWEN_XML_MARKERS else '{"name": "get_weather", "arguments": ')
+    spec = strict_tools_grammar([LOOSE, CLOCK], markers, opening, False, Literals(hf.get_added_vocab()), named)
+    rest = call[len(opening):]
+    assert _matches(hf, spec, rest)
+    assert _matches(hf, spec, off_schema[len(opening):])  # loose: arguments off the schema pass
+    assert _matches(hf, spec, rest + "\nDone. " + call.replace("Paris", "Rome"))
+    assert not _matches(hf, spec, broken[len(opening):])
+    assert not _matches(hf, spec, "Some text first. " + rest)
+    other = call.replace("get_weather", "get_time")[len(opening):]
+    assert _matches(hf, spec, other) is (named is None)  # required: any tool of the request
+    assert not _matches(hf, spec, call.replace("get_weather", "get_news")[len(opening):])
+
+
 def test_json_answer_after_reasoning(qwen):
     spec = response_format_grammar(format_schema(ResponseFormat(type="json_object")), QWEN_XML_MARKERS, True,
                                    Literals(qwen.get_added_vocab()))

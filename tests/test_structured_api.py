@@ -214,3 +214,34 @@ def test_a_format_with_tools_lets_the_model_call_them(qwen3_5_pair):
                                      tools=[{"name": "get_weather", "input_schema": loose["parameters"]}],
                                      extra_body={"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
         assert out.stop_reason == "tool_use" and out.content[-1].input == {"city": "Paris", "days": 3}
+
+
+LOOSE = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_of_loose_tools_is_a_call(live, choice):
+    """tool_choice required or named, tools not strict: the server opens the call, and the grammar
+    has the model finish it as a call of a tool the request has, in the form the parser reads (its
+    arguments not held to the schema). Before, only the opening was written, and the model could go
+    on with anything: a random model's text is no call. Here it names a tool of the request at once;
+    a random model may then write one parameter's text for all its tokens (the grammar leaves
+    arguments free), so a call cut short by max_tokens shows the call's form as far as it got."""
+    spec, alone = _both(live, tools=[LOOSE, CLOCK], tool_choice=choice, max_tokens=60, temperature=0,
+                        extra_body=NO_THINKING)
+    def said(message):  # (call ids are drawn per response)
+        return message.content, [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+
+    assert said(spec.choices[0].message) == said(alone.choices[0].message)
+    names = ("get_weather", "get_time") if choice == "required" else ("get_time",)
+    message = spec.choices[0].message
+    if spec.choices[0].finish_reason == "tool_calls":
+        assert message.tool_calls[0].function.name in names
+        assert isinstance(json.loads(message.tool_calls[0].function.arguments), dict)
+    else:
+        opened = [("<|tool_call>call:" + n + "{") if live.family == "gemma4" else f"<tool_call>\n<function={n}>\n"
+                  for n in names]
+        assert any(message.content.startswith(o) for o in opened), message.content
