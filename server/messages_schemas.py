@@ -167,9 +167,22 @@ class Metadata(StrictModel):
 MAX_STOP_SEQUENCES = 256
 
 
+def _contents_not_empty(messages: list[Message]) -> list[Message]:
+    """As Anthropic's API: every message has content, but for a final assistant message (the
+    answer's prefill, which may be empty). An empty turn would show the model a turn with nothing
+    in it, which no client means to send."""
+    for index, message in enumerate(messages):
+        final_assistant = index == len(messages) - 1 and message.role == "assistant"
+        if not message.content and not final_assistant:
+            raise ValueError(f"messages.{index}: a message's content must not be empty "
+                             "(only a final assistant message may be)")
+    return messages
+
+
 class MessagesRequest(StrictModel):
     model: str
     messages: list[Message] = Field(min_length=1)
+    _contents = field_validator("messages")(_contents_not_empty)
     max_tokens: int = Field(ge=1)
     system: Union[str, list[TextBlock], None] = None
     # Anthropic's API states no limit; each one is matched against the output as it streams, on the
@@ -196,6 +209,7 @@ class CountTokensRequest(StrictModel):
     model: str
     cache_control: Optional[CacheControl] = None  # as in MessagesRequest: counting is the same either way
     messages: list[Message] = Field(min_length=1)
+    _contents = field_validator("messages")(_contents_not_empty)
     system: Union[str, list[TextBlock], None] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[ToolChoice] = None
