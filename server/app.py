@@ -272,7 +272,8 @@ class LimitBody:
                 body = await asyncio.to_thread(content_encoding.decode, body, applied, self.limit)  # (off the event loop)
             except APIError as error:
                 return await error.response(path)(scope, receive, send)
-            scope = {**scope, "headers": [(k, v) for k, v in headers if k not in (b"content-encoding", b"content-length")]
+            framing = (b"content-encoding", b"content-length", b"transfer-encoding")  # (of the body as sent)
+            scope = {**scope, "headers": [(k, v) for k, v in headers if k not in framing]
                      + [(b"content-length", str(len(body)).encode())]}
         delivered = False
 

@@ -29,8 +29,8 @@ def _raw_deflate(data: bytes) -> bytes:
     (b"deflate", zlib.compress(BODY)),
     (b"deflate", _raw_deflate(BODY)),  # what some clients send as "deflate"
     (b"GZIP", gzip.compress(BODY)),
-    (b"deflate, gzip", gzip.compress(zlib.compress(BODY))),  # applied in order: undone last first
-    (b"identity", BODY),
+    (b"identity, gzip", gzip.compress(BODY)),
+    (b"gzip", gzip.compress(BODY[:100]) + gzip.compress(BODY[100:])),  # two members (RFC 1952)
 ])
 def test_gzip_and_deflate_are_decoded(header, packed):
     assert decode(packed, codings(header), limit=len(BODY)) == BODY
@@ -44,6 +44,10 @@ def _status(packed: bytes, header: bytes, limit: int) -> tuple[int, str]:
 
 def test_what_cannot_be_decoded_is_refused_with_the_reason():
     assert _status(BODY, b"zstd", 10_000) == (415, "unsupported_content_encoding")
+    # One coding at most: each layer could expand to the limit, and a header holds thousands.
+    assert _status(gzip.compress(gzip.compress(BODY)), b"gzip, gzip", 10_000) == (415, "unsupported_content_encoding")
+    members = b"".join(gzip.compress(b"") for _ in range(65))
+    assert _status(members, b"gzip", 10_000) == (400, "invalid_content_encoding")  # past 64 members
     assert _status(BODY, b"br", 10_000) == (415, "unsupported_content_encoding")
     assert _status(BODY, b"gzip", 10_000) == (400, "invalid_content_encoding")  # not gzip at all
     assert _status(gzip.compress(BODY)[:-12], b"gzip", 10_000) == (400, "invalid_content_encoding")  # cut short
@@ -85,6 +89,7 @@ def test_the_server_answers_a_compressed_body_as_the_plain_one(qwen3_5_pair):
         refused = post("/v1/chat/completions", plain_chat, "zstd")
         assert refused.status_code == 415 and refused.json()["error"]["code"] == "unsupported_content_encoding"
         assert "gzip or deflate" in refused.json()["error"]["message"]
+        assert refused.headers["accept-encoding"] == "gzip, deflate"
         refused = post("/v1/messages", anthropic, "zstd")
         assert refused.status_code == 415 and refused.json()["type"] == "error"
         bomb = post("/v1/chat/completions", gzip.compress(b" " * (1024 * 1024)), "gzip")
