@@ -128,7 +128,7 @@ def answer_or_calls_grammar(schema: Optional[Any], tools: list[dict], markers: M
                   (_call_parts(rules, markers, f) for f in strict)]
         rules.lines.append(f"call: {lit(markers.tool_start)} ({' | '.join(bodies)})")
     elif markers.tool_format == GEMMA4:  # (its strings are between special tokens, which no text rule matches)
-        rules.lines.append(f'call: {lit(markers.tool_start)} "call:" /[A-Za-z_][A-Za-z0-9_.:-]*/ '
+        rules.lines.append(f'call: {lit(markers.tool_start)} "call:" /[A-Za-z0-9_-]+/ '
                            f"{_gemma_any(rules)} {lit(markers.tool_end)}")
     else:
         rules.lines += [f"call: {lit(markers.tool_start)} free", lit.until("free", markers.tool_end)]
@@ -157,10 +157,13 @@ class _Rules:
         return name
 
 
-# Property names a strict call's markup can carry as keys: Qwen's <parameter=KEY> tag (no <, > or
-# newline), Gemma 4's bare keys (mlx-lm reads only word characters as keys).
-XML_KEY = re.compile(r"[^<>\n]+")
+# Names a call's markup can carry, as mlx-lm's parsers read them: Qwen's <parameter=KEY> and
+# <function=NAME> tags (no whitespace, < or >), Gemma 4's bare keys (word characters) and its
+# call:NAME (word characters and -).
+XML_KEY = re.compile(r"[^\s<>]+")
 GEMMA_KEY = re.compile(r"[A-Za-z0-9_]+")
+GEMMA_NAME = re.compile(r"[A-Za-z0-9_-]+")
+GEMMA_NUMBER = "/-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?/"
 
 
 def _writable_key(key: str, form: re.Pattern) -> None:
@@ -210,7 +213,7 @@ def _gemma_value(rules: _Rules, schema: Any) -> str:
             return "(" + " | ".join(lit(str(v)) for v in range(low, high + 1)) + ")"
         return "/-?(0|[1-9][0-9]{0,18})/"  # an int64 at most; bounds beyond a small range are not enforced
     if kind == "number":
-        return "/-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?/"
+        return GEMMA_NUMBER
     if kind == "boolean":
         return '("true" | "false")'
     if kind == "null":
@@ -251,8 +254,8 @@ def _gemma_any(rules: _Rules) -> str:
         rules.has_any = True
         quote = rules.lit('<|"|>')
         rules.lines.append(
-            f'gany: {quote} /(.|\\n)*/ {quote} | /-?[0-9][0-9.eE+-]*/ | "true" | "false" | "null"'
-            ' | "[" (gany ("," gany)*)? "]" | "{" (/[A-Za-z_][A-Za-z0-9_-]*/ ":" gany ("," /[A-Za-z_][A-Za-z0-9_-]*/ ":" gany)*)? "}"')  # noqa: E501
+            f'gany: {quote} /(.|\\n)*/ {quote} | {GEMMA_NUMBER} | "true" | "false" | "null"'
+            ' | "[" (gany ("," gany)*)? "]" | "{" (/[A-Za-z0-9_]+/ ":" gany ("," /[A-Za-z0-9_]+/ ":" gany)*)? "}"')
     return "gany"
 
 
@@ -282,18 +285,20 @@ def _call_parts(rules: _Rules, markers: Markers, function: dict) -> tuple[str, s
 def _any_arguments_parts(rules: _Rules, markers: Markers, function: dict) -> tuple[str, str, str]:
     """`_call_parts` for a tool that is not strict: its name, and arguments held only to the form."""
     name, end = function["name"], markers.tool_end
-    if markers.tool_format == QWEN_JSON:
-        return f'\n{{"name": "{name}", "arguments": ', '%json {"type": "object"}', f"}}\n{end}"
+    if markers.tool_format == QWEN_JSON:  # (one rule for all: each %json is compiled on its own)
+        if "json_object" not in rules.shared:
+            rules.shared["json_object"] = rules.add('%json {"type": "object"}')
+        return f'\n{{"name": "{name}", "arguments": ', rules.shared["json_object"], f"}}\n{end}"
     if markers.tool_format == QWEN_XML:  # <parameter=KEY> blocks, any keys, values raw to their end tag
         if "xml_params" not in rules.shared:
             lit = rules.lit
             head, open_, close = lit("<parameter="), lit(">\n"), lit("\n</parameter>\n")
             value = rules.add(f"/(.|\\n)*/ {close}", lazy=not lit.is_token("</parameter>"))
-            param = rules.add(f"{head} /[^<>\\n]+/ {open_} {value}")
+            param = rules.add(f"{head} /[^\\s<>]+/ {open_} {value}")
             rules.shared["xml_params"] = rules.add(f'{param}* ""')
         return f"\n<function={name}>\n", rules.shared["xml_params"], f"</function>\n{end}"
     if "gemma_object" not in rules.shared:
-        value, key = _gemma_any(rules), "/[A-Za-z_][A-Za-z0-9_-]*/"
+        value, key = _gemma_any(rules), "/[A-Za-z0-9_]+/"
         rules.shared["gemma_object"] = rules.add(f'"{{" ({key} ":" {value} ("," {key} ":" {value})*)? "}}"')
     return f"call:{name}", rules.shared["gemma_object"], end
 
@@ -312,7 +317,12 @@ def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: st
         raise bad_request("this model's template has no tool-call form to enforce strict schemas in", param="tools")
     rules = _Rules(lit)
     parts = _call_parts if strict else _any_arguments_parts
-    calls = [(f["name"], *parts(rules, markers, f)) for f in strict or [t["function"] for t in tools]]
+    functions = strict or [t["function"] for t in tools]
+    unwritable = [f["name"] for f in functions if markers.tool_format == GEMMA4 and not GEMMA_NAME.fullmatch(f["name"])]
+    if unwritable:  # the grammar would make the model write a call that does not parse as one
+        raise bad_request(f"the tool name {unwritable[0]!r} cannot be written in Gemma 4's call form (letters, "
+                          "digits, _ and - only), which a strict or forced call needs", param="tools")
+    calls = [(f["name"], *parts(rules, markers, f)) for f in functions]
     bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for _, head, core, tail in calls]
     rules.lines += ["TEXT: /(.|\\n)*/", lit.until("trigger", markers.tool_start),
                     f"call: trigger ({' | '.join(bodies)})", "rest: call* TEXT"]

@@ -878,6 +878,11 @@ _OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required
                                   "name": "f", "strict": True,
                                   "parameters": {"type": "object", "properties": {"</parameter>": {"type": "string"}}}}}]},
      "tools"),
+    # mlx-lm reads a parameter's name up to whitespace: "first name" would come back as "first".
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True,
+        "parameters": {"type": "object", "properties": {"first name": {"type": "string"}}}}}]},
+     "tools"),
     # llguidance holds integers in 64 bits: a wider bound was silently broken.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 1e30}}}},
@@ -886,7 +891,8 @@ _OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required
         "name": "f", "strict": True,
         "parameters": {"type": "object", "properties": {"a": {"type": "integer", "maximum": -2**70}}}}}]},
      "tools"),
-], ids=["chat-name", "messages-name", "responses-name", "strict-property", "format-int-bound", "strict-int-bound"])
+], ids=["chat-name", "messages-name", "responses-name", "strict-property", "strict-property-space", "format-int-bound",
+        "strict-int-bound"])
 def test_tool_names_and_strict_keys_that_markup_cannot_carry_are_a_400(live, client, path, body, param):
     """A tool's name, and a strict tool's property names, are written into the call markup that the
     output is parsed and constrained by: "a>b" made strict calls to an undeclared tool "a". Nor can

@@ -115,6 +115,32 @@ def test_a_forced_call_of_loose_tools_is_finished_well_formed(qwen, gemma, marke
     assert not _matches(hf, spec, call.replace("get_weather", "get_news")[len(opening):])
 
 
+def test_what_a_loose_forced_call_may_write_is_what_the_parser_reads(qwen, gemma):
+    """The grammar's form is the parser's (mlx-lm's): Gemma 4 keys of word characters and JSON
+    numbers, Qwen XML parameter names without whitespace; a Gemma 4 tool whose name its call form
+    cannot carry is a 400 rather than a call that comes back as text."""
+    from dflash_server.errors import APIError
+    from dflash_server.tool_calls import GEMMA4, QWEN_XML, parse_tool_body
+
+    spec = strict_tools_grammar([LOOSE], GEMMA4_MARKERS, "<|tool_call>call:", False,
+                                Literals(gemma.get_added_vocab()))
+    for arguments, readable in [("{path:<|\"|>a<|\"|>,n:-1.5e3}", True), ("{file-path:<|\"|>a<|\"|>}", False),
+                                ("{n:1-2}", False), ("{n:007}", False), ("{n:1.2.3}", False)]:
+        call = "get_weather" + arguments + "<tool_call|>"
+        assert _matches(gemma, spec, call) is readable, arguments
+        if readable:
+            assert parse_tool_body(GEMMA4, "call:" + call[: -len("<tool_call|>")])[0].name == "get_weather"
+    xml = strict_tools_grammar([LOOSE], QWEN_XML_MARKERS, "<tool_call>\n", False, Literals(qwen.get_added_vocab()))
+    body = "<function=get_weather>\n<parameter=first name>\nAda\n</parameter>\n</function>\n</tool_call>"
+    assert not _matches(qwen, xml, body)
+    assert _matches(qwen, xml, body.replace("first name", "first_name"))
+    assert parse_tool_body(QWEN_XML, body.replace("first name", "first_name")[: -len("</tool_call>")])[0].arguments \
+        == '{"first_name": "Ada"}'
+    dotted = {"type": "function", "function": {**LOOSE["function"], "name": "ns.get_weather"}}
+    with pytest.raises(APIError, match="cannot be written in Gemma 4"):
+        strict_tools_grammar([dotted], GEMMA4_MARKERS, "<|tool_call>call:", False, Literals(gemma.get_added_vocab()))
+
+
 def test_json_answer_after_reasoning(qwen):
     spec = response_format_grammar(format_schema(ResponseFormat(type="json_object")), QWEN_XML_MARKERS, True,
                                    Literals(qwen.get_added_vocab()))
