@@ -56,7 +56,9 @@ class ToolNames:
     namespace: dict[str, tuple[str, str]] = field(default_factory=dict)  # shown -> (namespace, name)
 
     def shown(self, name: str, namespace: Optional[str]) -> str:
-        return f"{namespace}.{name}" if namespace else name
+        # "__" as MCP's tool names join a server's and a tool's: every family's call form reads it
+        # as part of a name, where Gemma 4's call:NAME stops at a "." (the call came back as text).
+        return f"{namespace}__{name}" if namespace else name
 
 
 def _function_entry(name: str, tool) -> dict:

@@ -193,7 +193,7 @@ def test_namespace_and_custom_tools(scripted):
               "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object", "properties": {}}}]},
              {"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
               "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]
-    script(scripted, "scripted", "</think>\n\n<tool_call>\n<function=agents.spawn>\n</function>\n</tool_call>")
+    script(scripted, "scripted", "</think>\n\n<tool_call>\n<function=agents__spawn>\n</function>\n</tool_call>")
     # (A namespace may come without a description; the response's list of tools has one.)
     undescribed = {"type": "namespace", "name": "more", "tools": [{"type": "function", "name": "wait"}]}
     out = scripted.client.responses.create(model="scripted", input="go", tools=[*tools, undescribed],
@@ -207,6 +207,20 @@ def test_namespace_and_custom_tools(scripted):
     final = events[-1].response
     assert final.output[0].type == "custom_tool_call" and final.output[0].input == "*** Begin Patch"
     assert "response.custom_tool_call_input.done" in [e.type for e in events]
+
+
+def test_a_namespace_tool_is_called_on_gemma_4(gemma4_pair):
+    """Gemma 4's call form reads call:NAME of word characters and -: a namespace's tools are shown
+    as namespace__name, so that the call comes back as a call (with namespace.name it was text)."""
+    tools = [{"type": "namespace", "name": "agents", "description": "Sub-agents.",
+              "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object", "properties": {}}}]}]
+    with scripted_server({"scripted": gemma4_pair}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        script(server, "scripted", '<|tool_call>call:agents__spawn{task:<|"|>look<|"|>}<tool_call|>')
+        out = client.responses.create(model="scripted", input="go", tools=tools)
+    call = out.output[-1]
+    assert call.type == "function_call" and call.name == "spawn" and call.namespace == "agents", out.output
+    assert json.loads(call.arguments) == {"task": "look"}
 
 
 def test_builder_closes_each_item_before_the_next():
