@@ -23,6 +23,8 @@ def _raw_deflate(data: bytes) -> bytes:
     return packer.compress(data) + packer.flush()
 
 
+# (Named cases: gzip stamps the time into its header, and pytest-xdist's workers must collect the
+# same test ids.)
 @pytest.mark.parametrize("header, packed", [
     (b"gzip", gzip.compress(BODY)),
     (b"x-gzip", gzip.compress(BODY)),
@@ -31,7 +33,7 @@ def _raw_deflate(data: bytes) -> bytes:
     (b"GZIP", gzip.compress(BODY)),
     (b"identity, gzip", gzip.compress(BODY)),
     (b"gzip", gzip.compress(BODY[:100]) + gzip.compress(BODY[100:])),  # two members (RFC 1952)
-])
+], ids=["gzip", "x-gzip", "deflate", "raw-deflate", "upper-case", "identity-then-gzip", "two-members"])
 def test_gzip_and_deflate_are_decoded(header, packed):
     assert decode(packed, codings(header), limit=len(BODY)) == BODY
 
