@@ -128,7 +128,7 @@ def answer_or_calls_grammar(schema: Optional[Any], tools: list[dict], markers: M
                   (_call_parts(rules, markers, f) for f in strict)]
         rules.lines.append(f"call: {lit(markers.tool_start)} ({' | '.join(bodies)})")
     elif markers.tool_format == GEMMA4:  # (its strings are between special tokens, which no text rule matches)
-        rules.lines.append(f'call: {lit(markers.tool_start)} "call:" /[A-Za-z0-9_-]+/ '
+        rules.lines.append(f'call: {lit(markers.tool_start)} "call:" /[A-Za-z0-9_.:-]+/ '
                            f"{_gemma_any(rules)} {lit(markers.tool_end)}")
     else:
         rules.lines += [f"call: {lit(markers.tool_start)} free", lit.until("free", markers.tool_end)]
@@ -157,12 +157,10 @@ class _Rules:
         return name
 
 
-# Names a call's markup can carry, as mlx-lm's parsers read them: Qwen's <parameter=KEY> and
-# <function=NAME> tags (no whitespace, < or >), Gemma 4's bare keys (word characters) and its
-# call:NAME (word characters and -).
+# Names a call's markup can carry, as mlx-lm's parsers read them: Qwen's <parameter=KEY> tag (no
+# whitespace, < or >), Gemma 4's bare keys (word characters).
 XML_KEY = re.compile(r"[^\s<>]+")
 GEMMA_KEY = re.compile(r"[A-Za-z0-9_]+")
-GEMMA_NAME = re.compile(r"[A-Za-z0-9_-]+")
 GEMMA_NUMBER = "/-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?/"
 
 
@@ -317,12 +315,7 @@ def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: st
         raise bad_request("this model's template has no tool-call form to enforce strict schemas in", param="tools")
     rules = _Rules(lit)
     parts = _call_parts if strict else _any_arguments_parts
-    functions = strict or [t["function"] for t in tools]
-    unwritable = [f["name"] for f in functions if markers.tool_format == GEMMA4 and not GEMMA_NAME.fullmatch(f["name"])]
-    if unwritable:  # the grammar would make the model write a call that does not parse as one
-        raise bad_request(f"the tool name {unwritable[0]!r} cannot be written in Gemma 4's call form (letters, "
-                          "digits, _ and - only), which a strict or forced call needs", param="tools")
-    calls = [(f["name"], *parts(rules, markers, f)) for f in functions]
+    calls = [(f["name"], *parts(rules, markers, f)) for f in strict or [t["function"] for t in tools]]
     bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for _, head, core, tail in calls]
     rules.lines += ["TEXT: /(.|\\n)*/", lit.until("trigger", markers.tool_start),
                     f"call: trigger ({' | '.join(bodies)})", "rest: call* TEXT"]

@@ -128,16 +128,41 @@ def gemma4_arguments_json(text: str) -> str:
 GEMMA4_PATTERN_SECONDS = 0.5
 
 
-def parse_gemma4_calls(text: str) -> list[dict[str, Any]]:
+# The names mlx-lm's Gemma 4 call pattern reads after "call:" (regex's \w and -).
+GEMMA4_CALL_NAME = regex.compile(r"[\w-]+")
+
+
+def _alias_gemma4_names(text: str, names: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """`text` with each call of a known tool whose name the call pattern stops in (a . or :, which
+    tool names may hold: `web.search`) renamed, outside strings, to an alias it reads; and alias ->
+    name, to put the names back."""
+    unread = [name for name in names if not GEMMA4_CALL_NAME.fullmatch(name)]
+    if not unread or "call:" not in text:
+        return text, {}
+    parts, aliases = text.split(GEMMA4_STRING), {}
+    for i, name in enumerate(unread):
+        alias = f"dflash_tool_{i}"
+        while alias in text:
+            alias += "_"
+        aliases[alias] = name
+        # (even parts lie outside strings: a string that mentions the call stays as written)
+        parts = [part.replace(f"call:{name}{{", f"call:{alias}{{") if j % 2 == 0 else part for j, part in enumerate(parts)]
+    return GEMMA4_STRING.join(parts), aliases
+
+
+def parse_gemma4_calls(text: str, names: Sequence[str] = ()) -> list[dict[str, Any]]:
     """mlx-lm's Gemma 4 parse (`mlx_lm.tool_parsers.gemma4`: its call pattern, within
-    `GEMMA4_PATTERN_SECONDS`), the arguments converted by `gemma4_arguments_json`."""
+    `GEMMA4_PATTERN_SECONDS`), the arguments converted by `gemma4_arguments_json`. `names`: the
+    request's tool names, so that those with a . or : are read too (`_alias_gemma4_names`)."""
+    text, aliases = _alias_gemma4_names(text, names)
     try:
         matches = list(_mlx_lm_parser(GEMMA4)._tool_call_regex.finditer(text, timeout=GEMMA4_PATTERN_SECONDS))
     except TimeoutError as e:
         raise ValueError(f"no call found within {GEMMA4_PATTERN_SECONDS} s") from e
     if not matches:
         raise ValueError("no function call")
-    return [dict(name=m.group(1), arguments=json.loads(gemma4_arguments_json(m.group(2)))) for m in matches]
+    return [dict(name=aliases.get(m.group(1), m.group(1)), arguments=json.loads(gemma4_arguments_json(m.group(2))))
+            for m in matches]
 
 
 def parse_tool_body(fmt: str, body: str, tools: Optional[Sequence[Any]] = None) -> list[ToolCall]:
@@ -148,7 +173,8 @@ def parse_tool_body(fmt: str, body: str, tools: Optional[Sequence[Any]] = None) 
     """
     stripped = body.strip()
     if fmt == GEMMA4:
-        items = parse_gemma4_calls(stripped)  # (one region may hold several call:NAME{...})
+        names = [tool["function"]["name"] for tool in plain_tools(tools)]
+        items = parse_gemma4_calls(stripped, names)  # (one region may hold several call:NAME{...})
     elif fmt in (QWEN_XML, QWEN_JSON):
         # Qwen checkpoints are trained on one form, but fine-tunes drift between the two;
         # the body's first character tells them apart unambiguously.

@@ -100,3 +100,36 @@ def test_a_region_of_unclosed_calls_is_given_up_in_bounded_time():
     with pytest.raises(ValueError):
         parse_gemma4_calls("call:f{" * 4000)
     assert time.perf_counter() - start < GEMMA4_PATTERN_SECONDS + 1.0
+
+
+def test_gemma4_calls_of_tools_named_with_dots_and_colons_are_read():
+    """mlx-lm's call pattern reads call:NAME of \\w and - only; tool names may hold . and : (as
+    `web.search`), so the request's names are read as such: outside strings only, and only names
+    of the request's tools."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("web.search", "fs:read", "plain")]
+    body = 'call:web.search{q:<|"|>see call:web.search{x} and call:fs:read{<|"|>}call:fs:read{path:<|"|>a<|"|>}'
+    calls = parse_tool_body(GEMMA4, body, tools)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("web.search", {"q": "see call:web.search{x} and call:fs:read{"}), ("fs:read", {"path": "a"})]
+    assert parse_tool_body(GEMMA4, "call:plain{n:1}", tools)[0].name == "plain"
+    with pytest.raises(ValueError):  # not a tool of the request: mlx-lm's reading, no call
+        parse_tool_body(GEMMA4, "call:other.tool{n:1}", tools)
+    with pytest.raises(ValueError):
+        parse_tool_body(GEMMA4, "call:web.search{n:1}", None)
+
+
+
+def test_a_gemma4_call_of_a_dotted_tool_comes_back_as_a_call(gemma4_pair):
+    import openai
+    from scripted_server import script, scripted_server
+
+    tools = [{"type": "function", "function": {"name": "web.search", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    with scripted_server({"scripted": gemma4_pair}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        script(server, "scripted", '<|tool_call>call:web.search{q:<|"|>tides<|"|>}<tool_call|>')
+        out = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "go"}],
+                                             tools=tools)
+    call = out.choices[0].message.tool_calls[0]
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "web.search" and json.loads(call.function.arguments) == {"q": "tides"}
