@@ -4,9 +4,9 @@ them.
 Starlette hands the app the bytes as sent, so a gzip body would reach the JSON parser as binary and
 come back as "invalid JSON", which says nothing of the cause. Clients and proxies that compress
 their requests use gzip or deflate (both in the standard library's zlib), so those are decoded;
-anything else (zstd, br), or more than one coding, is a 415 that names what is decoded. The decoded body is held to the same
-byte limit as a plain one (`server.max_request_bytes`): a few kilobytes of gzip can expand to
-gigabytes, so decoding stops one byte past the limit.
+anything else (zstd, br), or more than one coding, is a 415 that names what is decoded. The
+decoded body is held to the same byte limit as a plain one (`server.max_request_bytes`): a few
+kilobytes of gzip can expand to gigabytes, so decoding stops one byte past the limit.
 """
 
 from __future__ import annotations

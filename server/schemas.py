@@ -12,8 +12,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 
 # A tool's name is written into the prompt's tool list and into the call markup the output is
 # parsed (and, for strict tools, constrained) by, so it is a plain identifier: OpenAI's names
-# (letters, digits, _ and -, up to 64) and Anthropic's fit, and so do a Responses namespace's
-# "namespace.name". A name such as "a>b" or one with a newline made strict calls to undeclared tools.
+# (letters, digits, _ and -, up to 64) and Anthropic's fit, and so do names with "." or ":" (MCP's,
+# say). A name such as "a>b" or one with a newline made strict calls to undeclared tools.
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,256}$"
 ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
 

@@ -147,8 +147,13 @@ class _Rules:
 
     def __init__(self, lit: Literals):
         self.lit, self.lines, self.count = lit, [], 0
-        self.has_any = False  # the rule for any Gemma value, written once when needed
-        self.shared: dict[str, str] = {}  # rules written once for all calls, by what they are
+        self.shared: dict[str, str] = {}  # rules written once for all calls that need them, by what they are
+
+    def once(self, key: str, make) -> str:
+        """The rule `key`, written by `make()` the first time it is asked for."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
 
     def add(self, body: str, lazy: bool = False) -> str:
         self.count += 1
@@ -248,13 +253,14 @@ def _gemma_members(rules: _Rules, schema: dict) -> str:
 
 
 def _gemma_any(rules: _Rules) -> str:
-    if not rules.has_any:
-        rules.has_any = True
-        quote = rules.lit('<|"|>')
+    def make() -> str:
+        quote, key = rules.lit('<|"|>'), f"/{GEMMA_KEY.pattern}/"
         rules.lines.append(
             f'gany: {quote} /(.|\\n)*/ {quote} | {GEMMA_NUMBER} | "true" | "false" | "null"'
-            ' | "[" (gany ("," gany)*)? "]" | "{" (/[A-Za-z0-9_]+/ ":" gany ("," /[A-Za-z0-9_]+/ ":" gany)*)? "}"')
-    return "gany"
+            f' | "[" (gany ("," gany)*)? "]" | "{{" ({key} ":" gany ("," {key} ":" gany)*)? "}}"')
+        return "gany"
+
+    return rules.once("gemma_any", make)
 
 
 def _strict_functions(tools: Optional[list[dict]]) -> list[dict]:
@@ -284,21 +290,23 @@ def _any_arguments_parts(rules: _Rules, markers: Markers, function: dict) -> tup
     """`_call_parts` for a tool that is not strict: its name, and arguments held only to the form."""
     name, end = function["name"], markers.tool_end
     if markers.tool_format == QWEN_JSON:  # (one rule for all: each %json is compiled on its own)
-        if "json_object" not in rules.shared:
-            rules.shared["json_object"] = rules.add('%json {"type": "object"}')
-        return f'\n{{"name": "{name}", "arguments": ', rules.shared["json_object"], f"}}\n{end}"
+        arguments = rules.once("json_object", lambda: rules.add('%json {"type": "object"}'))
+        return f'\n{{"name": "{name}", "arguments": ', arguments, f"}}\n{end}"
     if markers.tool_format == QWEN_XML:  # <parameter=KEY> blocks, any keys, values raw to their end tag
-        if "xml_params" not in rules.shared:
+        def xml_params() -> str:
             lit = rules.lit
             head, open_, close = lit("<parameter="), lit(">\n"), lit("\n</parameter>\n")
             value = rules.add(f"/(.|\\n)*/ {close}", lazy=not lit.is_token("</parameter>"))
-            param = rules.add(f"{head} /[^\\s<>]+/ {open_} {value}")
-            rules.shared["xml_params"] = rules.add(f'{param}* ""')
-        return f"\n<function={name}>\n", rules.shared["xml_params"], f"</function>\n{end}"
-    if "gemma_object" not in rules.shared:
-        value, key = _gemma_any(rules), "/[A-Za-z0-9_]+/"
-        rules.shared["gemma_object"] = rules.add(f'"{{" ({key} ":" {value} ("," {key} ":" {value})*)? "}}"')
-    return f"call:{name}", rules.shared["gemma_object"], end
+            param = rules.add(f"{head} /{XML_KEY.pattern}/ {open_} {value}")
+            return rules.add(f'{param}* ""')
+
+        return f"\n<function={name}>\n", rules.once("xml_params", xml_params), f"</function>\n{end}"
+
+    def gemma_object() -> str:
+        value, key = _gemma_any(rules), f"/{GEMMA_KEY.pattern}/"
+        return rules.add(f'"{{" ({key} ":" {value} ("," {key} ":" {value})*)? "}}"')
+
+    return f"call:{name}", rules.once("gemma_object", gemma_object), end
 
 
 def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: str, starts_in_reasoning: bool,
