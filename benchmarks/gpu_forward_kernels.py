@@ -1,4 +1,4 @@
-"""How much of a decode step and of a 16-token verify forward is kernel time, and of what kind.
+"""How much of a decode step, a 16-token verify forward and a draft is kernel time, and of what kind.
 
 Wall time per forward in this process (synchronised medians), then, with --ncu, the same forwards
 launched after marker kernels so that an ncu trace (parse_ncu.py) gives each forward's kernels:
@@ -43,7 +43,13 @@ def forwards(adapter, drafter, snapshot):
         adapter.rollback(cache, v.rollback, keep=16)
         return [v.logits, v.tapped_hidden]
 
-    return {"decode": decode, "verify16": verify}
+    def draft():  # a cycle's drafter call: 5 accepted positions' taps into its context, then 16 drafts
+        _, context_cache = snapshot.restore()
+        drafter.add_context(taps16[:, :5], context_cache)
+        return [drafter.propose(mx.array([1]), adapter, context_cache)]
+
+    taps16 = mx.random.normal((1, 16, len(taps) * adapter.hidden_size)).astype(adapter.dtype)
+    return {"decode": decode, "verify16": verify, "draft16": draft}
 
 
 def main() -> int:

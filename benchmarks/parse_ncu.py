@@ -66,16 +66,18 @@ def summarise(trace_rows: list[dict], configs: dict[int, dict], units: dict) -> 
         seconds = sum(number(r["gpu__time_duration.sum"]) for r in rows) / n * seconds_per
         dram = sum(number(r.get("dram__bytes_read.sum", "nan")) for r in rows) / n * bytes_per
         main = max(rows, key=lambda r: number(r["gpu__time_duration.sum"]))
-        by_kind = defaultdict(float)
+        by_kind, by_name = defaultdict(float), defaultdict(float)
         for r in rows:
             by_kind[kind(r["Kernel Name"])] += number(r["gpu__time_duration.sum"]) / n * seconds_per * 1e6
+            by_name[r["Kernel Name"][:40]] += 1 / n
         summary.append({**config, "kernels_per_product": per_launch, "launches": len(rows), "us": round(seconds * 1e6, 2),
                         "tb_s": round(config["weight_bytes"] / seconds / 1e12, 3),
                         "dram_read_over_weight": round(dram / config["weight_bytes"], 3),
                         "warps_active_pct": number(main.get("sm__warps_active.avg.pct_of_peak_sustained_active", "nan")),
                         "registers": number(main.get("launch__registers_per_thread", "nan")),
                         "kernel": main["Kernel Name"][:80], "grid": main["launch__grid_size"],
-                        "us_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items())}})
+                        "us_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items())},
+                        "launches_by_name": {k: round(v, 1) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}})
     return summary
 
 

@@ -108,3 +108,30 @@ def test_other_kernel_options_trace_their_own_blocks(request, family):
     assert added and {kernels for kernels, _ in added} == {other.kernels}
     assert mx.array_equal(logits(adapter), want)
     assert set(adapter._compiled_fns) == traced | added
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gemma3_norm_scales_are_the_modules_own_norms(gemma3_pair, dtype):
+    """Gemma 3's decode and verify norms take `1 + weight` made once at load (`NormScales`) rather
+    than at every call: the same bits as mlx-lm's RMSNorm, every norm of the model covered, and a
+    norm whose weight is replaced afterwards is computed from its new weight."""
+    from mlx_lm.models.gemma3_text import RMSNorm
+
+    target_dir, _ = gemma3_pair
+    adapter, _, _ = load_target(target_dir)
+    norms = [m for _, m in adapter.text_model.named_modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 4 * len(adapter.layers) + 2 * len(adapter.layers) + 1  # per layer 4 + q, k; final
+    assert {id(m) for m in norms} == set(adapter.norms.scales)
+    rng = np.random.default_rng(0)
+    for norm in norms:
+        norm.weight = mx.array(rng.normal(size=norm.weight.shape), dtype=dtype)
+    adapter.norms.__init__(adapter.text_model)
+    for norm in norms:
+        x = mx.array(rng.normal(size=(2, 5, norm.weight.shape[0])) * 3, dtype=dtype)
+        assert mx.array_equal(adapter.norms(norm, x), norm(x)), norm
+    replaced = norms[0]
+    replaced.weight = replaced.weight + 1
+    x = mx.array(rng.normal(size=(1, 3, replaced.weight.shape[0])), dtype=dtype)
+    assert mx.array_equal(adapter.norms(replaced, x), replaced(x))
+    assert not mx.array_equal(adapter.norms(replaced, x), mx.fast.rms_norm(x, adapter.norms.scales[id(replaced)][2],
+                                                                           replaced.eps))

@@ -16,16 +16,22 @@ from ..kernels.matmul import gated_mlp, linear, linears
 from .base import TargetAdapter, attend_rows, gated_mlp_group, heads_first, rotary
 
 
-def attention_inputs(layer, groups: dict, kernels):
+def call_norm(norm, x: mx.array) -> mx.array:
+    """A norm module's own call (an adapter may compute some norms another way: gemma3.py)."""
+    return norm(x)
+
+
+def attention_inputs(layer, groups: dict, kernels, norm=call_norm):
     """input norm -> q, k, v [B, L, heads, D] with per-head norms (Qwen3 attention up to RoPE,
-    which needs a row's offset). `groups`: the layer's SharedInputs by name."""
+    which needs a row's offset). `groups`: the layer's SharedInputs by name; `norm(module, x)`
+    applies a norm module."""
     attn = layer.self_attn
 
     def pre(h):
         B, L, _ = h.shape
-        q, k, v = linears(groups["qkv"], layer.input_layernorm(h), kernels)
-        q = attn.q_norm(q.reshape(B, L, attn.n_heads, -1))
-        k = attn.k_norm(k.reshape(B, L, attn.n_kv_heads, -1))
+        q, k, v = linears(groups["qkv"], norm(layer.input_layernorm, h), kernels)
+        q = norm(attn.q_norm, q.reshape(B, L, attn.n_heads, -1))
+        k = norm(attn.k_norm, k.reshape(B, L, attn.n_kv_heads, -1))
         return q, k, v.reshape(B, L, attn.n_kv_heads, -1)
 
     return pre

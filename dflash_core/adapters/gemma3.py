@@ -19,6 +19,7 @@ from functools import partial
 import mlx.core as mx
 
 from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
+from ..kernels import DEFAULT_KERNELS, KernelOptions
 from ..kernels.attention import attention, single_query
 from ..kernels.matmul import gated_mlp, linear
 from ..rows import ring_slots, write_ring_rows
@@ -77,16 +78,38 @@ def block(layer, groups: dict, h: mx.array, mask, cache, kernels) -> mx.array:
     return clip_residual(h, layer.post_feedforward_layernorm(r))
 
 
-def attention_output_and_mlp(layer, groups: dict, kernels):
-    """What mlx-lm's TransformerBlock does after attention (its float16 residual clip included)."""
+class NormScales:
+    """Gemma's RMSNorm scales by `1 + weight`, and mlx-lm adds the one at every call: inside a
+    compiled block on a GPU that add is a kernel launch of its own before each norm, six a layer, in
+    forwards whose time is mostly launches (docs/performance.md, "Gemma's norm scales"). Here each
+    norm's scale is made once, at load, by the same add: the norm's bits are mlx-lm's. A norm whose
+    weight was replaced since is the module's own call."""
+
+    def __init__(self, model):
+        from mlx_lm.models.gemma3_text import RMSNorm
+
+        self.scales = {id(m): (m, m.weight, 1.0 + m.weight) for _, m in model.named_modules() if isinstance(m, RMSNorm)}
+        mx.eval([scale for _, _, scale in self.scales.values()])
+
+    def __call__(self, norm, x: mx.array) -> mx.array:
+        module, weight, scale = self.scales.get(id(norm), (None, None, None))
+        if module is not norm or norm.weight is not weight:
+            return norm(x)
+        return mx.fast.rms_norm(x, scale, norm.eps)
+
+
+def attention_output_and_mlp(layer, groups: dict, kernels, norm):
+    """What mlx-lm's TransformerBlock does after attention (its float16 residual clip included);
+    `norm(module, x)` applies a norm (`NormScales`)."""
     from mlx_lm.models.gemma3_text import clip_residual
 
     def post(h, attended):
         B, L, _ = h.shape
         r = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
-        h = clip_residual(h, layer.post_attention_layernorm(r))
-        r = gated_mlp(layer.mlp, layer.pre_feedforward_layernorm(h), gelu_approx_gate, kernels, groups.get("gate_up"))
-        return clip_residual(h, layer.post_feedforward_layernorm(r))
+        h = clip_residual(h, norm(layer.post_attention_layernorm, r))
+        r = gated_mlp(layer.mlp, norm(layer.pre_feedforward_layernorm, h), gelu_approx_gate, kernels,
+                      groups.get("gate_up"))
+        return clip_residual(h, norm(layer.post_feedforward_layernorm, r))
 
     return post
 
@@ -135,9 +158,16 @@ def window_batch_keys(q, k, v, rows: Rows, caches, rope, layout: tuple) -> tuple
 class Gemma3Adapter(TargetAdapter):
     family = "gemma3_text"
 
+    def __init__(self, model, kernels: KernelOptions = DEFAULT_KERNELS):
+        super().__init__(model, kernels)
+        self.norms = NormScales(self.text_model)
+
     @property
     def args(self):
         return self.text_model.args
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self.decode_lm_head(self.norms(self.inner.norm, hidden))
 
     def _is_global(self, i: int) -> bool:
         pattern = self.args.sliding_window_pattern
@@ -185,7 +215,7 @@ class Gemma3Adapter(TargetAdapter):
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             attn = layer.self_attn
-            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
+            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels, self.norms))(h)
             rope = self.compiled(("rope", i), lambda: rotary(attn))
             if self._is_global(i):
                 attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
@@ -199,7 +229,7 @@ class Gemma3Adapter(TargetAdapter):
                     parts.append(window_attention(q_row, k_row, heads_first(part(v, s, e)), layer_cache, attn.scale,
                                                   sliding_mask, self.kernels))
                 attended = join(parts, axis=2)
-            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))
+            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, self.norms))
             h = post(h, attended)
             self.queue_layers(i, h, rows)
             if i in tap_ids:
