@@ -37,6 +37,7 @@ from .drafter_config import CheckpointError, DrafterConfig
 from .kernels import DEFAULT_KERNELS, KernelOptions
 from .kernels.attention import attention
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
+from .kernels.norms import add_norm, norm_of
 from .rows import RaggedLayout, StackedRows, stack_buffers, write_rows
 
 log = logging.getLogger(__name__)
@@ -184,12 +185,14 @@ class DrafterLayer(nn.Module):
         self.gate_up_input: Optional[SharedInput] = None  # the MLP's gate and up, once stacked
 
     def __call__(self, h, context, start, mask, kernels: KernelOptions = DEFAULT_KERNELS):
-        h = h + self.self_attn(self.input_layernorm(h), context, start, mask, kernels)
-        return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu, kernels, self.gate_up_input)
+        return self._mlp(h, self.self_attn(self.input_layernorm(h), context, start, mask, kernels), kernels)
 
     def over_batch(self, h, batch: BlockBatch, context, mask, kernels: KernelOptions = DEFAULT_KERNELS):
-        h = h + self.self_attn.over_batch(self.input_layernorm(h), batch, context, mask, kernels)
-        return h + gated_mlp(self.mlp, self.post_attention_layernorm(h), swiglu, kernels, self.gate_up_input)
+        return self._mlp(h, self.self_attn.over_batch(self.input_layernorm(h), batch, context, mask, kernels), kernels)
+
+    def _mlp(self, h, attended, kernels: KernelOptions):
+        h, x = add_norm(h, attended, *norm_of(self.post_attention_layernorm), kernels)
+        return h + gated_mlp(self.mlp, x, swiglu, kernels, self.gate_up_input)
 
 
 class DFlashDrafter(nn.Module):

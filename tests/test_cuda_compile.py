@@ -17,7 +17,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dflash_core.kernels import attention_cuda, attention_mma_cuda, bf16_matmul_cuda, gated_delta_cuda, quantized_matmul_cuda
+from dflash_core.kernels import (
+    attention_cuda,
+    attention_mma_cuda,
+    bf16_matmul_cuda,
+    gated_delta_cuda,
+    quantized_matmul_cuda,
+    residual_norm_cuda,
+)
 
 
 def _nvidia(relative: str):
@@ -119,7 +126,8 @@ class CompilingKernels:
 
 KERNEL_GETTERS = [attention_cuda._chunks_kernel, attention_cuda._combine_kernel, attention_mma_cuda.chunks_kernel,
                   bf16_matmul_cuda._kernel,
-                  quantized_matmul_cuda._kernel, gated_delta_cuda._kernel, gated_delta_cuda._replay_kernel]
+                  quantized_matmul_cuda._kernel, gated_delta_cuda._kernel, gated_delta_cuda._replay_kernel,
+                  residual_norm_cuda._kernel]
 
 
 @pytest.fixture
@@ -193,3 +201,17 @@ def test_gated_delta_kernels_compile(kernels):
     names = {name for name, _ in kernels.compiled.values()}
     assert names == {"dflash_gated_delta", "dflash_gated_delta_step_states", "dflash_gated_delta_deltas",
                      "dflash_gated_delta_replay"}
+
+
+def test_residual_norm_kernels_compile(kernels):
+    """Every form (add then norm; a normed branch added, then a norm; a normed branch added alone) in
+    bf16 and float32, for a 270M's rows and a 27B's."""
+    for dtype in (mx.bfloat16, mx.float32):
+        for D in (640, 4096, 5376):
+            h, r, w = _normal(16, D, dtype=dtype), _normal(16, D, dtype=dtype), _normal(D, dtype=dtype)
+            assert residual_norm_cuda.supported(h, r, w)
+            assert [o.shape for o in residual_norm_cuda.residual_norm(h, r, w, 1e-6)] == [(16, D)] * 2
+            assert len(residual_norm_cuda.residual_norm(h, r, w, 1e-6, w, 1e-6)) == 2
+            assert len(residual_norm_cuda.residual_norm(h[:1], r[:1], None, 0.0, w, 1e-6)) == 1
+    assert {name for name, _ in kernels.compiled.values()} == {"dflash_residual_norm", "dflash_residual_add"}
+    assert len(kernels.compiled) == 18

@@ -13,6 +13,7 @@ from mlx_lm.models.base import create_attention_mask
 from ..cache import RowsKVCache
 from ..kernels.attention import buffer_mask, path_for, unfused_cpu
 from ..kernels.matmul import gated_mlp, linear, linears
+from ..kernels.norms import add_norm, norm_of
 from .base import TargetAdapter, attend_rows, gated_mlp_group, heads_first, rotary
 
 
@@ -58,8 +59,9 @@ def prefill_attention(layer, groups: dict, h: mx.array, mask, cache, kernels) ->
 def attention_output_and_mlp(layer, groups: dict, kernels):
     def post(h, attended):
         B, L, _ = h.shape
-        h = h + linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
-        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
+        r = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
+        h, x = add_norm(h, r, *norm_of(layer.post_attention_layernorm), kernels)
+        return h + gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up"))
 
     return post
 

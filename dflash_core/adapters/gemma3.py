@@ -22,6 +22,7 @@ from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
 from ..kernels import DEFAULT_KERNELS, KernelOptions
 from ..kernels.attention import attention, single_query
 from ..kernels.matmul import gated_mlp, linear
+from ..kernels.norms import add_norm, add_normed
 from ..rows import ring_slots, write_ring_rows
 from .base import (
     Rows,
@@ -91,11 +92,15 @@ class NormScales:
         self.scales = {id(m): (m, m.weight, 1.0 + m.weight) for _, m in model.named_modules() if isinstance(m, RMSNorm)}
         mx.eval([scale for _, _, scale in self.scales.values()])
 
-    def __call__(self, norm, x: mx.array) -> mx.array:
+    def of(self, norm) -> tuple[mx.array, float]:
+        """The norm's (scale, eps) as its call passes them to MLX's rms_norm."""
         module, weight, scale = self.scales.get(id(norm), (None, None, None))
         if module is not norm or norm.weight is not weight:
-            return norm(x)
-        return mx.fast.rms_norm(x, scale, norm.eps)
+            return 1.0 + norm.weight, norm.eps
+        return scale, norm.eps
+
+    def __call__(self, norm, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, *self.of(norm))
 
 
 def attention_output_and_mlp(layer, groups: dict, kernels, norm):
@@ -106,10 +111,15 @@ def attention_output_and_mlp(layer, groups: dict, kernels, norm):
     def post(h, attended):
         B, L, _ = h.shape
         r = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
-        h = clip_residual(h, norm(layer.post_attention_layernorm, r))
-        r = gated_mlp(layer.mlp, norm(layer.pre_feedforward_layernorm, h), gelu_approx_gate, kernels,
-                      groups.get("gate_up"))
-        return clip_residual(h, norm(layer.post_feedforward_layernorm, r))
+        if h.dtype == mx.float16:  # (the clip: float32 sums)
+            h = clip_residual(h, norm(layer.post_attention_layernorm, r))
+            r = gated_mlp(layer.mlp, norm(layer.pre_feedforward_layernorm, h), gelu_approx_gate, kernels,
+                          groups.get("gate_up"))
+            return clip_residual(h, norm(layer.post_feedforward_layernorm, r))
+        h, x = add_norm(h, r, *norm.of(layer.pre_feedforward_layernorm), kernels,
+                        branch=norm.of(layer.post_attention_layernorm))
+        r = gated_mlp(layer.mlp, x, gelu_approx_gate, kernels, groups.get("gate_up"))
+        return add_normed(h, r, *norm.of(layer.post_feedforward_layernorm), kernels)
 
     return post
 

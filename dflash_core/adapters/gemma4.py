@@ -21,6 +21,7 @@ from ..cache import RowsKVCache, SlidingWindowCache
 from ..kernels import backend
 from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.matmul import gated_mlp, linear, linears
+from ..kernels.norms import add_norm, add_normed, norm_of
 from .base import TargetAdapter, attend_batch, batch_keys, gated_mlp_group, heads_first, join, part, rotary
 from .gemma3 import window_batch_keys, window_rows_layout
 
@@ -69,16 +70,17 @@ def attention_output_and_feed_forward(layer, groups: dict, kernels):
         per_layer_input = per_layer_input[0] if per_layer_input else None
         B, L, _ = h.shape
         out = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
-        h = h + layer.post_attention_layernorm(out)
-        residual = h
         if layer.enable_moe:
+            h = add_normed(h, out, *norm_of(layer.post_attention_layernorm), kernels)
             dense = layer.post_feedforward_layernorm_1(mlp(layer.pre_feedforward_layernorm(h)))
             top_k_indices, top_k_weights = route(layer.router, h, kernels)
             experts = layer.experts(layer.pre_feedforward_layernorm_2(h), top_k_indices, top_k_weights)
-            h = dense + layer.post_feedforward_layernorm_2(experts)
-        else:
-            h = mlp(layer.pre_feedforward_layernorm(h))
-        h = residual + layer.post_feedforward_layernorm(h)
+            r = dense + layer.post_feedforward_layernorm_2(experts)
+        else:  # (the residual add and both norms around it in one launch where norms.py can)
+            h, x = add_norm(h, out, *norm_of(layer.pre_feedforward_layernorm), kernels,
+                            branch=norm_of(layer.post_attention_layernorm))
+            r = mlp(x)
+        h = add_normed(h, r, *norm_of(layer.post_feedforward_layernorm), kernels)
         if layer.per_layer_input_gate is not None and per_layer_input is not None:
             gate = nn.gelu_approx(linear(layer.per_layer_input_gate, h, kernels)) * per_layer_input
             h = h + layer.post_per_layer_input_norm(linear(layer.per_layer_projection, gate, kernels))

@@ -42,6 +42,7 @@ from ..kernels.gated_delta import (
     replays_deltas,
 )
 from ..kernels.matmul import gated_mlp, linear, linears
+from ..kernels.norms import add_norm, norm_of
 from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary
 
 
@@ -160,8 +161,8 @@ def gated_delta_output_and_mlp(layer, groups: dict, kernels):
         out = linear(m.out_proj, m.norm(y, z).reshape(B, S, -1), kernels)
         if m.sharding_group is not None:  # sharded (distributed.py): each rank holds part of the sum
             out = mx.distributed.all_sum(out, group=m.sharding_group)
-        h = h + out
-        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
+        h, x = add_norm(h, out, *norm_of(layer.post_attention_layernorm), kernels)
+        return h + gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up"))
 
     return post
 
@@ -186,8 +187,9 @@ def gated_attention_output_and_mlp(layer, groups: dict, kernels):
     def post(h, attended, gate):
         B, L, _ = h.shape
         out = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        h = h + linear(layer.self_attn.o_proj, out * mx.sigmoid(gate), kernels)
-        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), swiglu, kernels, groups.get("gate_up"))
+        r = linear(layer.self_attn.o_proj, out * mx.sigmoid(gate), kernels)
+        h, x = add_norm(h, r, *norm_of(layer.post_attention_layernorm), kernels)
+        return h + gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up"))
 
     return post
 
