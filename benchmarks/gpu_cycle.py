@@ -66,6 +66,7 @@ PATHS = {
     "stacked": KernelOptions(exact_attention=False),
     "scalar-attention": KernelOptions(tensor_core_attention=False),
     "chunk512": KernelOptions(attention_chunk=512),
+    "separate-norms": KernelOptions(fused_norms=False),
 }
 
 
@@ -217,7 +218,8 @@ def main() -> int:
                              "GEMM for bf16 products instead of our stream kernel), fused (dflash with MLX's fused "
                              "attention), stacked (dflash with the target's attention as before the exact kernel), "
                              "scalar-attention (dflash with the exact attention's scalar kernel, not tensor cores), "
-                             "chunk512 (dflash with 512 key slots per block of the exact attention, not 128)")
+                             "chunk512 (dflash with 512 key slots per block of the exact attention, not 128), "
+                             "separate-norms (dflash with MLX's add and norm kernels, not one launch of ours)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import small_m_stream_cuda as stream  # noqa: E402
-from gpu_cycle import build_drafter, build_target, per_iteration_ms  # noqa: E402
+from gpu_cycle import PATHS, build_drafter, build_target, per_iteration_ms  # noqa: E402
 from gpu_profile import prefilled  # noqa: E402
 
 from dflash_core.loading import parameter_bytes  # noqa: E402
@@ -58,16 +58,17 @@ def main() -> int:
     parser.add_argument("--quant", default="bf16")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--ncu", action="store_true")
+    parser.add_argument("--path", default="dflash", choices=sorted(PATHS), help="kernel options (gpu_cycle.py's --paths)")
     args = parser.parse_args()
-    adapter = build_target(args.model, args.quant, None, False)
-    drafter = build_drafter(args.model, adapter, False)
+    adapter = build_target(args.model, args.quant, None, False).with_kernels(PATHS[args.path])
+    drafter = build_drafter(args.model, adapter, False).with_kernels(PATHS[args.path])
     snapshot = prefilled(adapter, drafter, args.context)
     weight_bytes = parameter_bytes(adapter.model)
     for index, (name, fn) in enumerate(forwards(adapter, drafter, snapshot).items()):
         for _ in range(3):
             mx.eval(fn())  # compiled blocks traced before anything is measured
         row = {"index": index, "model": args.model, "quant": args.quant, "context": args.context, "path": name,
-               "weight_bytes": weight_bytes, "launches": 3}
+               "weight_bytes": weight_bytes, "launches": 3, "kernels": args.path}
         if args.ncu:
             mx.eval(stream.marker(index))
             for _ in range(3):
