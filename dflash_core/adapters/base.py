@@ -484,6 +484,11 @@ class TargetAdapter:
             at += n
         return outputs
 
+    def next_input_norm(self, i: int):
+        """Layer i+1's input norm, which layer i's block applies with its last residual add (one
+        launch where kernels/norms.py has it); None after the last layer."""
+        return self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+
     def queue_layers(self, i: int, h: mx.array, rows: Rows) -> None:
         """Start the device on the layers built so far, a quarter of the stack at a time, in a
         forward that verifies (a row of more than one token). MLX runs nothing until asked, so the

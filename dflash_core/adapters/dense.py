@@ -23,14 +23,14 @@ def call_norm(norm, x: mx.array) -> mx.array:
 
 
 def attention_inputs(layer, groups: dict, kernels, norm=call_norm):
-    """input norm -> q, k, v [B, L, heads, D] with per-head norms (Qwen3 attention up to RoPE,
-    which needs a row's offset). `groups`: the layer's SharedInputs by name; `norm(module, x)`
-    applies a norm module."""
+    """The input norm's output -> q, k, v [B, L, heads, D] with per-head norms (Qwen3 attention up
+    to RoPE, which needs a row's offset). `groups`: the layer's SharedInputs by name; `norm(module,
+    x)` applies a norm module."""
     attn = layer.self_attn
 
-    def pre(h):
-        B, L, _ = h.shape
-        q, k, v = linears(groups["qkv"], norm(layer.input_layernorm, h), kernels)
+    def pre(x):
+        B, L, _ = x.shape
+        q, k, v = linears(groups["qkv"], x, kernels)
         q = norm(attn.q_norm, q.reshape(B, L, attn.n_heads, -1))
         k = norm(attn.k_norm, k.reshape(B, L, attn.n_kv_heads, -1))
         return q, k, v.reshape(B, L, attn.n_kv_heads, -1)
@@ -47,7 +47,7 @@ def prefill_attention(layer, groups: dict, h: mx.array, mask, cache, kernels) ->
     if path_for(h[:, None], None, kernels) != "cpu":
         return attn(layer.input_layernorm(h), mask, cache)
     B, L, _ = h.shape
-    q, k, v = attention_inputs(layer, groups, kernels)(h)
+    q, k, v = attention_inputs(layer, groups, kernels)(layer.input_layernorm(h))
     q, k = rotary(attn)(cache.offset, q, k)
     k, v = cache.update_and_fetch(k, heads_first(v))
     if isinstance(mask, str):  # "causal": the chunk's queries are the last L of the keys
@@ -56,12 +56,16 @@ def prefill_attention(layer, groups: dict, h: mx.array, mask, cache, kernels) ->
     return linear(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
 
 
-def attention_output_and_mlp(layer, groups: dict, kernels):
+def attention_output_and_mlp(layer, groups: dict, kernels, next_norm=None):
+    """After attention: h, or (h, next_norm(h)) where the next layer's input norm is given (one launch
+    with the residual add where norms.py has it)."""
+
     def post(h, attended):
         B, L, _ = h.shape
         r = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
         h, x = add_norm(h, r, *norm_of(layer.post_attention_layernorm), kernels)
-        return h + gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up"))
+        r = gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up"))
+        return h + r if next_norm is None else add_norm(h, r, *norm_of(next_norm), kernels)
 
     return post
 
@@ -91,14 +95,16 @@ class DenseAdapter(TargetAdapter):
 
     def run_rows(self, tokens, rows, tap_ids):
         h = self.embed(tokens)
+        x = self.layers[0].input_layernorm(h)  # each layer's post makes the next one's
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             attn = layer.self_attn
-            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
+            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(x)
             rope = self.compiled(("rope", i), lambda: rotary(attn))
             attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
-            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels))
-            h = post(h, attended)
+            following = self.next_input_norm(i)
+            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, following))
+            h, x = post(h, attended) if following is not None else (post(h, attended), None)
             self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h

@@ -103,9 +103,10 @@ class NormScales:
         return mx.fast.rms_norm(x, *self.of(norm))
 
 
-def attention_output_and_mlp(layer, groups: dict, kernels, norm):
-    """What mlx-lm's TransformerBlock does after attention (its float16 residual clip included);
-    `norm(module, x)` applies a norm (`NormScales`)."""
+def attention_output_and_mlp(layer, groups: dict, kernels, norm, next_norm=None):
+    """What mlx-lm's TransformerBlock does after attention (its float16 residual clip included):
+    h, or (h, next_norm(h)) where the next layer's input norm is given; `norm(module, x)` applies
+    a norm (`NormScales`)."""
     from mlx_lm.models.gemma3_text import clip_residual
 
     def post(h, attended):
@@ -115,11 +116,14 @@ def attention_output_and_mlp(layer, groups: dict, kernels, norm):
             h = clip_residual(h, norm(layer.post_attention_layernorm, r))
             r = gated_mlp(layer.mlp, norm(layer.pre_feedforward_layernorm, h), gelu_approx_gate, kernels,
                           groups.get("gate_up"))
-            return clip_residual(h, norm(layer.post_feedforward_layernorm, r))
+            h = clip_residual(h, norm(layer.post_feedforward_layernorm, r))
+            return h if next_norm is None else (h, norm(next_norm, h))
         h, x = add_norm(h, r, *norm.of(layer.pre_feedforward_layernorm), kernels,
                         branch=norm.of(layer.post_attention_layernorm))
         r = gated_mlp(layer.mlp, x, gelu_approx_gate, kernels, groups.get("gate_up"))
-        return add_normed(h, r, *norm.of(layer.post_feedforward_layernorm), kernels)
+        if next_norm is None:
+            return add_normed(h, r, *norm.of(layer.post_feedforward_layernorm), kernels)
+        return add_norm(h, r, *norm.of(next_norm), kernels, branch=norm.of(layer.post_feedforward_layernorm))
 
     return post
 
@@ -215,6 +219,7 @@ class Gemma3Adapter(TargetAdapter):
         in the dense adapter), the sliding layers too (`attend_window_rows`) where the rows' rings
         allow, else per row over its ring; the rings' masks are taken before any layer writes."""
         h = self._embed(tokens)
+        x = self.norms(self.layers[0].input_layernorm, h)  # each layer's post makes the next one's
         sliding = next((i for i in range(len(self.layers)) if not self._is_global(i)), None)
         layout = None
         if sliding is not None and len(rows.rows) > 1:
@@ -225,7 +230,7 @@ class Gemma3Adapter(TargetAdapter):
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             attn = layer.self_attn
-            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels, self.norms))(h)
+            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels, self.norms))(x)
             rope = self.compiled(("rope", i), lambda: rotary(attn))
             if self._is_global(i):
                 attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
@@ -239,8 +244,10 @@ class Gemma3Adapter(TargetAdapter):
                     parts.append(window_attention(q_row, k_row, heads_first(part(v, s, e)), layer_cache, attn.scale,
                                                   sliding_mask, self.kernels))
                 attended = join(parts, axis=2)
-            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, self.norms))
-            h = post(h, attended)
+            following = self.next_input_norm(i)
+            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, self.norms,
+                                                                               following))
+            h, x = post(h, attended) if following is not None else (post(h, attended), None)
             self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h

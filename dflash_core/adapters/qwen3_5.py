@@ -94,13 +94,14 @@ class GatedDeltaRecord:
 
 
 def gated_delta_inputs(layer, groups: dict, kernels):
-    """Everything of a GatedDeltaNet layer before its conv that is per token: the input norm and
-    projections, the decay g and the write strength beta (mlx-lm's GatedDeltaNet.__call__)."""
+    """Everything of a GatedDeltaNet layer before its conv that is per token, from its input norm's
+    output: the projections, the decay g and the write strength beta (mlx-lm's
+    GatedDeltaNet.__call__)."""
     m = layer.linear_attn
 
-    def pre(h):
-        B, S, _ = h.shape
-        qkv, z, b, a = linears(groups["in_proj"], layer.input_layernorm(h), kernels)
+    def pre(x):
+        B, S, _ = x.shape
+        qkv, z, b, a = linears(groups["in_proj"], x, kernels)
         return qkv, z.reshape(B, S, m.num_v_heads, m.head_v_dim), compute_g(m.A_log, a, m.dt_bias), mx.sigmoid(b)
 
     return pre
@@ -153,7 +154,8 @@ def gated_delta_mixer(m, step_states: bool, deltas: bool = False):
     return mix
 
 
-def gated_delta_output_and_mlp(layer, groups: dict, kernels):
+def gated_delta_output_and_mlp(layer, groups: dict, kernels, next_norm=None):
+    """After the recurrence: h, or (h, next_norm(h)) where the next layer's input norm is given."""
     m = layer.linear_attn
 
     def post(h, y, z):
@@ -162,9 +164,15 @@ def gated_delta_output_and_mlp(layer, groups: dict, kernels):
         if m.sharding_group is not None:  # sharded (distributed.py): each rank holds part of the sum
             out = mx.distributed.all_sum(out, group=m.sharding_group)
         h, x = add_norm(h, out, *norm_of(layer.post_attention_layernorm), kernels)
-        return h + gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up"))
+        return residual(h, gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up")), next_norm, kernels)
 
     return post
+
+
+def residual(h: mx.array, r: mx.array, next_norm, kernels):
+    """A layer's last residual add: h + r, or (h + r, next_norm(h + r)) in one launch where
+    kernels/norms.py has it."""
+    return h + r if next_norm is None else add_norm(h, r, *norm_of(next_norm), kernels)
 
 
 def gated_attention_inputs(layer, groups: dict, kernels):
@@ -173,9 +181,9 @@ def gated_attention_inputs(layer, groups: dict, kernels):
     out as it is when the row runs alone."""
     attn = layer.self_attn
 
-    def pre(h):
-        B, L, _ = h.shape
-        q, k, v = linears(groups["qkv"], layer.input_layernorm(h), kernels)
+    def pre(x):
+        B, L, _ = x.shape
+        q, k, v = linears(groups["qkv"], x, kernels)
         queries, gate = mx.split(q.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
         k = attn.k_norm(k.reshape(B, L, attn.num_key_value_heads, -1))
         return attn.q_norm(queries), k, v.reshape(B, L, attn.num_key_value_heads, -1), gate.reshape(B, L, -1)
@@ -183,13 +191,15 @@ def gated_attention_inputs(layer, groups: dict, kernels):
     return pre
 
 
-def gated_attention_output_and_mlp(layer, groups: dict, kernels):
+def gated_attention_output_and_mlp(layer, groups: dict, kernels, next_norm=None):
+    """After attention: h, or (h, next_norm(h)) where the next layer's input norm is given."""
+
     def post(h, attended, gate):
         B, L, _ = h.shape
         out = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
         r = linear(layer.self_attn.o_proj, out * mx.sigmoid(gate), kernels)
         h, x = add_norm(h, r, *norm_of(layer.post_attention_layernorm), kernels)
-        return h + gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up"))
+        return residual(h, gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up")), next_norm, kernels)
 
     return post
 
@@ -280,19 +290,23 @@ class Qwen35Adapter(TargetAdapter):
         h = self.embed(tokens)
         states = [None if record is None else record.states for record in rows.records]
         plan = gated_delta_groups(rows.bounds, states, self.kernels.step_states and records_step_states())
+        x = self.layers[0].input_layernorm(h)  # each layer's block makes the next one's
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             if layer.is_linear:
-                h = self._gated_delta(i, layer, groups, h, rows.bounds, rows.caches(i), states, plan, compiled=True)
+                h, x = self._gated_delta(i, layer, groups, h, x, rows.bounds, rows.caches(i), states, plan,
+                                         compiled=True)
             else:
-                h = self._attention_rows(i, layer, groups, h, rows)
+                h, x = self._attention_rows(i, layer, groups, h, x, rows)
             self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h
         return h, tapped
 
-    def _gated_delta(self, i, layer, groups, h, bounds, caches, states, plan: list, compiled: bool, kernels=None):
-        """A GatedDeltaNet layer over rows: projections and MLP on all of h; the conv and the
+    def _gated_delta(self, i, layer, groups, h, x, bounds, caches, states, plan: list, compiled: bool,
+                     kernels=None):
+        """A GatedDeltaNet layer over rows (h, and x its input norm's output): projections and MLP on
+        all of h, and with `compiled` the next layer's input norm (returns h and that, or None); the conv and the
         recurrence once per group of rows of one length (and one way of recording: `plan`, from
         `gated_delta_groups`), the rows' states stacked along the batch axis (every op there is
         independent per batch row, so a row gets exactly what it gets alone) and split back into
@@ -303,7 +317,7 @@ class Qwen35Adapter(TargetAdapter):
         def block(key, make):
             return self.compiled((key, i), make) if compiled else make()
 
-        qkv, z, g, beta = block("gdn_in", lambda: gated_delta_inputs(layer, groups, kernels))(h)
+        qkv, z, g, beta = block("gdn_in", lambda: gated_delta_inputs(layer, groups, kernels))(x)
         ys = [None] * len(bounds)
         for planned in plan:
             step_states, rows = planned.step_states, planned.rows
@@ -351,16 +365,22 @@ class Qwen35Adapter(TargetAdapter):
             for r, piece in _unstack(y, planned):
                 ys[r] = piece
         ys = [y for y in ys if y is not None]
-        return block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, kernels))(h, join(ys), z)
+        following = self.next_input_norm(i) if compiled else None
+        out = block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, kernels, following))(h, join(ys), z)
+        return out if following is not None else (out, None)
 
-    def _attention_rows(self, i, layer, groups, h, rows: Rows):
-        """An attention layer over rows: projections and MLP on all of h; RoPE, the cache update and
-        attention for all rows as one batch (`attend_rows`)."""
-        q, k, v, gate = self.compiled(("attn_in", i), lambda: gated_attention_inputs(layer, groups, self.kernels))(h)
+    def _attention_rows(self, i, layer, groups, h, x, rows: Rows):
+        """An attention layer over rows (h, and x its input norm's output): projections and MLP on
+        all of h; RoPE, the cache update and attention for all rows as one batch (`attend_rows`);
+        returns h and the next layer's input norm's output (None after the last layer)."""
+        q, k, v, gate = self.compiled(("attn_in", i), lambda: gated_attention_inputs(layer, groups, self.kernels))(x)
         rope = self.compiled(("rope", i), lambda: rotary(layer.self_attn))
         attended = attend_rows(q, k, v, rows, rows.caches(i), layer.self_attn.scale, rope, self.kernels)
-        post = self.compiled(("attn_out", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels))
-        return post(h, attended, gate)
+        following = self.next_input_norm(i)
+        post = self.compiled(("attn_out", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels,
+                                                                                     following))
+        out = post(h, attended, gate)
+        return out if following is not None else (out, None)
 
     def run_layers(self, tokens, cache, tap_ids, states):
         """Prefill (and any forward not in rows): eager, mlx-lm's own attention layers."""
@@ -372,8 +392,8 @@ class Qwen35Adapter(TargetAdapter):
         tapped = {}
         for i, (layer, layer_cache, groups) in enumerate(zip(self.layers, cache, self.shared_inputs)):
             if layer.is_linear:
-                h = self._gated_delta(i, layer, groups, h, bounds, [layer_cache], [states], plan,
-                                      compiled=False, kernels=self.prefill_kernels)
+                h, _ = self._gated_delta(i, layer, groups, h, layer.input_layernorm(h), bounds, [layer_cache],
+                                         [states], plan, compiled=False, kernels=self.prefill_kernels)
             else:
                 h = layer(h, mask, layer_cache)
             if i in tap_ids:
