@@ -66,7 +66,7 @@ PATHS = {
     "stacked": KernelOptions(exact_attention=False),
     "scalar-attention": KernelOptions(tensor_core_attention=False),
     "chunk512": KernelOptions(attention_chunk=512),
-    "separate-norms": KernelOptions(fused_norms=False),
+    "fused-norms": KernelOptions(fused_norms=True),
 }
 
 
@@ -219,7 +219,7 @@ def main() -> int:
                              "attention), stacked (dflash with the target's attention as before the exact kernel), "
                              "scalar-attention (dflash with the exact attention's scalar kernel, not tensor cores), "
                              "chunk512 (dflash with 512 key slots per block of the exact attention, not 128), "
-                             "separate-norms (dflash with MLX's add and norm kernels, not one launch of ours)")
+                             "fused-norms (dflash with a residual add and its norms in one launch of ours, not MLX's kernels)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

@@ -81,10 +81,10 @@ def block(layer, groups: dict, h: mx.array, mask, cache, kernels) -> mx.array:
 
 class NormScales:
     """Gemma's RMSNorm scales by `1 + weight`, and mlx-lm adds the one at every call: inside a
-    compiled block on a GPU that add is a kernel launch of its own before each norm, six a layer, in
-    forwards whose time is mostly launches (docs/performance.md, "Gemma's norm scales"). Here each
-    norm's scale is made once, at load, by the same add: the norm's bits are mlx-lm's. A norm whose
-    weight was replaced since is the module's own call."""
+    compiled block on a GPU that add is a kernel launch of its own before each norm, six a layer, a
+    fifth of a 270M decode step's launches (docs/performance.md, "Fewer launches: Gemma's norm
+    scales, fused residual norms"). Here each norm's scale is made once, at load, by the same add:
+    the norm's bits are mlx-lm's. A norm whose weight was replaced since gets its scale made anew."""
 
     def __init__(self, model):
         from mlx_lm.models.gemma3_text import RMSNorm

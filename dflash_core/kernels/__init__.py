@@ -26,7 +26,7 @@ def backend() -> str:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """Which of this project's own paths may run where the backend has them; all on by default.
+    """Which of this project's own paths may run where the backend has them; all but one on by default.
     Benchmarks turn one off to measure MLX's own in the same process: an adapter and a drafter are
     given one (`with_kernels`), and it is part of the key of their compiled functions, since a
     block reads it when it is traced. Frozen, so that a key never changes under a traced block."""
@@ -50,8 +50,10 @@ class KernelOptions:
     cuda_matmul: bool = True  # the 4-bit small-M kernel and stacked bf16 GEMMs (matmul.py), else MLX's own
     bf16_stream: bool = True  # on CUDA, bf16 products of <= 32 rows in our stream kernel (bf16_matmul_cuda.py)
     one_launch_per_input: bool = True  # projections sharing an input in one launch, else one per weight
-    # on CUDA, a residual add and the RMS norms beside it in one launch (norms.py, residual_norm_cuda.py)
-    fused_norms: bool = True
+    # on CUDA, a residual add and the RMS norms beside it in one launch (norms.py, residual_norm_cuda.py);
+    # off: on an H100 with 33 % fewer launches it made no end-to-end difference above the noise
+    # (docs/performance.md, "Fewer launches: Gemma's norm scales, fused residual norms")
+    fused_norms: bool = False
     queue_layers: bool = True  # a decode/verify forward starts on the device as its first layers are built
     cpu_half_head: bool = True  # on the CPU, a large float32 LM head as int8/float16 in our kernel (cpu_head.py)
     cpu_narrow_linears: bool = True  # on the CPU, a target's projections as int8/float16 copies in our primitive (cpu_linear.py)

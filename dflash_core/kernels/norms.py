@@ -2,11 +2,12 @@
 
 Adapters call `add_norm(h, r, weight, eps)` where a layer adds a branch to its residual stream and
 normalises the sum (`h = h + r; x = norm(h)`), and `add_normed(h, r, weight, eps)` where it adds a
-normalised branch (Gemma: `h = h + norm(r)`), with `branch=` for both at once. On CUDA, for bf16 and
-float32 rows, each is one launch of our kernel (residual_norm_cuda.py) instead of two or three of
-MLX's: in a decode step or a small model's verify the launches are the cost. Everywhere else, and
-with `KernelOptions.fused_norms` off, they are MLX's own ops in mlx-lm's order, the same bits as
-before.
+normalised branch (Gemma: `h = h + norm(r)`), with `branch=` for both at once. They are MLX's own
+ops in mlx-lm's order, the same bits as mlx-lm's layers. With `KernelOptions.fused_norms` on, on
+CUDA, for bf16 and float32 rows, each is one launch of our kernel (residual_norm_cuda.py) instead of
+two or three of MLX's. That is off by default: a Gemma 3 270M step launched a third fewer kernels
+with it, but on an H100 with CUDA graphs on the forwards and cycles were no faster above the
+machine's noise (docs/performance.md, "Fewer launches: Gemma's norm scales, fused residual norms").
 """
 
 from __future__ import annotations

@@ -109,6 +109,15 @@ def _kernel(norm: bool):
     )
 
 
+@functools.cache
+def _epsilons(eps: float, branch_eps: float) -> mx.array:
+    """The two eps as the kernel reads them: made once (a new array a call would be a copy to the
+    device a call, where a forward is not compiled)."""
+    eps = mx.array([eps, branch_eps], mx.float32)
+    mx.eval(eps)
+    return eps
+
+
 def supported(h: mx.array, r: mx.array, *weights) -> bool:
     """bf16 or float32 rows of at most MAX_DIM, h and r alike, weights of the row's size and dtype."""
     D = h.shape[-1]
@@ -127,7 +136,7 @@ def residual_norm(h: mx.array, r: mx.array, weight, eps: float, branch_weight=No
     outs = _kernel(norm)(
         inputs=[h.reshape(rows, D), r.reshape(rows, D), placeholder,
                 branch_weight if branch_weight is not None else placeholder,
-                mx.array([eps, branch_eps], mx.float32)],
+                _epsilons(eps, branch_eps)],
         template=[("T", h.dtype), ("D", D), ("TPB", tpb), ("BRANCH_NORM", branch_weight is not None)],
         grid=(rows * tpb, 1, 1),
         threadgroup=(tpb, 1, 1),
