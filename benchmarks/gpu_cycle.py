@@ -67,6 +67,7 @@ PATHS = {
     "scalar-attention": KernelOptions(tensor_core_attention=False),
     "chunk512": KernelOptions(attention_chunk=512),
     "fused-norms": KernelOptions(fused_norms=True),
+    "load-warps4": KernelOptions(attention_load_warps=4),
 }
 
 
@@ -219,7 +220,8 @@ def main() -> int:
                              "attention), stacked (dflash with the target's attention as before the exact kernel), "
                              "scalar-attention (dflash with the exact attention's scalar kernel, not tensor cores), "
                              "chunk512 (dflash with 512 key slots per block of the exact attention, not 128), "
-                             "fused-norms (dflash with a residual add and its norms in one launch of ours, not MLX's kernels)")
+                             "fused-norms (dflash with a residual add and its norms in one launch of ours, not MLX's kernels), "
+                             "load-warps4 (dflash with 4 warps loading each tile of the exact attention)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

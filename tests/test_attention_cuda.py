@@ -112,6 +112,24 @@ def test_a_query_gets_the_same_bits_alone_or_in_a_block(D, kv_heads, tensor_core
 
 
 @cuda_only
+@pytest.mark.parametrize("heads,kv_heads,L,T", [(4, 1, 1, 1000), (16, 4, 1, 1300), (16, 4, 16, 1300), (32, 2, 13, 700)],
+                         ids=["270m-decode", "9b-decode", "9b-verify", "two-row-blocks"])
+def test_loading_warps_change_no_bit(heads, kv_heads, L, T):
+    """Warps that only load tiles (`load_warps`, KernelOptions.attention_load_warps) give the tensor-
+    core kernel's outputs bit for bit, one computing warp or several, one row block or two (32 / 2
+    heads x 13 queries: 208 rows), one chunk or many, with a mask and without."""
+    for D in (128, 256):
+        q, k, v = _qkv(1, heads, kv_heads, L, T, D, seed=D + L)
+        for mask in (None, buffer_mask(T, T - L, L)):
+            one = attention_cuda.attention(q, k, v, D**-0.5, mask, True, 128, 1)
+            for warps in (2, 4, 8):
+                assert mx.array_equal(attention_cuda.attention(q, k, v, D**-0.5, mask, True, 128, warps), one), warps
+            short = attention_cuda.attention(q, k[:, :, :100], v[:, :, :100], D**-0.5, None, True, 128, 4)
+            assert mx.array_equal(short, attention_cuda.attention(q, k[:, :, :100], v[:, :, :100], D**-0.5, None,
+                                                                  True, 128, 1))
+
+
+@cuda_only
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_tensor_cores_and_the_scalar_kernel_agree(D):
     """The tensor-core kernel rounds the probabilities to bf16 before their product with the values

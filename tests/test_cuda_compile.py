@@ -161,6 +161,12 @@ def test_attention_kernels_compile(kernels):
     q, k, v = _normal(1, 8, 16, 128), _normal(1, 2, 1000, 128), _normal(1, 2, 1000, 128)
     assert attention_cuda.attention(q, k, v, 128**-0.5, mx.ones((16, 1000), mx.bool_), False).shape == q.shape
     assert len(kernels.compiled) > count
+    # Warps that only load tiles (`KernelOptions.attention_load_warps`, gpu_cycle.py's load-warps4 path).
+    count = len(kernels.compiled)
+    q1 = _normal(1, 4, 1, 256)
+    k1, v1 = _normal(1, 1, 1000, 256), _normal(1, 1, 1000, 256)
+    assert attention_cuda.attention(q1, k1, v1, 256**-0.5, None, True, 128, 4).shape == q1.shape
+    assert len(kernels.compiled) > count
     # 512 key slots per block (`KernelOptions.attention_chunk`, gpu_cycle.py's chunk512 path).
     count = len(kernels.compiled)
     assert attention_cuda.attention(q, k, v, 128**-0.5, mx.ones((16, 1000), mx.bool_), True, 512).shape == q.shape

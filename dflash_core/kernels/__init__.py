@@ -26,7 +26,7 @@ def backend() -> str:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """Which of this project's own paths may run where the backend has them; all but one on by default.
+    """Which of this project's own paths may run where the backend has them; on by default but two.
     Benchmarks turn one off to measure MLX's own in the same process: an adapter and a drafter are
     given one (`with_kernels`), and it is part of the key of their compiled functions, since a
     block reads it when it is traced. Frozen, so that a key never changes under a traced block."""
@@ -41,6 +41,10 @@ class KernelOptions:
     # With exact_attention: key slots per thread block (fixed per model, so that a decode and a verify
     # cut a query's keys alike); fewer blocks and partial sums at long context the larger it is.
     attention_chunk: int = 128
+    # With tensor_core_attention: warps per block at least, the extra ones loading tiles only (the
+    # same bits); 1: a decode step's block loads with its one computing warp (docs/performance.md,
+    # "Fewer launches": the demo target's attention is most of its step's kernel time)
+    attention_load_warps: int = 1
     # Verifies record every GatedDeltaNet step (CUDA), else rollbacks replay the recurrence from its inputs.
     step_states: bool = True
     # With step_states: a step's delta (1/Dk of its state) rather than its state, the rollback replaying

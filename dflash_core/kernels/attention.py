@@ -77,7 +77,7 @@ def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
     keys a query sees."""
     if len(keys) == 1 and exact(q, keys[0], values[0], mask, kernels):
         return attention_cuda.attention(q, keys[0], values[0], scale, mask, kernels.tensor_core_attention,
-                                        kernels.attention_chunk)
+                                        kernels.attention_chunk, kernels.attention_load_warps)
     path = path_for(q, mask, kernels)
     if path == "stacked":
         return stacked(q, keys, values, scale, mask)
@@ -95,7 +95,7 @@ def single_query(q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mas
     mask = None if isinstance(mask, str) else mask
     if exact(q, k, v, mask, kernels):
         return attention_cuda.attention(q, k, v, scale, mask, kernels.tensor_core_attention,
-                                        kernels.attention_chunk)
+                                        kernels.attention_chunk, kernels.attention_load_warps)
     if path_for(q, mask, kernels) == "cpu":
         return unfused_cpu(q, k, v, scale, mask)
     return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)

@@ -309,12 +309,14 @@ def rows_per_block(rows: int, head_dim: int, dtype: mx.Dtype) -> int:
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optional[mx.array] = None,
-              tensor_cores: bool = True, chunk: int = CHUNK) -> mx.array:
+              tensor_cores: bool = True, chunk: int = CHUNK, load_warps: int = 1) -> mx.array:
     """softmax(q k^T * scale, over the keys `mask` shows each query; all of them without one) v,
     [B, Hq, L, D] in q's dtype, for inputs `supported` takes. A query that sees no key gets zeros.
     `tensor_cores`: bf16/fp16 head dims the tensor-core kernel takes go through it, else through
     the scalar one; `chunk`: key slots per block (a multiple of 32, at least CHUNK). A decode and
-    a verify must pass the same of both."""
+    a verify must pass the same of both. `load_warps`: warps per block of the tensor-core kernel
+    at least, the ones past its computing warps only loading tiles (the same bits: a decode step's
+    block has one computing warp, which otherwise loads each tile alone)."""
     if chunk % 32 or chunk < CHUNK:
         raise ValueError(f"chunk must be a multiple of 32 and at least {CHUNK}, not {chunk}")
     B, Hq, L, D = q.shape
@@ -331,10 +333,11 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
     inputs = [q, k, v, mask, mx.array(scale, mx.float32)]
     if tensor_cores and attention_mma_cuda.takes(q.dtype, D):  # by dtype and head dim: decode and verify alike
         TK, WR = attention_mma_cuda.mma_layout(D, rows)
+        NW = max(WR, load_warps)
         out, part_m, part_l, part_o = attention_mma_cuda.chunks_kernel()(
-            inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("WR", WR), ("CHUNK", chunk),
+            inputs=inputs, template=[("InT", q.dtype), ("D", D), ("TK", TK), ("WR", WR), ("NW", NW), ("CHUNK", chunk),
                                      ("HAS_MASK", has_mask), ("FINAL", final)],
-            grid=(-(-rows // (WR * 16)) * WR * 32, chunks, B * k.shape[1]), threadgroup=(WR * 32, 1, 1), **outputs)
+            grid=(-(-rows // (WR * 16)) * NW * 32, chunks, B * k.shape[1]), threadgroup=(NW * 32, 1, 1), **outputs)
     else:
         TK, W = tile_keys(D, q.dtype), rows_per_block(rows, D, q.dtype)
         out, part_m, part_l, part_o = _chunks_kernel()(

@@ -69,13 +69,15 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const void* p) {
 """
 
 # Template: InT (bf16 or fp16), D (64, 128, 256), TK (keys per tile, 16 or 32), WR (warps, 16 query
-# rows each), CHUNK, HAS_MASK, FINAL. Inputs and outputs as attention_cuda.py's chunk kernel.
+# rows each), NW (warps per block, >= WR: the ones past WR only load tiles), CHUNK, HAS_MASK, FINAL.
+# Inputs and outputs as attention_cuda.py's chunk kernel.
 MMA_CHUNKS_SOURCE = r"""
     constexpr int KP = D + 8;        // a row's pitch in shared memory: ldmatrix rows in distinct banks
     constexpr int NT = TK / 8;       // 8-key column tiles of S
     constexpr int KSTEPS = D / 16;   // k steps of S over the head dim
     constexpr int DT = D / 8;        // 8-dim column tiles of O
     constexpr int ROWS = WR * 16;    // query rows per block
+    constexpr int THREADS = NW * 32; // NW >= WR warps: all load tiles, the first WR compute
     using Mma = MmaOf<InT>;
 
     __shared__ __align__(16) InT qs[ROWS * KP];
@@ -102,7 +104,7 @@ MMA_CHUNKS_SOURCE = r"""
     // The block's query rows into shared memory (rows past R: zeros).
     const bool q_vec = q_strides[3] == 1 && q_strides[2] % 8 == 0 && q_strides[1] % 8 == 0 && q_strides[0] % 8 == 0
                        && reinterpret_cast<size_t>(q) % 16 == 0;
-    for (int i = threadIdx.x; i < ROWS * (D / 8); i += WR * 32) {
+    for (int i = threadIdx.x; i < ROWS * (D / 8); i += THREADS) {
       const int rr = i / (D / 8);
       const int e = (i % (D / 8)) * 8;
       const int r = block_row0 + rr;
@@ -127,7 +129,7 @@ MMA_CHUNKS_SOURCE = r"""
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       rows_of[h] = block_row0 + warp * 16 + g + 8 * h;
-      real[h] = rows_of[h] < R;
+      real[h] = warp < WR && rows_of[h] < R;  // a loading-only warp has no rows
       if constexpr (HAS_MASK) {
         const int r = real[h] ? rows_of[h] : 0;
         const int hq = hkv * nrep + r / L;
@@ -166,7 +168,7 @@ MMA_CHUNKS_SOURCE = r"""
         }
       }
       if (!__syncthreads_or(any)) continue;  // no row of the block sees this tile
-      for (int i = threadIdx.x; i < TK * (D / 8); i += WR * 32) {
+      for (int i = threadIdx.x; i < TK * (D / 8); i += THREADS) {
         const int j = i / (D / 8);
         const int e = (i % (D / 8)) * 8;
         const int s = t0 + j;
