@@ -42,8 +42,8 @@ class KernelOptions:
     # cut a query's keys alike); fewer blocks and partial sums at long context the larger it is.
     attention_chunk: int = 128
     # With tensor_core_attention: warps per block at least, the extra ones loading tiles only (the
-    # same bits); 1: a decode step's block loads with its one computing warp (docs/performance.md,
-    # "Fewer launches": the demo target's attention is most of its step's kernel time)
+    # same bits); 1, not measured yet: a decode step's block loads with its one computing warp
+    # (docs/performance.md, "Fewer launches: Gemma's norm scales, fused residual norms")
     attention_load_warps: int = 1
     # Verifies record every GatedDeltaNet step (CUDA), else rollbacks replay the recurrence from its inputs.
     step_states: bool = True
