@@ -306,11 +306,11 @@ class Qwen35Adapter(TargetAdapter):
     def _gated_delta(self, i, layer, groups, h, x, bounds, caches, states, plan: list, compiled: bool,
                      kernels=None):
         """A GatedDeltaNet layer over rows (h, and x its input norm's output): projections and MLP on
-        all of h, and with `compiled` the next layer's input norm (returns h and that, or None); the conv and the
-        recurrence once per group of rows of one length (and one way of recording: `plan`, from
-        `gated_delta_groups`), the rows' states stacked along the batch axis (every op there is
-        independent per batch row, so a row gets exactly what it gets alone) and split back into
-        each row's cache. `states[r]` (recorded rows) gets the row's GatedDeltaRecord."""
+        all of h, and where `compiled` the next layer's input norm (returns h and that, or None); the
+        conv and the recurrence once per group of rows of one length (and one way of recording:
+        `plan`, from `gated_delta_groups`), the rows' states stacked along the batch axis (every op
+        there is independent per batch row, so a row gets exactly what it gets alone) and split back
+        into each row's cache. `states[r]` (recorded rows) gets the row's GatedDeltaRecord."""
         m = layer.linear_attn
         kernels = kernels or self.kernels
 
