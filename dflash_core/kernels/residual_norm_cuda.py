@@ -3,15 +3,16 @@ verify and draft forwards on MLX's CUDA backend (`KernelOptions.fused_norms`, no
 
 A decoder layer adds its attention output to the residual stream and normalises the sum for the
 MLP, and Gemma normalises the branch before it adds it. MLX runs each of those as a kernel of its
-own, and in a decode step or a verify of a small model the launches, not the bytes, are the cost
-(docs/performance.md, "What a forward's time is made of"). Here one thread block per row does it
-all: the branch's norm where asked, the add, the sum written out, its norm.
+own, and a decode step or a verify of a small model pays for every launch (docs/performance.md,
+"What a forward's time is made of"). Here one thread block per row does it all: the branch's norm
+where asked, the add, the sum written out, its norm. On an H100 with CUDA graphs on that made no
+end-to-end difference above the machine's noise, so it is off by default (norms.py).
 
 The arithmetic is MLX's, rounding where MLX's separate kernels round: a norm's result is
 `w * T(x * rsqrt(mean(x^2) + eps))` with the product rounded to T (MLX's `rms_norm` kernel), the
 sum `T(h + r)`. Only the order of the float32 sum of squares may differ from MLX's kernel (ours:
-each thread its elements in order, then a fixed tree), so a norm may differ from MLX's by a
-rounding; it is the same whatever rows share the call, which is what the lossless loop needs (a
+each thread its elements in order, then a fixed tree), so a norm may differ from MLX's in its last
+bits (up to 2 ulps in bf16); it is the same whatever rows share the call, which is what the lossless loop needs (a
 decode step's one row and a verify's sixteen go through the same kernel).
 """
 
