@@ -158,6 +158,12 @@ def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict, kern
     return attention(q, [k], [v], scale, masks[length], kernels)
 
 
+def with_next_input(out, next_norm) -> tuple:
+    """A block after attention's output as (h, the next layer's normed input): the block returns both
+    where it was given the next layer's input norm (`TargetAdapter.next_input_norm`), else h alone."""
+    return out if next_norm is not None else (out, None)
+
+
 def attend_rows(q, k, v, rows: Rows, caches: Sequence, scale: float, rope, kernels: KernelOptions) -> mx.array:
     """Attention of one layer for every row, q, k, v [1, sum L, heads, D] on the token axis (before
     RoPE), each row's keys written into its KVCache: [1, Hq, sum L, D]. One row: `cached_attention`.

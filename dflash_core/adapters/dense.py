@@ -13,8 +13,8 @@ from mlx_lm.models.base import create_attention_mask
 from ..cache import RowsKVCache
 from ..kernels.attention import buffer_mask, path_for, unfused_cpu
 from ..kernels.matmul import gated_mlp, linear, linears
-from ..kernels.norms import add_norm, norm_of
-from .base import TargetAdapter, attend_rows, gated_mlp_group, heads_first, rotary
+from ..kernels.norms import add_norm, norm_of, residual
+from .base import TargetAdapter, attend_rows, gated_mlp_group, heads_first, rotary, with_next_input
 
 
 def call_norm(norm, x: mx.array) -> mx.array:
@@ -65,7 +65,7 @@ def attention_output_and_mlp(layer, groups: dict, kernels, next_norm=None):
         r = linear(layer.self_attn.o_proj, attended.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
         h, x = add_norm(h, r, *norm_of(layer.post_attention_layernorm), kernels)
         r = gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up"))
-        return h + r if next_norm is None else add_norm(h, r, *norm_of(next_norm), kernels)
+        return residual(h, r, next_norm, kernels)
 
     return post
 
@@ -104,7 +104,7 @@ class DenseAdapter(TargetAdapter):
             attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
             following = self.next_input_norm(i)
             post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, following))
-            h, x = post(h, attended) if following is not None else (post(h, attended), None)
+            h, x = with_next_input(post(h, attended), following)
             self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h

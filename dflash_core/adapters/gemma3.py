@@ -34,6 +34,7 @@ from .base import (
     join,
     part,
     rotary,
+    with_next_input,
 )
 from .dense import attention_inputs, prefill_attention  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
 
@@ -247,7 +248,7 @@ class Gemma3Adapter(TargetAdapter):
             following = self.next_input_norm(i)
             post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, self.norms,
                                                                                following))
-            h, x = post(h, attended) if following is not None else (post(h, attended), None)
+            h, x = with_next_input(post(h, attended), following)
             self.queue_layers(i, h, rows)
             if i in tap_ids:
                 tapped[i] = h

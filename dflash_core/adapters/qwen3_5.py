@@ -42,8 +42,8 @@ from ..kernels.gated_delta import (
     replays_deltas,
 )
 from ..kernels.matmul import gated_mlp, linear, linears
-from ..kernels.norms import add_norm, norm_of
-from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary
+from ..kernels.norms import add_norm, norm_of, residual
+from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary, with_next_input
 
 
 def _row_of(x: Optional[mx.array], row: int) -> Optional[mx.array]:
@@ -167,12 +167,6 @@ def gated_delta_output_and_mlp(layer, groups: dict, kernels, next_norm=None):
         return residual(h, gated_mlp(layer.mlp, x, swiglu, kernels, groups.get("gate_up")), next_norm, kernels)
 
     return post
-
-
-def residual(h: mx.array, r: mx.array, next_norm, kernels):
-    """A layer's last residual add: h + r, or (h + r, next_norm(h + r)) in one launch where
-    kernels/norms.py has it."""
-    return h + r if next_norm is None else add_norm(h, r, *norm_of(next_norm), kernels)
 
 
 def gated_attention_inputs(layer, groups: dict, kernels):
@@ -367,7 +361,7 @@ class Qwen35Adapter(TargetAdapter):
         ys = [y for y in ys if y is not None]
         following = self.next_input_norm(i) if compiled else None
         out = block("gdn_out", lambda: gated_delta_output_and_mlp(layer, groups, kernels, following))(h, join(ys), z)
-        return out if following is not None else (out, None)
+        return with_next_input(out, following)
 
     def _attention_rows(self, i, layer, groups, h, x, rows: Rows):
         """An attention layer over rows (h, and x its input norm's output): projections and MLP on
@@ -379,8 +373,7 @@ class Qwen35Adapter(TargetAdapter):
         following = self.next_input_norm(i)
         post = self.compiled(("attn_out", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels,
                                                                                      following))
-        out = post(h, attended, gate)
-        return out if following is not None else (out, None)
+        return with_next_input(post(h, attended, gate), following)
 
     def run_layers(self, tokens, cache, tap_ids, states):
         """Prefill (and any forward not in rows): eager, mlx-lm's own attention layers."""

@@ -43,6 +43,12 @@ def add_norm(h: mx.array, r: mx.array, weight: mx.array, eps: float, kernels: Ke
     return _mlx(eps, branch[1])(h, r, weight, branch[0])
 
 
+def residual(h: mx.array, r: mx.array, next_norm, kernels: KernelOptions = DEFAULT_KERNELS):
+    """A layer's last residual add: h + r, or (h + r, next_norm(h + r)) where the next layer's input
+    norm (an mlx-lm RMSNorm module) is given, in one launch where the kernel runs."""
+    return h + r if next_norm is None else add_norm(h, r, *norm_of(next_norm), kernels)
+
+
 def add_normed(h: mx.array, r: mx.array, weight: mx.array, eps: float,
                kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
     """h + rms_norm(r, weight, eps)."""
