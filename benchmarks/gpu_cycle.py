@@ -68,6 +68,8 @@ PATHS = {
     "chunk512": KernelOptions(attention_chunk=512),
     "fused-norms": KernelOptions(fused_norms=True),
     "load-warps4": KernelOptions(attention_load_warps=4),
+    "column-copies": KernelOptions(stream_parts=False),
+    "draft-after-read": KernelOptions(draft_ahead=False),
 }
 
 

@@ -38,12 +38,19 @@ class TargetCall:
 class DraftCall:
     """A drafter block a generation needs: its last committed token (on the device), its drafter
     context, the block's width and the taps to add to the context first (None: none). The answer
-    is the width-1 proposals."""
+    is the width-1 proposals.
+
+    `start` (a draft ahead, `Engine._launch`): the block's first position as (an array on the
+    device, the least it can be), before the host knows it; the taps are all of a verify's,
+    some of which the host will trim. Such a call may be declined (answered None): the generation
+    then drafts after its read, as without it. `step_together` declines them where several rows
+    draft in one round (the rows' drafts batch instead)."""
 
     bonus: mx.array
     context: list
     width: int
     taps: Optional[mx.array] = None
+    start: Optional[tuple[mx.array, int]] = None
 
 
 def serve(engine, call):
@@ -56,6 +63,8 @@ def serve(engine, call):
                                      record=r.record)
     if call.taps is not None:
         engine.drafter.add_context(call.taps, call.context)
+    if call.start is not None:
+        return engine.drafter.propose(call.bonus, engine.target, call.context, call.width, start=call.start)
     return engine.drafter.propose(call.bonus, engine.target, call.context, call.width)
 
 
@@ -117,6 +126,12 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
     while calls:
         drafting = [i for i, c in calls.items() if isinstance(c, DraftCall)]
         if drafting:
+            ahead = [i for i in drafting if calls[i].start is not None]
+            if ahead and len(drafting) > 1:  # several rows draft: in one forward, after their reads
+                for i in ahead:
+                    calls.pop(i)
+                    advance(i, None)
+                continue
             outputs = _draft_rows(engine, [calls.pop(i) for i in drafting])
             for i, out in zip(drafting, outputs):
                 advance(i, out)
@@ -163,6 +178,8 @@ def _decoded(chunk) -> bool:
 
 
 def _draft_rows(engine, calls: list[DraftCall]) -> list[mx.array]:
+    if len(calls) == 1:
+        return [serve(engine, calls[0])]
     drafter = engine.drafter
     adding = [(c.taps, c.context) for c in calls if c.taps is not None]
     if len(adding) > 1 and hasattr(drafter, "add_context_rows"):

@@ -75,8 +75,29 @@ class DecodeState:
 
 
 @dataclass
+class DraftedAhead:
+    """The next cycle's drafts, queued before the host read this cycle's acceptance
+    (`Engine._launch`): its `width`, and the drafter context's length before this cycle's taps
+    went in, all of them (the host trims the rejected ones when it reads the cycle)."""
+
+    drafts: mx.array
+    width: int
+    context_before: int
+
+
+def device_acceptance(drafts: mx.array, choices: mx.array) -> tuple[mx.array, mx.array]:
+    """A cycle's acceptance on the device, as `engine.accepted_length` reads it on the host: the
+    drafts accepted (the longest prefix equal to the target's choices) and the target's token
+    after them, the next cycle's first."""
+    matches = (drafts == choices[: drafts.size]).astype(mx.int32)
+    accepted = mx.cumprod(matches).sum() if drafts.size else mx.array(0, mx.int32)
+    return accepted, mx.take(choices, accepted).reshape(1)
+
+
+@dataclass
 class Launched:
     """A queued step of a speculating generation (`Engine._launch`)."""
 
     read: Any
     choice: Optional[mx.array] = None  # a plain step's output token, on the device
+    ahead: Optional[DraftedAhead] = None  # a cycle's: the next cycle's drafts, when drafted ahead

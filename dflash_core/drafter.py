@@ -214,6 +214,12 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether the engine may queue this drafter's blocks before it knows where they start
+        (`propose(start=...)`, `KernelOptions.draft_ahead`)."""
+        return self.kernels.draft_ahead
+
     def make_cache(self) -> list[KVCache]:
         return [RowsKVCache() for _ in self.layers]
 
@@ -259,9 +265,13 @@ class DFlashDrafter(nn.Module):
         if len(rows) > 1:
             self.stacked_rows.end_forward()
 
-    def _block_row(self, layer: int, cache: KVCache, start: int, block: int) -> BlockRow:
+    def _block_row(self, layer: int, cache: KVCache, start, block: int, masks: dict,
+                   earliest: Optional[int] = None) -> BlockRow:
         """A block's row of one layer: its context buffer and the boolean mask of what each block
-        query sees of [context buffer ; block].
+        query sees of [context buffer ; block]. `masks` keeps the masks made in this forward: layers
+        alike share one (a drafter's layers are mostly alike, and each mask is several launches).
+        `start` may be an array on the device (a block drafted ahead, `propose(start=...)`), with
+        `earliest` the least it can be.
 
         The context is the cache's whole buffer (it grows in steps of 256) with the unused tail
         masked, so attention shapes change once per 256 positions rather than every cycle: on CUDA,
@@ -275,31 +285,42 @@ class DFlashDrafter(nn.Module):
         if cfg.is_sliding(layer):
             # Keys older than the first query's window can never be seen: do not even read them
             # (cut at a multiple of 256, for the same shape reuse).
-            first_key = max(0, start - cfg.sliding_window + 1) // 256 * 256
+            first_key = max(0, (start if earliest is None else earliest) - cfg.sliding_window + 1) // 256 * 256
             ctx = (ctx[0][..., first_key:, :], ctx[1][..., first_key:, :])
         n_ctx = ctx[0].shape[2]
-        q_pos = mx.arange(start, start + block)[:, None]
-        ctx_pos = mx.arange(first_key, first_key + n_ctx)
-        k_pos = mx.concatenate([mx.where(ctx_pos < start, ctx_pos, -(1 << 30)), mx.arange(start, start + block)])[None]
-        mask = k_pos > -(1 << 30)
-        if cfg.is_causal(layer):
-            mask = mask & (k_pos <= q_pos)
-        if cfg.is_sliding(layer):
-            mask = mask & (mx.abs(q_pos - k_pos) < cfg.sliding_window)
-        return BlockRow(ctx, start, mask)
+        key = (cfg.is_causal(layer), cfg.is_sliding(layer), first_key, n_ctx)
+        if key not in masks:
+            block_pos = mx.arange(block) + start if isinstance(start, mx.array) else mx.arange(start, start + block)
+            q_pos = block_pos[:, None]
+            ctx_pos = mx.arange(first_key, first_key + n_ctx)
+            k_pos = mx.concatenate([mx.where(ctx_pos < start, ctx_pos, -(1 << 30)), block_pos])[None]
+            mask = k_pos > -(1 << 30)
+            if cfg.is_causal(layer):
+                mask = mask & (k_pos <= q_pos)
+            if cfg.is_sliding(layer):
+                mask = mask & (mx.abs(q_pos - k_pos) < cfg.sliding_window)
+            masks[key] = mask
+        return BlockRow(ctx, start, masks[key])
 
     def hidden(self, embeddings: mx.array, cache: list[KVCache]) -> mx.array:
         """Final-normed hidden states of a block whose first row sits at the cache's offset."""
         return self.hidden_rows(embeddings, [cache], [embeddings.shape[1]])
 
-    def hidden_rows(self, embeddings: mx.array, caches: Sequence[list[KVCache]], widths: Sequence[int]) -> mx.array:
-        """`hidden` of several blocks concatenated along the token axis, each at its own cache's offset."""
+    def hidden_rows(self, embeddings: mx.array, caches: Sequence[list[KVCache]], widths: Sequence[int],
+                    start: Optional[tuple[mx.array, int]] = None) -> mx.array:
+        """`hidden` of several blocks concatenated along the token axis, each at its own cache's
+        offset; one block may instead start at `start` = (a position on the device before the
+        cache's offset, the least it can be) (`propose`)."""
         starts = [cache[0].offset for cache in caches]
         h = embeddings * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeddings
         if len(caches) == 1:
+            masks: dict = {}
+            first, earliest = (starts[0], None) if start is None else start
             for i, layer in enumerate(self.layers):
-                h = layer(h, *self._block_row(i, caches[0][i], starts[0], widths[0]), self.kernels)
+                h = layer(h, *self._block_row(i, caches[0][i], first, widths[0], masks, earliest), self.kernels)
             return self.norm(h)
+        if start is not None:
+            raise ValueError("a block drafted at a position on the device is drafted alone")
         # Several rows: each layer's attention for all of them at once over their stacked contexts
         # (the masks hide each row's padding and the stale tail of its buffer).
         batch = BlockBatch(widths, starts)
@@ -325,18 +346,23 @@ class DFlashDrafter(nn.Module):
             out = mx.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         return out
 
-    def propose(self, bonus: mx.array, target, cache: list[KVCache], width: Optional[int] = None) -> mx.array:
+    def propose(self, bonus: mx.array, target, cache: list[KVCache], width: Optional[int] = None,
+                start: Optional[tuple[mx.array, int]] = None) -> mx.array:
         """width-1 proposals (int32) for the positions after `bonus`, one forward pass over a block
         of `width` tokens (default: the block size; a narrower block costs less where a forward's
-        cost grows with its rows, as on a CPU)."""
-        return self.propose_rows([DraftRow(bonus, cache, width or self.config.block_size)], target)[0]
+        cost grows with its rows, as on a CPU). The block starts at the cache's offset, or at
+        `start` = (position on the device, the least it can be): a block drafted before the host
+        knows where it starts (the engine's drafts ahead), whose context holds positions past it
+        that its queries must not see."""
+        return self.propose_rows([DraftRow(bonus, cache, width or self.config.block_size)], target, start)[0]
 
-    def propose_rows(self, rows: Sequence[DraftRow], target) -> list[mx.array]:
+    def propose_rows(self, rows: Sequence[DraftRow], target,
+                     start: Optional[tuple[mx.array, int]] = None) -> list[mx.array]:
         """`propose` for each row (width-1 proposals each), in one forward over all their blocks."""
         mask_id, widths = self.config.mask_token_id, [row.width for row in rows]
         block = _concat([mx.concatenate([row.bonus.reshape(1).astype(mx.int32),
                                          mx.full((row.width - 1,), mask_id, mx.int32)]) for row in rows])
-        h = self.hidden_rows(target.embed(block[None]), [row.cache for row in rows], widths)
+        h = self.hidden_rows(target.embed(block[None]), [row.cache for row in rows], widths, start)
         # The bonus position predicts nothing: only the others go through the LM head.
         h = _concat([h_i[:, 1:] for h_i in _split(h, widths, axis=1)], axis=1)
         drafts = mx.argmax(self.logits(h, getattr(target, "decode_lm_head", target.lm_head)), axis=-1)[0].astype(mx.int32)

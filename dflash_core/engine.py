@@ -18,7 +18,7 @@ import mlx.core as mx
 from .adapters import ForwardRow, TargetAdapter
 from .batching import DraftCall, TargetCall, serve_alone
 from .cache import cache_arrays
-from .decode_state import DecodeState, Launched
+from .decode_state import DecodeState, DraftedAhead, Launched, device_acceptance
 from .detokenize import IncrementalDetokenizer, TokenBytes
 from .drafter import DFlashDrafter
 from .grammar import AllConstraints, CompiledGrammar, Constraint, GrammarSpec, ReasoningBudget, compile_grammar, tokenizer_info
@@ -401,7 +401,8 @@ class Engine:
         if constraint is not None:
             constraint.commit(first)
         width = policy.plan(len(state.fed))
-        step = yield from self._launch(token, index, width, sampler, state, scorer, constraint)
+        step = yield from self._launch(token, index, width, sampler, state, scorer, constraint,
+                                       self._width_ahead(policy, width, constraint))
         yield first, logprobs, None
         # The first step is not timed: it ran while `first` went out, and a cycle also wrote the
         # prompt's taps into the drafter's context (the prefill leaves them queued).
@@ -428,18 +429,35 @@ class Engine:
                 step = ahead
             else:
                 width = planned if planned is not None else policy.plan(len(state.fed))
-                step = yield from self._launch(token, index, width, sampler, state, scorer, constraint)
+                step = yield from self._launch(token, index, width, sampler, state, scorer, constraint,
+                                               self._width_ahead(policy, width, constraint), step.ahead)
             yield committed, logprobs, done
 
+    def _width_ahead(self, policy: SpeculationPolicy, width: int, constraint: Optional[Constraint]) -> int:
+        """For a cycle of `width` about to be queued: the width to draft the next cycle at behind
+        its verify, before the host reads it (0: none). That is this cycle's width while the policy
+        says it keeps to cycles (`speculating`; the next plan, made after the read, uses the drafts
+        if it picks that width, else they are dropped). Only drafters that can draft a block at a
+        position on the device do this (`drafts_ahead`); a grammar's masks need the host to read
+        each cycle first."""
+        if width == 0 or constraint is not None or not getattr(self.drafter, "drafts_ahead", False):
+            return 0
+        return width if getattr(policy, "speculating", False) else 0
+
     def _launch(self, token, index: int, width: int, sampler: Sampler, state: DecodeState,
-                scorer: LogprobScorer, constraint: Optional[Constraint]):
+                scorer: LogprobScorer, constraint: Optional[Constraint], next_width: int = 0,
+                drafted: Optional[DraftedAhead] = None):
         """Queue one step from `token` (committed to the sampler, not yet fed to the target; width 0:
         a plain step, else a cycle verifying `token` and width-1 drafts). Its `read()` gives
         (committed tokens, the next `token`, their logprobs, drafts accepted); a plain step's
         `choice` is its output, on the device. Each step adds its input to `state.fed` when read (a
         cycle its taps to the drafter's context; a plain step keeps them in `state.untapped`), and
         leaves its rollback record in `state.pending` until then, so a generation that ends with a
-        step queued can undo it."""
+        step queued can undo it.
+
+        A cycle given `next_width` also queues the next cycle's drafts (that wide) behind its verify,
+        from its acceptance on the device (`DraftedAhead`): the device drafts while the host reads
+        this cycle and builds the next verify, which then takes `drafted` if it is as wide."""
         drafter, cache, context = self.drafter, state.cache, state.context
         tap_ids = drafter.config.target_layer_ids
         if width == 0:
@@ -465,8 +483,11 @@ class Engine:
             return Launched(read_step, choice)
         # The drafter's context takes the taps since the last cycle (its accepted positions, the
         # plain steps' since) in the same call as the draft: batched, one write for all rows.
-        drafts = yield DraftCall(token, context, width, state.take_untapped())
-        state.evaluate(drafts)  # the draft runs while the verify graph is built
+        if drafted is not None and drafted.width == width:
+            drafts = drafted.drafts  # queued behind the last verify
+        else:
+            drafts = yield DraftCall(token, context, width, state.take_untapped())
+            state.evaluate(drafts)  # the draft runs while the verify graph is built
         verify = yield TargetCall(ForwardRow(mx.concatenate([token, drafts])[None], cache, record=True,
                                              undo=state.take_due(), logit_bias=sampler.batch_bias), tap_ids)
         allowed = None
@@ -479,6 +500,17 @@ class Engine:
         read = state.read_later(mx.concatenate([drafts, choices]), verify.tapped_hidden)
         state.pending = verify.rollback
         scored = scorer.queue(verify.logits[0], choices)
+        ahead = None
+        if next_width:
+            # All of the verify's taps into the drafter's context, and a block from the device's
+            # reading of the acceptance; the host trims the rejected positions' taps when it reads.
+            before = context[0].offset
+            accepted_on_device, bonus = device_acceptance(drafts, choices)
+            start = (accepted_on_device + (before + 1)).astype(mx.int32)
+            drafts_ahead = yield DraftCall(bonus, context, next_width, verify.tapped_hidden, (start, before + 1))
+            if drafts_ahead is not None:
+                state.evaluate(drafts_ahead)
+                ahead = DraftedAhead(drafts_ahead, next_width, before)
 
         def read_cycle():
             host = read.tolist()
@@ -486,7 +518,11 @@ class Engine:
             accepted = accepted_length(proposed, picks)
             state.due = (verify.rollback, accepted + 1)  # applied with the next forward
             state.pending = None
-            state.untapped.append(verify.tapped_hidden[:, : accepted + 1])
+            if ahead is not None:
+                for layer_context in context:
+                    layer_context.offset = ahead.context_before + accepted + 1
+            else:
+                state.untapped.append(verify.tapped_hidden[:, : accepted + 1])
             state.fed += [state.last] + proposed[:accepted]  # `token` and the accepted drafts
             committed = proposed[:accepted] + [picks[accepted]]
             state.last = committed[-1]
@@ -495,4 +531,4 @@ class Engine:
                 constraint.commit(committed)
             return committed, choices[accepted : accepted + 1], scorer.read(scored, committed), accepted
 
-        return Launched(read_cycle)
+        return Launched(read_cycle, ahead=ahead)

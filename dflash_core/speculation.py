@@ -59,6 +59,10 @@ class SpeculationPolicy(Protocol):
 
     def note(self) -> Optional[str]: ...
 
+    # Optional, read by the engine: True while the next step is likely a cycle of the width just
+    # planned, so that its drafts are worth queueing before the host reads this one (absent: never).
+    # speculating: bool
+
 
 def _bucket(context: int) -> int:
     return max(0, int(math.log2(max(context, 1))))
@@ -393,6 +397,7 @@ class AlwaysSpeculate:
     """`speculation: on`: every step a cycle of the full block."""
 
     block_size: int
+    speculating = True  # (the engine drafts the next block ahead of each read)
 
     def plan(self, context: int) -> int:
         return self.block_size

@@ -35,6 +35,7 @@ class FixedPlans:
     then plain steps."""
 
     name = "warm-up"
+    speculating = True  # cycles draft ahead as a server's do (the drafts dropped where the next plan differs)
 
     def __init__(self, plans: list[int]):
         self.plans, self.next = plans, 0

@@ -4,7 +4,8 @@ Random-weight drafters accept almost nothing, so they never exercise long accept
 proposes the reference (target-alone) tokens with one error planted at a chosen block position, so
 exactly `schedule[cycle]` drafts are accepted each cycle (0..B-1, B-1 meaning full acceptance).
 It implements the drafter interface the engine uses: config, block_size, make_cache, add_context,
-propose.
+propose, and drafting ahead (`drafts_ahead`: a block whose start is on the device, before the host
+has read the cycle before it), so that the engine's every path meets every acceptance length.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class ForcedDrafter:
     vocab_size: int
     target_layer_ids: list[int] = field(default_factory=lambda: [0])
     block_size: int = 16
+    drafts_ahead: bool = True
+    drafted_ahead: int = 0  # blocks drafted ahead so far
 
     @property
     def config(self):
@@ -41,13 +44,21 @@ class ForcedDrafter:
         assert taps.shape[1] >= 1
         cache[0].offset += taps.shape[1]
 
-    def propose(self, bonus, target, cache, width=None):
+    def propose(self, bonus, target, cache, width=None, start=None):
         context = cache[0]
         accept = self.schedule[context.cycles % len(self.schedule)]
         context.cycles += 1
+        width = width or self.block_size
+        if start is not None:  # drafted ahead: the bonus token's position is on the device
+            assert context.offset >= start[1] and start[0].dtype == mx.int32
+            self.drafted_ahead += 1
+            known = mx.array(self.reference + [0] * (width + 1), dtype=mx.int32)
+            drafts = mx.take(known, start[0] + mx.arange(1, width))
+            wrong = mx.arange(1, width) == accept + 1  # the first rejected draft
+            return mx.where(wrong, (drafts + 1) % self.vocab_size, drafts).astype(mx.int32)
         start = context.offset  # position of the bonus token
         drafts = []
-        for j in range(1, width or self.block_size):
+        for j in range(1, width):
             position = start + j
             token = self.reference[position] if position < len(self.reference) else 0
             if j == accept + 1:  # the first rejected draft

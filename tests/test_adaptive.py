@@ -80,6 +80,47 @@ def test_switching_at_every_point_is_lossless(engines, family, sampling):
     assert {a for w, a in policy.seen if w} == set(range(16))
 
 
+class Ahead(Scheduled):
+    """`Scheduled`, saying it keeps to cycles: each cycle drafts the next block at its own width
+    before its read, and the next plan uses those drafts or drops them."""
+
+    speculating = True
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_switching_with_drafts_ahead_is_lossless(engines, family, sampling):
+    """Drafts queued ahead of each read, used where the next plan is a cycle of their width and
+    dropped where it is a plain step or another width: the drafter's context is the same either
+    way, and so are the tokens."""
+    engine = engines[family]
+    prompt = _prompt(engine)
+    params = SAMPLINGS[sampling]
+    reference, _ = _tokens(engine, prompt, params, speculative=False)
+    for drafter in (engine.drafter, ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), ACCEPT,
+                                                  engine.target.vocab_size, engine.drafter.config.target_layer_ids)):
+        calls = []
+        real = drafter.propose
+        ahead_engine = Engine(engine.target, engine.tokenizer, drafter, prefill_chunk=16)
+        drafter.propose = lambda *args, **kwargs: calls.append("start" in kwargs) or real(*args, **kwargs)
+        policy = Ahead(PLANS)
+        try:
+            tokens, stats = _tokens(ahead_engine, prompt, params, speculation=policy)
+        finally:
+            del drafter.propose
+        assert tokens == reference
+        assert set(stats.cycle_widths) == set(PLANS) - {0}
+        # Every cycle drafted the next block ahead; a cycle right after a cycle of its width took
+        # those drafts, the others drafted after their read (the drafts ahead dropped). The output's
+        # end leaves one cycle queued, not read.
+        widths = [w for w, _ in policy.seen]
+        cycles = sum(1 for w in widths if w)
+        took = sum(1 for a, b in zip(widths, widths[1:]) if b and a == b)
+        assert took > 0
+        assert calls.count(True) in (cycles, cycles + 1)
+        assert calls.count(False) in (cycles - took, cycles - took + 1)
+
+
 def _controller(block=16):
     return AutoSpeculation(Timings(), AcceptanceCounts(block - 1, decay=0.98), block)
 

@@ -184,13 +184,24 @@ def test_matmul_kernels_compile(kernels):
     for M, N in [(1, 256), (9, 1024), (32, 4096)]:
         assert bf16_matmul_cuda.supported(M, x[:M], _normal(N, 1024))
         assert bf16_matmul_cuda.matmul_stream(x[:M] if M <= 16 else _normal(M, 1024), _normal(N, 1024)).shape == (M, N)
+    # A stacked weight's parts (q, k, v; gate, up) as outputs of their own.
+    for splits in ((512,), (512, 768), (256, 512, 768)):
+        w = _normal(1024, 1024)
+        assert bf16_matmul_cuda.parts_supported(w, splits)
+        for M in (1, 16):
+            outs = bf16_matmul_cuda.matmul_stream_parts(x[:M], w, splits)
+            bounds = [0, *splits, 1024]
+            assert [o.shape for o in outs] == [(M, b - a) for a, b in zip(bounds, bounds[1:])]
+    assert not bf16_matmul_cuda.parts_supported(_normal(1024, 1024), (520,))
+    assert not bf16_matmul_cuda.parts_supported(_normal(1024, 1024), (512, 512))
     for parts in (1, 2, 3, 4):  # (q, k, v; gate, up: the weights that share an input go in one launch)
         weights = [mx.quantize(_normal(n, 1024), group_size=64, bits=4) for n in (512, 256, 256, 48)[:parts]]
         for M in (1, 16):
             outs = quantized_matmul_cuda.quantized_matmuls_cuda(x[:M], [tuple(w) for w in weights], 64)
             assert [o.shape for o in outs] == [(M, w[0].shape[0]) for w in weights]
     names = {name for name, _ in kernels.compiled.values()}
-    assert names == {"dflash_small_m_stream"} | {f"dflash_q4_small_m_matmul_{parts}" for parts in (1, 2, 3, 4)}
+    assert names == ({"dflash_small_m_stream"} | {f"dflash_small_m_stream_parts{parts}" for parts in (2, 3, 4)}
+                     | {f"dflash_q4_small_m_matmul_{parts}" for parts in (1, 2, 3, 4)})
 
 
 def test_gated_delta_kernels_compile(kernels):

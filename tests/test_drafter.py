@@ -276,3 +276,47 @@ def test_stacked_drafter_drafts_and_trains_the_same(monkeypatch, stack_lookups):
     for name in ("layers.0.self_attn.k_proj.weight", "layers.1.mlp.gate_proj.weight", "layers.2.mlp.up_proj.weight"):
         assert mx.abs(grads[0][name]).max().item() > 0
         assert mx.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5), name
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"is_causal": True, "layer_types": None, "sliding_window": None}],
+    ids=["sliding-causal-mix", "all-causal"],
+)
+def test_drafting_ahead_drafts_what_drafting_after_the_read_does(overrides):
+    """The engine's drafts ahead (`propose(start=...)`): all of a verify's taps in the context, the
+    block's start on the device, the rejected positions' taps trimmed by the host afterwards. For
+    every acceptance, the same hidden states and drafts as taking only the accepted taps first, and
+    the context left as that leaves it."""
+    cfg = _config(**{k: v for k, v in overrides.items() if v is not None})
+    if overrides.get("layer_types", 0) is None:
+        cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+    model = _random_drafter(cfg)
+    mx.random.seed(2)
+    lender = _Lender(mx.random.normal((V, H)))
+    context = mx.random.normal((1, 9, 2 * H))  # what earlier cycles left in the context
+    verify_taps = mx.random.normal((1, cfg.block_size, 2 * H))  # one cycle's, a tap per verified position
+    block = mx.array([[17] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+    for accepted in range(cfg.block_size):
+        after_read, ahead = model.make_cache(), model.make_cache()
+        for cache in (after_read, ahead):
+            model.add_context(context, cache)
+        model.add_context(verify_taps[:, : accepted + 1], after_read)
+        want_hidden = model.hidden(lender.embed(block), after_read)
+        want = model.propose(mx.array([17]), lender, after_read)
+
+        model.add_context(verify_taps, ahead)
+        start = mx.array(9 + accepted + 1, mx.int32)
+        got_hidden = model.hidden_rows(lender.embed(block), [ahead], [cfg.block_size], (start, 10))
+        got = model.propose(mx.array([17]), lender, ahead, start=(start, 10))
+        np.testing.assert_allclose(np.array(got_hidden), np.array(want_hidden), rtol=1e-5, atol=1e-5)
+        assert got.tolist() == want.tolist()
+        for cache in ahead:  # the host's trim, once it read the acceptance
+            cache.offset = 9 + accepted + 1
+        later = mx.random.normal((1, 3, 2 * H))
+        for cache in (after_read, ahead):
+            model.add_context(later, cache)
+        assert all(mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
+                   for a, b in zip(after_read, ahead))
+        assert model.propose(mx.array([5]), lender, ahead).tolist() == model.propose(
+            mx.array([5]), lender, after_read).tolist()

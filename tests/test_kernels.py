@@ -510,9 +510,13 @@ def stream_on_cpu(monkeypatch):
         rows, x.astype(mx.bfloat16), w.astype(mx.bfloat16)))
     monkeypatch.setattr(bf16_matmul_cuda, "matmul_stream", lambda x, w: calls.append(x.shape[0]) or (
         (x[:, None, :] * w[None]).sum(-1)))
+    monkeypatch.setattr(bf16_matmul_cuda, "matmul_stream_parts", lambda x, w, splits: calls.append(x.shape[0]) or (
+        mx.split((x[:, None, :] * w[None]).sum(-1), list(splits), axis=-1)))
     small_m._stream_product.cache_clear()
+    small_m._stream_parts.cache_clear()
     yield calls
     small_m._stream_product.cache_clear()
+    small_m._stream_parts.cache_clear()
 
 
 def test_stream_path_has_the_gradient_of_the_product(stream_on_cpu):
@@ -530,6 +534,30 @@ def test_stream_path_has_the_gradient_of_the_product(stream_on_cpu):
     got = mx.grad(loss, argnums=(0, 1))(layer.weight, x, True)
     assert stream_on_cpu == [16]  # it went through the kernel's path
     expected = mx.grad(loss, argnums=(0, 1))(layer.weight, x, False)
+    for g, e in zip(got, expected):
+        assert mx.allclose(g, e, atol=1e-4)
+
+
+def test_stacked_parts_have_the_gradient_of_the_products(stream_on_cpu):
+    """Projections stacked at load (a `SharedInput`) come out of the stream path as arrays of their
+    own; through them `dflash train` gets the gradient of each `x @ W_i.T`."""
+    mx.random.seed(14)
+    gate, up = nn.Linear(64, 32, bias=False), nn.Linear(64, 48, bias=False)
+    x = mx.random.normal((1, 16, 64))
+    shared = small_m.SharedInput([gate, up])
+    assert shared.stacked
+
+    def loss(weight, x, through_kernel):
+        shared.weight = weight
+        shared.views = (gate.weight, up.weight) = (weight[:32], weight[32:])
+        g, u = small_m.linears(shared, x) if through_kernel else (gate(x), up(x))
+        assert g.shape == (1, 16, 32) and u.shape == (1, 16, 48)
+        return (g * mx.arange(32)).sum() + (u * u).sum()
+
+    weight = shared.weight
+    got = mx.grad(loss, argnums=(0, 1))(weight, x, True)
+    assert stream_on_cpu == [16]  # one product for both
+    expected = mx.grad(loss, argnums=(0, 1))(weight, x, False)
     for g, e in zip(got, expected):
         assert mx.allclose(g, e, atol=1e-4)
 
@@ -570,6 +598,24 @@ def test_bf16_stream_kernel_is_close_and_row_invariant(n, k):
     for i in range(16):
         assert mx.array_equal(matmul_stream(x[i : i + 1], w)[0], block[i])
     assert mx.array_equal(matmul_stream(x, w)[:16], block)
+
+
+@cuda_only
+@pytest.mark.parametrize("splits", [(4096,), (2048, 3072), (256, 512, 3584)])
+def test_bf16_stream_parts_are_the_products_columns(splits):
+    """A stacked weight's parts as outputs of their own: each the same bits as its columns of the
+    one product, contiguous, for a decode's row and a verify's block."""
+    from dflash_core.kernels.bf16_matmul_cuda import matmul_stream, matmul_stream_parts
+
+    mx.random.seed(15)
+    w = (mx.random.normal((4096 + 1024, 1024)) * 1024**-0.5).astype(mx.bfloat16)
+    x = mx.random.normal((32, 1024)).astype(mx.bfloat16)
+    for m in (1, 16, 32):
+        whole = matmul_stream(x[:m], w)
+        parts = matmul_stream_parts(x[:m], w, splits)
+        for part, columns in zip(parts, mx.split(whole, list(splits), axis=-1)):
+            assert part.shape == columns.shape
+            assert mx.array_equal(part, columns)
 
 
 @cuda_only

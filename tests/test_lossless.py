@@ -58,6 +58,13 @@ def test_every_acceptance_length_is_lossless(engines, references, family):
     _check_every_acceptance_length(engines, references, family)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_acceptance_length_drafting_after_the_read_is_lossless(engines, references, family):
+    """The same with each cycle's drafts made after the host read the cycle before (as rows
+    batched with others, and generations under a grammar, still draft)."""
+    _check_every_acceptance_length(engines, references, family, drafts_ahead=False)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4", "gemma3"])
 def test_cuda_attention_paths_are_lossless(engines, references, family, monkeypatch, exact_attention_calls):
     """The attention paths CUDA takes, run here on the CPU: the target's decode steps and verify
@@ -149,7 +156,7 @@ def test_gemma4_moe_is_lossless(gemma4_moe_pair):
     assert _run(engine, prompt, sampling=sampling)[0] == _run(engine, prompt, sampling=sampling, speculative=False)[0]
 
 
-def _check_every_acceptance_length(engines, references, family):
+def _check_every_acceptance_length(engines, references, family, drafts_ahead=True):
     engine = engines[family]
     prompt, reference = references[family]
     forced = ForcedDrafter(
@@ -158,10 +165,18 @@ def _check_every_acceptance_length(engines, references, family):
         schedule=SCHEDULE,
         vocab_size=engine.target.vocab_size,
         target_layer_ids=engine.drafter.config.target_layer_ids,
+        drafts_ahead=drafts_ahead,
     )
     forced_engine = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
     tokens, last = _run(forced_engine, prompt)
     assert tokens == reference[:N_TOKENS]
+    # Every cycle but the first (after the prefill) was drafted ahead, or none was; the output's
+    # end can leave the next two blocks drafted (a cycle is queued before the one before it is
+    # handed out, and it drafts the one after it).
+    if drafts_ahead:
+        assert last.stats.cycles - 1 <= forced.drafted_ahead <= last.stats.cycles + 1
+    else:
+        assert forced.drafted_ahead == 0
     stats = last.stats
     # The schedule really happened: full schedule sweeps, every length seen, positions counted.
     assert stats.cycles >= len(SCHEDULE)

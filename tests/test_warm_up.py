@@ -12,6 +12,7 @@ from families import sample_prompt as _prompt
 from dflash_core.loading import load_engine
 from dflash_core.prefix_cache import PrefixCache
 from dflash_core.sampling import SamplingParams
+from dflash_core.speculation import auto_widths
 from dflash_core.warm_up import CATCH_UPS, FixedPlans, warm_up, warm_up_plans
 
 
@@ -67,7 +68,10 @@ def test_load_warms_up_when_told_and_not_on_the_cpu_by_default(qwen3_pair, caplo
 
 
 class _Proposals:
-    """The engine's real drafter, noting the width of each block it drafts alone."""
+    """The engine's real drafter, noting the width of each block it drafts alone (after each read:
+    it does not draft ahead, so that each block drafted is a cycle run)."""
+
+    drafts_ahead = False
 
     def __init__(self, drafter):
         self.drafter, self.widths = drafter, []
@@ -106,3 +110,16 @@ def test_a_short_context_runs_what_fits(qwen3_pair, max_context):
     assert warm_up(engine) is not None
     assert len(drafts.widths) < len([w for w in warm_up_plans(16) if w])  # fewer plans, and no error
     assert engine._grammar_tokenizer is not None  # the requests' part ran once, however short the prompts
+
+
+def test_the_warm_up_drafts_ahead_as_a_server_does(qwen3_pair):
+    """A server's cycles draft the next block before the host reads them (engine.py): the warm-up
+    runs that path too, for each width it runs twice in a row, and still every plan."""
+    target, drafter = qwen3_pair
+    engine = load_engine(str(target), str(drafter), prefill_chunk=16)
+    calls = []
+    real = engine.drafter.propose
+    engine.drafter.propose = lambda *args, **kwargs: calls.append((args[3], "start" in kwargs)) or real(*args, **kwargs)
+    assert warm_up(engine) is not None
+    ahead = {width for width, is_ahead in calls if is_ahead}
+    assert set(auto_widths(16)) <= ahead

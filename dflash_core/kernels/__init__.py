@@ -54,11 +54,18 @@ class KernelOptions:
     cuda_matmul: bool = True  # the 4-bit small-M kernel and stacked bf16 GEMMs (matmul.py), else MLX's own
     bf16_stream: bool = True  # on CUDA, bf16 products of <= 32 rows in our stream kernel (bf16_matmul_cuda.py)
     one_launch_per_input: bool = True  # projections sharing an input in one launch, else one per weight
+    # With bf16_stream and one_launch_per_input: each projection's output an array of its own from the
+    # one launch, else columns of one product, which the reshapes after them copy (a launch each)
+    stream_parts: bool = True
     # on CUDA, a residual add and the RMS norms beside it in one launch (norms.py, residual_norm_cuda.py);
     # off: on an H100 with 33 % fewer launches it made no end-to-end difference above the noise
     # (docs/performance.md, "Fewer launches: Gemma's norm scales, fused residual norms")
     fused_norms: bool = False
     queue_layers: bool = True  # a decode/verify forward starts on the device as its first layers are built
+    # A cycle followed by a cycle queues the next one's drafts behind its verify, from the acceptance
+    # on the device, so that the device drafts while the host reads and builds the next verify
+    # (Engine._launch); else the drafts are built after the read, the device idle meanwhile
+    draft_ahead: bool = True
     cpu_half_head: bool = True  # on the CPU, a large float32 LM head as int8/float16 in our kernel (cpu_head.py)
     cpu_narrow_linears: bool = True  # on the CPU, a target's projections as int8/float16 copies in our primitive (cpu_linear.py)
     # on the CPU, attention's softmax and (<= 16 queries) its products in our primitives (cpu_softmax.cpp, cpu_attention.cpp)

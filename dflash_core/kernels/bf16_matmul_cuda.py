@@ -116,17 +116,37 @@ _SOURCE = """
       if (c + 2 * U < c_end) load(wa, xa, c + 2 * U);
       if (c + U < c_end) compute(wb, xb);
     }
+"""
+
+_SUMS = """
     __shared__ float partial[NW][ROWS][NT * 8];
 """ + SUM_WARP_PARTIALS
 
 
+def _output_selection(parts: int) -> str:
+    """For a weight stacked from `parts` weights (rows S1, S2, ... where each next one starts, all
+    multiples of 16, so a block's 16 rows never straddle two): a scope in which `y`, `N` and `row0`
+    name the output, width and first row of the part this block's rows belong to, so that each
+    part's product lands in an array of its own, contiguous, instead of columns of one output that
+    a reshape would have to copy."""
+    lines = ["    const int tile_row = row0;", "    {",
+             "    auto y = y0;", "    int N = S1;", "    int row0 = tile_row;"]
+    for i in range(1, parts):
+        end = f"S{i + 1}" if i + 1 < parts else "w_shape[0]"
+        lines.append(f"    if (tile_row >= S{i}) {{ y = y{i}; N = {end} - S{i}; row0 = tile_row - S{i}; }}")
+    return "\n".join(lines) + "\n"
+
+
 @functools.cache
-def _kernel():
+def _kernel(parts: int = 1):
+    if parts == 1:
+        return mx.fast.cuda_kernel(name="dflash_small_m_stream", input_names=["x", "w"], output_names=["y"],
+                                   source=_SOURCE + _SUMS, header=_HEADER)
     return mx.fast.cuda_kernel(
-        name="dflash_small_m_stream",
+        name=f"dflash_small_m_stream_parts{parts}",
         input_names=["x", "w"],
-        output_names=["y"],
-        source=_SOURCE,
+        output_names=[f"y{i}" for i in range(parts)],
+        source=_SOURCE + _output_selection(parts) + _SUMS + "    }\n",
         header=_HEADER,
     )
 
@@ -157,15 +177,31 @@ def warps_for(N: int, K: int, U: int, target: int = TARGET_WARPS) -> int:
 
 def matmul_stream(x: mx.array, w: mx.array, U: int = 4, warps: int = 0) -> mx.array:
     """x [M, K] @ w[N, K].T -> [M, N] in bf16; `warps` 0 picks them by `warps_for`."""
+    return matmul_stream_parts(x, w, (), U, warps)[0]
+
+
+def parts_supported(w: mx.array, splits) -> bool:
+    """Whether `matmul_stream_parts` takes these split points of w's rows: increasing multiples of
+    16 inside the weight."""
+    bounds = [0, *splits, w.shape[0]]
+    return all(b % 16 == 0 and a < b for a, b in zip(bounds, bounds[1:]))
+
+
+def matmul_stream_parts(x: mx.array, w: mx.array, splits=(), U: int = 4, warps: int = 0) -> list[mx.array]:
+    """`mx.split(matmul_stream(x, w), splits, axis=-1)` as contiguous arrays [M, N_i], from one launch
+    and the same bits: the same grid and sums, each 16-row tile written to its part's own output.
+    The warps are picked for the whole stacked weight, as for one product of it."""
     M, K = x.shape
     N = w.shape[0]
     NT = (M + 7) // 8
     nw = min(warps or warps_for(N, K, U), max_warps(U))
-    return _kernel()(
+    bounds = [0, *splits, N]
+    return _kernel(len(bounds) - 1)(
         inputs=[x, w],
-        template=[("OutT", x.dtype), ("NW", nw), ("NT", NT), ("U", U)],
+        template=[("OutT", x.dtype), ("NW", nw), ("NT", NT), ("U", U)]
+        + [(f"S{i}", int(s)) for i, s in enumerate(splits, start=1)],
         grid=(N // 16 * nw * 32, 1, 1),
         threadgroup=(nw * 32, 1, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[x.dtype],
-    )[0]
+        output_shapes=[(M, b - a) for a, b in zip(bounds, bounds[1:])],
+        output_dtypes=[x.dtype] * (len(bounds) - 1),
+    )

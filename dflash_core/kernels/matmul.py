@@ -67,7 +67,7 @@ class SharedInput:
         mx.eval(stacked, self.views)
         self.weight, self.splits = stacked, starts[1:-1]
 
-    def products(self, x: mx.array, stream: bool = False) -> Optional[list[mx.array]]:
+    def products(self, x: mx.array, stream: bool = False, parts: bool = True) -> Optional[list[mx.array]]:
         """The layers' outputs from one GEMM, if they were stacked and still hold their views."""
         if self.weight is None:
             return None
@@ -76,6 +76,13 @@ class SharedInput:
             # matrix go.
             self.weight, self.views, self.splits = None, (), []
             return None
+        rows = x.size // x.shape[-1]
+        if parts and stream and bf16_matmul_cuda.supported(rows, x, self.weight) and bf16_matmul_cuda.parts_supported(
+                self.weight, self.splits):
+            # Each layer's output an array of its own: columns of one product would be copied by the
+            # reshapes after them (a launch each, a verify's three a layer).
+            ys = _stream_parts(tuple(self.splits))(x.reshape(rows, x.shape[-1]), self.weight)
+            return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
         return mx.split(_bf16_product(x, self.weight, stream), self.splits, axis=-1)
 
 
@@ -89,9 +96,9 @@ def _stackable(layers: list[nn.Module]) -> bool:
 Group = Union[Sequence[nn.Module], SharedInput]
 
 
-def _stacked_products(group: Group, x: mx.array, stream: bool = False) -> Optional[list[mx.array]]:
+def _stacked_products(group: Group, x: mx.array, stream: bool = False, parts: bool = True) -> Optional[list[mx.array]]:
     """The group's outputs from one GEMM, if it is a SharedInput whose weights were stacked."""
-    return group.products(x, stream) if isinstance(group, SharedInput) else None
+    return group.products(x, stream, parts) if isinstance(group, SharedInput) else None
 
 
 def _bf16_product(x: mx.array, weight: mx.array, stream: bool) -> mx.array:
@@ -116,6 +123,24 @@ def _stream_product():
         return (cotangent @ weight).astype(x.dtype), (cotangent.T @ x).astype(weight.dtype)
 
     return product
+
+
+@functools.cache
+def _stream_parts(splits: tuple[int, ...]):
+    """The stream kernel's split outputs (`matmul_stream_parts`) as a differentiable function of x
+    and the stacked weight, as `_stream_product` is for one output."""
+
+    @mx.custom_function
+    def products(x, weight):
+        return bf16_matmul_cuda.matmul_stream_parts(x, weight, splits)
+
+    @products.vjp
+    def products_vjp(primals, cotangents, outputs):
+        x, weight = primals
+        cotangent = mx.concatenate(list(cotangents), axis=-1)
+        return (cotangent @ weight).astype(x.dtype), (cotangent.T @ x).astype(weight.dtype)
+
+    return products
 
 
 def _stream(kernels: KernelOptions) -> bool:
@@ -172,7 +197,7 @@ def linears(group: Group, x: mx.array, kernels: KernelOptions = DEFAULT_KERNELS)
     layers = group.layers if isinstance(group, SharedInput) else list(group)
     fused = kernels.one_launch_per_input
     if fused and len(layers) > 1 and _on_cuda(kernels):
-        stacked = _stacked_products(group, x, _stream(kernels))
+        stacked = _stacked_products(group, x, _stream(kernels), kernels.stream_parts)
         if stacked is not None:
             return stacked
     ys = [None] * len(layers)
