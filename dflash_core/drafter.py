@@ -34,7 +34,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .cache import RowsKVCache
 from .drafter_config import CheckpointError, DrafterConfig
-from .kernels import DEFAULT_KERNELS, KernelOptions
+from .kernels import DEFAULT_KERNELS, KernelOptions, backend
 from .kernels.attention import attention
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
 from .kernels.norms import add_norm, norm_of
@@ -218,6 +218,8 @@ class DFlashDrafter(nn.Module):
     def drafts_ahead(self) -> bool:
         """Whether the engine may queue this drafter's blocks before it knows where they start
         (`propose(start=...)`, `KernelOptions.draft_ahead`)."""
+        if self.kernels.draft_ahead is None:
+            return backend() != "cpu"
         return self.kernels.draft_ahead
 
     def make_cache(self) -> list[KVCache]:

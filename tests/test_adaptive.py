@@ -3,6 +3,8 @@ point keeps the output exactly the target's; the controller picks what is faster
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from families import ENGINE_FAMILIES
 from families import sample_prompt as _prompt
@@ -97,7 +99,8 @@ def test_switching_with_drafts_ahead_is_lossless(engines, family, sampling):
     prompt = _prompt(engine)
     params = SAMPLINGS[sampling]
     reference, _ = _tokens(engine, prompt, params, speculative=False)
-    for drafter in (engine.drafter, ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), ACCEPT,
+    drafting_ahead = engine.drafter.with_kernels(replace(engine.drafter.kernels, draft_ahead=True))  # (off on a CPU)
+    for drafter in (drafting_ahead, ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), ACCEPT,
                                                   engine.target.vocab_size, engine.drafter.config.target_layer_ids)):
         calls = []
         real = drafter.propose

@@ -320,3 +320,17 @@ def test_drafting_ahead_drafts_what_drafting_after_the_read_does(overrides):
                    for a, b in zip(after_read, ahead))
         assert model.propose(mx.array([5]), lender, ahead).tolist() == model.propose(
             mx.array([5]), lender, after_read).tolist()
+
+
+def test_drafts_ahead_on_a_gpu_by_default(monkeypatch):
+    """`KernelOptions.draft_ahead`: unset, on where the device is not the host's own CPU (there
+    drafting ahead only shares the same cores, and measured slower); set, as set."""
+    from dflash_core import drafter as drafter_module
+    from dflash_core.kernels import KernelOptions
+
+    model = _random_drafter(_config())
+    assert not model.drafts_ahead  # (this CPU)
+    assert model.with_kernels(KernelOptions(draft_ahead=True)).drafts_ahead
+    monkeypatch.setattr(drafter_module, "backend", lambda: "cuda")
+    assert model.drafts_ahead
+    assert not model.with_kernels(KernelOptions(draft_ahead=False)).drafts_ahead

@@ -9,6 +9,7 @@ import pytest
 from families import ENGINE_FAMILIES
 from families import sample_prompt as _prompt
 
+from dflash_core.kernels import KernelOptions
 from dflash_core.loading import load_engine
 from dflash_core.prefix_cache import PrefixCache
 from dflash_core.sampling import SamplingParams
@@ -117,6 +118,8 @@ def test_the_warm_up_drafts_ahead_as_a_server_does(qwen3_pair):
     runs that path too, for each width it runs twice in a row, and still every plan."""
     target, drafter = qwen3_pair
     engine = load_engine(str(target), str(drafter), prefill_chunk=16)
+    assert not engine.drafter.drafts_ahead  # not on a CPU, unless asked for
+    engine.drafter = engine.drafter.with_kernels(KernelOptions(draft_ahead=True))
     calls = []
     real = engine.drafter.propose
     engine.drafter.propose = lambda *args, **kwargs: calls.append((args[3], "start" in kwargs)) or real(*args, **kwargs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 
@@ -64,8 +65,10 @@ class KernelOptions:
     queue_layers: bool = True  # a decode/verify forward starts on the device as its first layers are built
     # A cycle followed by a cycle queues the next one's drafts behind its verify, from the acceptance
     # on the device, so that the device drafts while the host reads and builds the next verify
-    # (Engine._launch); else the drafts are built after the read, the device idle meanwhile
-    draft_ahead: bool = True
+    # (Engine._launch); else the drafts are built after the read, the device idle meanwhile. None: on
+    # a GPU, not on the CPU, where the device is the host's own cores (the demo pair, always-on, ran
+    # 6 % slower with it on a 2-core x86 machine: docs/performance.md, "Drafts ahead")
+    draft_ahead: Optional[bool] = None
     cpu_half_head: bool = True  # on the CPU, a large float32 LM head as int8/float16 in our kernel (cpu_head.py)
     cpu_narrow_linears: bool = True  # on the CPU, a target's projections as int8/float16 copies in our primitive (cpu_linear.py)
     # on the CPU, attention's softmax and (<= 16 queries) its products in our primitives (cpu_softmax.cpp, cpu_attention.cpp)
