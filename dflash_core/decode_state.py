@@ -30,6 +30,9 @@ class DecodeState:
     untapped: list = field(default_factory=list)
     # The last committed token: the input of the step in flight, fed when that step is read.
     last: Optional[int] = None
+    # The drafter context's length before the taps of a cycle not read yet went in, all of them
+    # (a cycle that drafted the next block ahead, `DraftedAhead`): what it holds for `fed`.
+    context_committed: Optional[int] = None
     # A batched generation's arrays to evaluate and read go to its engine's queue
     # (`Engine.batch_queue`), which `batching.step_together` starts once for all rows; None:
     # evaluated at once, read alone.
@@ -68,7 +71,16 @@ class DecodeState:
         taps, self.untapped = self.untapped, []
         return taps[0] if len(taps) == 1 else mx.concatenate(taps, axis=1)
 
+    def trim_context(self, length: int) -> None:
+        """Keep the drafter context's first `length` positions (the taps past them are a drafted-ahead
+        cycle's rejected ones, or all of an unread cycle's); their slots are written over next."""
+        for layer_context in self.context:
+            layer_context.offset = length
+        self.context_committed = None
+
     def catch_up(self, drafter) -> None:
+        if self.context_committed is not None:  # an unread cycle's taps: not committed
+            self.trim_context(self.context_committed)
         taps = self.take_untapped()
         if taps is not None:
             drafter.add_context(taps, self.context)

@@ -511,6 +511,7 @@ class Engine:
             if drafts_ahead is not None:
                 state.evaluate(drafts_ahead)
                 ahead = DraftedAhead(drafts_ahead, next_width, before)
+                state.context_committed = before
 
         def read_cycle():
             host = read.tolist()
@@ -519,8 +520,7 @@ class Engine:
             state.due = (verify.rollback, accepted + 1)  # applied with the next forward
             state.pending = None
             if ahead is not None:
-                for layer_context in context:
-                    layer_context.offset = ahead.context_before + accepted + 1
+                state.trim_context(ahead.context_before + accepted + 1)
             else:
                 state.untapped.append(verify.tapped_hidden[:, : accepted + 1])
             state.fed += [state.last] + proposed[:accepted]  # `token` and the accepted drafts

@@ -17,6 +17,7 @@ from dflash_core.cache import cache_arrays, frozen_arrays
 from dflash_core.engine import Engine
 from dflash_core.loading import load_model
 from dflash_core.prefix_cache import PrefixCache, SnapshotBudget
+from dflash_core.kernels import KernelOptions
 from dflash_core.settings import ModelSettings, Settings
 
 FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
@@ -54,6 +55,27 @@ def test_multi_turn_conversation_is_identical_to_cold(request, family):
         if turn > 0:
             # Reused at least everything up to the end of the previous user message.
             assert stats_hit.prefill_tokens < len(prompt) - 20, f"turn {turn}: no reuse"
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And then? ({turn})"}]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_drafts_ahead_leave_the_drafter_context_at_the_tokens(request, family):
+    """A generation whose cycles draft ahead ends with a cycle queued and its next block drafted
+    (all of that cycle's taps in the drafter's context): the snapshot of the finished generation
+    holds a context of exactly its tokens, and the next turn drafts from it what a cold start does."""
+    cold, cached = _engines(request.getfixturevalue(f"{family}_pair"))
+    ahead = cold.drafter.with_kernels(KernelOptions(draft_ahead=True))
+    cold.drafter = cached.drafter = ahead
+    messages = [{"role": "user", "content": "Tell me a story about a fox."}]
+    for turn in range(3):
+        prompt = _render(cold, messages)
+        tokens_cold, text, stats_cold = _run(cold, prompt)
+        tokens_hit, _, stats_hit = _run(cached, prompt)
+        assert tokens_hit == tokens_cold
+        assert (stats_hit.cycles, stats_hit.draft_tokens_accepted) == (stats_cold.cycles, stats_cold.draft_tokens_accepted)
+        for snapshot in cached.prefix_cache.snapshots:
+            if snapshot.context is not None:
+                assert all(c.offset == len(snapshot.tokens) for c in snapshot.restore()[1])
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And then? ({turn})"}]
 
 
