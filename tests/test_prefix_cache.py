@@ -15,9 +15,9 @@ from live_server import LiveServer
 
 from dflash_core.cache import cache_arrays, frozen_arrays
 from dflash_core.engine import Engine
+from dflash_core.kernels import KernelOptions
 from dflash_core.loading import load_model
 from dflash_core.prefix_cache import PrefixCache, SnapshotBudget
-from dflash_core.kernels import KernelOptions
 from dflash_core.settings import ModelSettings, Settings
 
 FAMILIES = ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma3"]
