@@ -473,3 +473,25 @@ def test_auto_in_a_batch_speculates_only_where_the_batch_gains(engines):
     for p, out in zip(prompts, outputs):
         assert out == references[len(p)][len(p):][:n_tokens]
     assert sum(s.tokens_from_cycles for s in stats) > 0.6 * len(prompts) * n_tokens, [s.speculation_note for s in stats]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_row_drafting_alone_drafts_ahead_and_rows_together_do_not(engines, rows):
+    """In `step_together`'s rounds a row that drafts alone queues its next block ahead of its read,
+    as a generation alone does; rows drafting in the same round decline that (their blocks batch
+    into one drafter forward after their reads). Either way every row's output is the target's at
+    every acceptance length."""
+    from forced import EVERY_LENGTH, ForcedDrafter, tokens
+
+    from dflash_core.batching import generate_together
+
+    engine = engines["qwen3"]
+    prompt = _prompt(engine, 12, 1)
+    reference = _alone(engine, Row(prompt, 176, speculation="off"))
+    forced = ForcedDrafter(list(prompt) + reference, len(prompt), EVERY_LENGTH, engine.target.vocab_size,
+                           engine.drafter.config.target_layer_ids)
+    forced_engine = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
+    requests = [dict(prompt_tokens=prompt, max_tokens=160, speculation="on", stop_token_ids=set())] * rows
+    for chunks in generate_together(forced_engine, requests):
+        assert tokens(chunks) == reference[:160] and chunks[-1].stats.cycles >= len(EVERY_LENGTH)
+    assert (forced.drafted_ahead > 0) == (rows == 1)
