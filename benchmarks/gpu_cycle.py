@@ -68,7 +68,7 @@ PATHS = {
     "chunk512": KernelOptions(attention_chunk=512),
     "fused-norms": KernelOptions(fused_norms=True),
     "load-warps4": KernelOptions(attention_load_warps=4),
-    "column-copies": KernelOptions(stream_parts=False),
+    "stream-parts": KernelOptions(stream_parts=True),
     "draft-after-read": KernelOptions(draft_ahead=False),
 }
 
@@ -223,7 +223,10 @@ def main() -> int:
                              "scalar-attention (dflash with the exact attention's scalar kernel, not tensor cores), "
                              "chunk512 (dflash with 512 key slots per block of the exact attention, not 128), "
                              "fused-norms (dflash with a residual add and its norms in one launch of ours, not MLX's kernels), "
-                             "load-warps4 (dflash with 4 warps loading each tile of the exact attention)")
+                             "load-warps4 (dflash with 4 warps loading each tile of the exact attention), stream-parts (dflash "
+                             "with each stacked projection's output an array of its own from the stream kernel, not "
+                             "columns of one product), draft-after-read (dflash drafting each cycle after its read, "
+                             "not queued behind its verify)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

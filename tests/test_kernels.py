@@ -496,6 +496,14 @@ def test_bf16_stream_gate(monkeypatch):
     assert small_m.path_for(odd, x, stream) == "mlx"
 
 
+class _Calls(list):
+    """Row counts of the stream path's calls, and in `parts` the output count of each split call."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts = []
+
+
 @pytest.fixture
 def stream_on_cpu(monkeypatch):
     """The stream path's wiring on this CPU: the gate as on CUDA, float32 accepted, and the kernel
@@ -503,15 +511,20 @@ def stream_on_cpu(monkeypatch):
     the CUDA tests below check on the GPU). Returns the calls' row counts."""
     from dflash_core.kernels import bf16_matmul_cuda
 
-    calls = []
+    calls = _Calls()
     real_supported = bf16_matmul_cuda.supported
     monkeypatch.setattr(small_m, "backend", lambda: "cuda")
     monkeypatch.setattr(bf16_matmul_cuda, "supported", lambda rows, x, w: real_supported(
         rows, x.astype(mx.bfloat16), w.astype(mx.bfloat16)))
     monkeypatch.setattr(bf16_matmul_cuda, "matmul_stream", lambda x, w: calls.append(x.shape[0]) or (
         (x[:, None, :] * w[None]).sum(-1)))
-    monkeypatch.setattr(bf16_matmul_cuda, "matmul_stream_parts", lambda x, w, splits: calls.append(x.shape[0]) or (
-        mx.split((x[:, None, :] * w[None]).sum(-1), list(splits), axis=-1)))
+
+    def parts(x, w, splits):
+        calls.append(x.shape[0])
+        calls.parts.append(len(splits) + 1)
+        return mx.split((x[:, None, :] * w[None]).sum(-1), list(splits), axis=-1)
+
+    monkeypatch.setattr(bf16_matmul_cuda, "matmul_stream_parts", parts)
     small_m._stream_product.cache_clear()
     small_m._stream_parts.cache_clear()
     yield calls
@@ -550,7 +563,7 @@ def test_stacked_parts_have_the_gradient_of_the_products(stream_on_cpu):
     def loss(weight, x, through_kernel):
         shared.weight = weight
         shared.views = (gate.weight, up.weight) = (weight[:32], weight[32:])
-        g, u = small_m.linears(shared, x) if through_kernel else (gate(x), up(x))
+        g, u = small_m.linears(shared, x, KernelOptions(stream_parts=True)) if through_kernel else (gate(x), up(x))
         assert g.shape == (1, 16, 32) and u.shape == (1, 16, 48)
         return (g * mx.arange(32)).sum() + (u * u).sum()
 
@@ -562,22 +575,30 @@ def test_stacked_parts_have_the_gradient_of_the_products(stream_on_cpu):
         assert mx.allclose(g, e, atol=1e-4)
 
 
+@pytest.mark.parametrize("stream_parts", [False, True], ids=["column-copies", "split-outputs"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3_text"])
-def test_stream_path_is_lossless(request, family, stream_on_cpu):
+def test_stream_path_is_lossless(request, family, stream_parts, stream_on_cpu):
     """Decode, verify and draft products through the stream path (as on CUDA, with a row-invariant
-    product standing in for the kernel): speculative output equals target-alone output at every
-    acceptance length."""
+    product standing in for the kernel), stacked projections' outputs as columns of one product or
+    as arrays of their own: speculative output equals target-alone output at every acceptance length."""
+    from dataclasses import replace
+
     from test_lossless import N_TOKENS, _check_every_acceptance_length, _prompt, _run
 
+    from dflash_core.engine import Engine
     from dflash_core.loading import load_engine
 
     target, drafter = request.getfixturevalue(f"{family}_pair")
-    engine = load_engine(str(target), str(drafter), prefill_chunk=16)
+    loaded = load_engine(str(target), str(drafter), prefill_chunk=16)
+    kernels = replace(loaded.target.kernels, stream_parts=stream_parts)
+    engine = Engine(loaded.target.with_kernels(kernels), loaded.tokenizer, loaded.drafter.with_kernels(kernels),
+                    prefill_chunk=16)
     prompt = _prompt(engine)
     reference, _ = _run(engine, prompt, max_tokens=N_TOKENS + 16, speculative=False)
     assert 1 in stream_on_cpu  # decode steps took it
     tokens, _ = _run(engine, prompt)
     assert 16 in stream_on_cpu  # verifies and drafts took it
+    assert bool(stream_on_cpu.parts) == stream_parts  # stacked projections came out as arrays of their own
     assert tokens == reference[:N_TOKENS]
     _check_every_acceptance_length({family: engine}, {family: (prompt, reference)}, family)
 

@@ -56,8 +56,10 @@ class KernelOptions:
     bf16_stream: bool = True  # on CUDA, bf16 products of <= 32 rows in our stream kernel (bf16_matmul_cuda.py)
     one_launch_per_input: bool = True  # projections sharing an input in one launch, else one per weight
     # With bf16_stream and one_launch_per_input: each projection's output an array of its own from the
-    # one launch, else columns of one product, which the reshapes after them copy (a launch each)
-    stream_parts: bool = True
+    # one launch, else columns of one product, which the reshapes after them copy (a launch each).
+    # Off: on an H100 it made no end-to-end difference above the noise, and its CUDA test has not run
+    # on a GPU yet (docs/performance.md, "Drafts ahead and split outputs")
+    stream_parts: bool = False
     # on CUDA, a residual add and the RMS norms beside it in one launch (norms.py, residual_norm_cuda.py);
     # off: on an H100 with 33 % fewer launches it made no end-to-end difference above the noise
     # (docs/performance.md, "Fewer launches: Gemma's norm scales, fused residual norms")
@@ -67,7 +69,8 @@ class KernelOptions:
     # on the device, so that the device drafts while the host reads and builds the next verify
     # (Engine._launch); else the drafts are built after the read, the device idle meanwhile. None: on
     # a GPU, not on the CPU, where the device is the host's own cores (the demo pair, always-on, ran
-    # 6 % slower with it on a 2-core x86 machine: docs/performance.md, "Drafts ahead")
+    # 6 % slower with it on a 2-core x86 machine; 6 % faster on an H100: docs/performance.md, "Drafts ahead
+    # and split outputs")
     draft_ahead: Optional[bool] = None
     cpu_half_head: bool = True  # on the CPU, a large float32 LM head as int8/float16 in our kernel (cpu_head.py)
     cpu_narrow_linears: bool = True  # on the CPU, a target's projections as int8/float16 copies in our primitive (cpu_linear.py)
