@@ -283,18 +283,20 @@ def test_stacked_drafter_drafts_and_trains_the_same(monkeypatch, stack_lookups):
     [{}, {"is_causal": True, "layer_types": None, "sliding_window": None}],
     ids=["sliding-causal-mix", "all-causal"],
 )
-def test_drafting_ahead_drafts_what_drafting_after_the_read_does(overrides):
+@pytest.mark.parametrize("n_context", [9, 509, 514], ids=["short", "ahead-taps-cross-a-buffer-step", "long"])
+def test_drafting_ahead_drafts_what_drafting_after_the_read_does(overrides, n_context):
     """The engine's drafts ahead (`propose(start=...)`): all of a verify's taps in the context, the
     block's start on the device, the rejected positions' taps trimmed by the host afterwards. For
     every acceptance, the same hidden states and drafts as taking only the accepted taps first, and
-    the context left as that leaves it."""
+    the context left as that leaves it; also where the sliding layers' first key is past 0, and where
+    the ahead taps cross a step of the cache's buffer (256 slots) that the accepted ones do not."""
     cfg = _config(**{k: v for k, v in overrides.items() if v is not None})
     if overrides.get("layer_types", 0) is None:
         cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
     model = _random_drafter(cfg)
     mx.random.seed(2)
     lender = _Lender(mx.random.normal((V, H)))
-    context = mx.random.normal((1, 9, 2 * H))  # what earlier cycles left in the context
+    context = mx.random.normal((1, n_context, 2 * H))  # what earlier cycles left in the context
     verify_taps = mx.random.normal((1, cfg.block_size, 2 * H))  # one cycle's, a tap per verified position
     block = mx.array([[17] + [cfg.mask_token_id] * (cfg.block_size - 1)])
     for accepted in range(cfg.block_size):
@@ -306,13 +308,13 @@ def test_drafting_ahead_drafts_what_drafting_after_the_read_does(overrides):
         want = model.propose(mx.array([17]), lender, after_read)
 
         model.add_context(verify_taps, ahead)
-        start = mx.array(9 + accepted + 1, mx.int32)
-        got_hidden = model.hidden_rows(lender.embed(block), [ahead], [cfg.block_size], (start, 10))
-        got = model.propose(mx.array([17]), lender, ahead, start=(start, 10))
+        start = mx.array(n_context + accepted + 1, mx.int32)
+        got_hidden = model.hidden_rows(lender.embed(block), [ahead], [cfg.block_size], (start, n_context + 1))
+        got = model.propose(mx.array([17]), lender, ahead, start=(start, n_context + 1))
         np.testing.assert_allclose(np.array(got_hidden), np.array(want_hidden), rtol=1e-5, atol=1e-5)
         assert got.tolist() == want.tolist()
         for cache in ahead:  # the host's trim, once it read the acceptance
-            cache.offset = 9 + accepted + 1
+            cache.offset = n_context + accepted + 1
         later = mx.random.normal((1, 3, 2 * H))
         for cache in (after_read, ahead):
             model.add_context(later, cache)

@@ -68,9 +68,9 @@ class KernelOptions:
     # A cycle followed by a cycle queues the next one's drafts behind its verify, from the acceptance
     # on the device, so that the device drafts while the host reads and builds the next verify
     # (Engine._launch); else the drafts are built after the read, the device idle meanwhile. None: on
-    # a GPU, not on the CPU, where the device is the host's own cores (the demo pair, always-on, ran
-    # 6 % slower with it on a 2-core x86 machine; 6 % faster on an H100: docs/performance.md, "Drafts ahead
-    # and split outputs")
+    # a GPU, not on the CPU, where the device is the host's own cores. Measured: 6 % faster on an
+    # H100, 6 % slower on a 2-core x86 CPU (docs/performance.md, "Drafts ahead and split outputs");
+    # on for Metal by the same reasoning (a device beside the host's cores), not measured there.
     draft_ahead: Optional[bool] = None
     cpu_half_head: bool = True  # on the CPU, a large float32 LM head as int8/float16 in our kernel (cpu_head.py)
     cpu_narrow_linears: bool = True  # on the CPU, a target's projections as int8/float16 copies in our primitive (cpu_linear.py)
