@@ -26,6 +26,7 @@ def test_gpu_cycle_runs_on_tiny_shapes(tmp_path):
     for entry in report["results"]:
         (row,) = entry["contexts"]
         assert row["context"] == 64 and row["decode_ms"] > 0 and row["verify16_full_accept_ms"] > 0
+        assert all(row[f"{kind}_graph_build_ms"] > 0 for kind in ("verify16", "draft", "decode"))
         assert row["forced_3"]["tokens_per_cycle"] == 3.0  # the forced schedule really ran
 
 
