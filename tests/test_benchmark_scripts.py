@@ -30,6 +30,15 @@ def test_gpu_cycle_runs_on_tiny_shapes(tmp_path):
         assert row["forced_3"]["tokens_per_cycle"] == 3.0  # the forced schedule really ran
 
 
+def test_host_build_times_each_graph_on_a_tiny_shape(tmp_path):
+    out = tmp_path / "host_build.json"
+    done = _run("benchmarks/host_build.py", "--shape", "tiny-qwen3_5", "--repeats", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["build_ms"]) == {"decode", "verify16", "draft"}
+    assert all(0 < kind["min"] <= kind["median"] for kind in report["build_ms"].values())
+
+
 def test_gpu_graphs_runs_mlx_products_on_the_cpu(tmp_path):
     """gpu_graphs.py's MLX kinds (its kernel kinds need CUDA) on small weights."""
     out = tmp_path / "graphs.json"
