@@ -51,22 +51,31 @@ HELD_OUT = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """--target and --drafter: a pair to load instead of the demo's (`load_pair`)."""
     parser.add_argument("--target", help="converted target directory (default: the installed demo target)")
     parser.add_argument("--drafter", help="drafter directory (default: the shipped demo drafter)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode; medians reported")
-    parser.add_argument("--prompts-per-set", type=int)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
 
+
+def load_pair(args: argparse.Namespace):
+    """(target directory, drafter directory, engine) for `add_pair_arguments`'s values."""
     from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
     from dflash_core.loading import load_model
 
     target = args.target or str(demo_target_dir())
     drafter = args.drafter or str(DEMO_DRAFTER)
-    engine = load_model(target, drafter).engine
+    return target, drafter, load_model(target, drafter).engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_arguments(parser)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode; medians reported")
+    parser.add_argument("--prompts-per-set", type=int)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    target, drafter, engine = load_pair(args)
     greedy = SamplingParams()
     warm = engine.tokenizer.encode("Warm up")
     for speculative in (False, True):  # compile and allocate before anything is timed

@@ -18,6 +18,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,32 +26,24 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo_pair import HELD_OUT  # noqa: E402
+from demo_pair import HELD_OUT, add_pair_arguments, load_pair  # noqa: E402
 
 from dflash_core.bench import run_once  # noqa: E402
-from dflash_core.kernels import KernelOptions  # noqa: E402
 from dflash_core.sampling import SamplingParams  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", help="converted target directory (default: the installed demo target)")
-    parser.add_argument("--drafter", help="drafter directory (default: the shipped demo drafter)")
+    add_pair_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts")
     parser.add_argument("--prompts-per-set", type=int, default=4)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-
-    from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
-    from dflash_core.loading import load_model
-
-    target = args.target or str(demo_target_dir())
-    drafter = args.drafter or str(DEMO_DRAFTER)
-    engine = load_model(target, drafter).engine
+    target, drafter, engine = load_pair(args)
     kernels = engine.drafter.kernels
-    drafters = {"ahead": engine.drafter.with_kernels(_with(kernels, True)),
-                "after_read": engine.drafter.with_kernels(_with(kernels, False))}
+    drafters = {"ahead": engine.drafter.with_kernels(replace(kernels, draft_ahead=True)),
+                "after_read": engine.drafter.with_kernels(replace(kernels, draft_ahead=False))}
     greedy = SamplingParams()
     prompts = [p for ps in HELD_OUT.values() for p in ps[: args.prompts_per_set]]
     for d in drafters.values():  # compile and allocate before anything is timed
@@ -84,12 +77,6 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2))
     if not same:
         sys.exit("drafting ahead changed the output")
-
-
-def _with(kernels: KernelOptions, draft_ahead: bool) -> KernelOptions:
-    from dataclasses import replace
-
-    return replace(kernels, draft_ahead=draft_ahead)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,15 @@ def per_iteration_ms(fn, iters=10, warmup=3) -> float:
     return statistics.median(times) * 1e3
 
 
+def build_ms(build) -> float:
+    """Host ms to build (not run) the graph of the array `build()` returns, which is then evaluated."""
+    start = time.perf_counter()
+    out = build()
+    elapsed = time.perf_counter() - start
+    mx.eval(out)
+    return elapsed * 1e3
+
+
 def stock_decode_ms(adapter, cache, steps=32) -> float:
     """mlx-lm's own model and caches, pipelined as mlx-lm's generate_step does."""
     model = adapter.model
@@ -159,15 +168,11 @@ def run_context(name, adapter, drafter, context, decode_tokens, prefill_chunk=40
             return [out.logits, out.tapped_hidden] + [a for c in cache if c is not None for a in _arrays(c)]
         return per_iteration_ms(step)
 
-    def build_ms():  # host time to build (not run) one verify graph
+    def verify_build_ms():
         cache, _ = snapshot.restore()
-        start = time.perf_counter()
-        out = adapter.forward(block, cache, taps, record=True)
-        elapsed = time.perf_counter() - start
-        mx.eval(out.logits)
-        return elapsed * 1e3
+        return build_ms(lambda: adapter.forward(block, cache, taps, record=True).logits)
 
-    result["verify16_graph_build_ms"] = median_of(build_ms)
+    result["verify16_graph_build_ms"] = median_of(verify_build_ms)
     result["verify16_full_accept_ms"] = verify(16)
     result["verify16_replay_ms"] = verify(7)
 
@@ -183,24 +188,16 @@ def run_context(name, adapter, drafter, context, decode_tokens, prefill_chunk=40
 
     result["draft_ms"] = draft()
 
-    def draft_build_ms():  # host time to build (not run) one draft: the cycle's other graph
+    def draft_build_ms():  # the cycle's other graph
         _, context_cache = snapshot.restore()
         taps16 = mx.random.normal((1, 16, len(taps) * adapter.hidden_size)).astype(adapter.dtype)
         drafter.add_context(taps16[:, :5], context_cache)
         mx.eval([c.state for c in context_cache])
-        start = time.perf_counter()
-        drafts = drafter.propose(mx.array([1]), adapter, context_cache)
-        elapsed = time.perf_counter() - start
-        mx.eval(drafts)
-        return elapsed * 1e3
+        return build_ms(lambda: drafter.propose(mx.array([1]), adapter, context_cache))
 
-    def decode_build_ms():  # host time to build (not run) one decode step, for comparison
+    def decode_build_ms():  # for comparison
         cache, _ = snapshot.restore()
-        start = time.perf_counter()
-        out = adapter.forward(block[:, :1], cache, ())
-        elapsed = time.perf_counter() - start
-        mx.eval(out.logits)
-        return elapsed * 1e3
+        return build_ms(lambda: adapter.forward(block[:, :1], cache, ()).logits)
 
     result["draft_graph_build_ms"] = median_of(draft_build_ms, repeats=5)
     result["decode_graph_build_ms"] = median_of(decode_build_ms, repeats=5)

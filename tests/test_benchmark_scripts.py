@@ -93,6 +93,17 @@ def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
         assert len(result["acceptance_by_position"]) == 15
 
 
+def test_draft_ahead_script_compares_both_modes_on_a_pair(qwen3_pair, tmp_path):
+    target, drafter = qwen3_pair
+    out = tmp_path / "ahead.json"
+    done = _run("benchmarks/draft_ahead.py", "--target", str(target), "--drafter", str(drafter),
+                "--prompts-per-set", "1", "--max-tokens", "12", "--repeats", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["outputs_identical"] and report["runs_per_mode"] == 2  # one prompt of each set
+    assert set(report["median_tokens_per_second"]) == {"ahead", "after_read"}
+
+
 def test_cpu_attention_runs_on_a_tiny_pair(gemma3_pair, tmp_path, cpu_kernels):
     """Both attention paths through the engine on a tiny Gemma 3 pair (its sliding window is 8, so
     a 40-token context crosses it), then the verify-against-steps exactness check."""
