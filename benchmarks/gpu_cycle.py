@@ -70,6 +70,7 @@ PATHS = {
     "load-warps4": KernelOptions(attention_load_warps=4),
     "stream-parts": KernelOptions(stream_parts=True),
     "draft-after-read": KernelOptions(draft_ahead=False),
+    "eager-drafter": KernelOptions(compiled_drafter=False),
 }
 
 
@@ -245,7 +246,8 @@ def main() -> int:
                              "load-warps4 (dflash with 4 warps loading each tile of the exact attention), stream-parts (dflash "
                              "with each stacked projection's output an array of its own from the stream kernel, not "
                              "columns of one product), draft-after-read (dflash drafting each cycle after its read, "
-                             "not queued behind its verify)")
+                             "not queued behind its verify), eager-drafter (dflash with the drafter's layers op by op, "
+                             "not as compiled blocks)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

@@ -40,6 +40,7 @@ def builders(target, drafter, prompt_tokens: int):
     drafter.add_context(out.tapped_hidden, context)
     mx.eval([c.state for c in context])
     block = mx.random.randint(0, target.vocab_size, (1, drafter.config.block_size))
+    op_by_op = drafter.with_kernels(replace(drafter.kernels, compiled_drafter=False))
 
     def forward(tokens, tap_ids, record):
         o = target.forward(tokens, cache, tap_ids, record=record)
@@ -51,6 +52,7 @@ def builders(target, drafter, prompt_tokens: int):
         "decode": lambda: forward(block[:, :1], (), False),
         "verify16": lambda: forward(block, taps, True),
         "draft": lambda: drafter.propose(mx.array([1]), target, context),
+        "draft-op-by-op": lambda: op_by_op.propose(mx.array([1]), target, context),  # no compiled blocks
     }
 
 

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -33,6 +34,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .cache import RowsKVCache
+from .compiled import COMPILED_MAX_TOKENS, BlockCache
 from .drafter_config import CheckpointError, DrafterConfig
 from .kernels import DEFAULT_KERNELS, KernelOptions, backend
 from .kernels.attention import attention
@@ -87,28 +89,35 @@ class DrafterAttention(nn.Module):
         k, v = self.unrotated_keys_values(x, kernels)
         return self.rope(k, offset=offset), v
 
+    def projections(self, x: mx.array, kernels: KernelOptions) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k (normed) and v of `x` as [B, L, heads, D], before RoPE: per token, so for several
+        blocks at once."""
+        return (self._queries(x, kernels), *self._token_keys_values(x, kernels))
+
+    def attend(self, q, k, v, context: tuple[mx.array, mx.array], start, mask, kernels: KernelOptions) -> mx.array:
+        """RoPE and attention of one block whose first query sits at `start`, over [context ;
+        block], from its `projections`: [B, L, Hq * D], before o_proj."""
+        B, L = q.shape[:2]
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        q, k = self.rope(q, offset=start), self.rope(k, offset=start)
+        out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+    def attend_batch(self, q, k, v, batch: "BlockBatch", context: tuple[mx.array, mx.array], mask: mx.array,
+                     kernels: KernelOptions) -> mx.array:
+        """`attend` for several rows' blocks, concatenated along the token axis, as one batch: RoPE
+        at every row's offset in one op, one attention over the rows' contexts stacked [rows, Hkv,
+        T, D] and their blocks."""
+        B, L = q.shape[:2]
+        q, k, v = (batch.layout.batched(a).transpose(0, 2, 1, 3) for a in (q, k, v))
+        q, k = self.rope(q, offset=batch.offsets), self.rope(k, offset=batch.offsets)
+        out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
+        return batch.layout.unbatched(out.transpose(0, 2, 1, 3)).reshape(B, L, -1)
+
     def __call__(self, x, context: tuple[mx.array, mx.array], start, mask,
                  kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
         """Attention of one block whose first query sits at `start`, over [context ; block]."""
-        B, L, _ = x.shape
-        q = self._queries(x, kernels).transpose(0, 2, 1, 3)
-        k, v = self.unrotated_keys_values(x, kernels)
-        q, k = self.rope(q, offset=start), self.rope(k, offset=start)
-        out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
-        return linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), kernels)
-
-    def over_batch(self, x: mx.array, batch: "BlockBatch", context: tuple[mx.array, mx.array], mask: mx.array,
-                   kernels: KernelOptions = DEFAULT_KERNELS) -> mx.array:
-        """The attention of several rows' blocks, concatenated along x's token axis, as one batch:
-        RoPE at every row's offset in one op, one attention over the rows' contexts stacked
-        [rows, Hkv, T, D] and their blocks."""
-        B, L, _ = x.shape
-        k, v = self._token_keys_values(x, kernels)
-        q, k, v = (batch.layout.batched(a).transpose(0, 2, 1, 3) for a in (self._queries(x, kernels), k, v))
-        q, k = self.rope(q, offset=batch.offsets), self.rope(k, offset=batch.offsets)
-        out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
-        out = batch.layout.unbatched(out.transpose(0, 2, 1, 3))
-        return linear(self.o_proj, out.reshape(B, L, -1), kernels)
+        return linear(self.o_proj, self.attend(*self.projections(x, kernels), context, start, mask, kernels), kernels)
 
 
 class BlockBatch:
@@ -183,12 +192,38 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.gate_up_input: Optional[SharedInput] = None  # the MLP's gate and up, once stacked
+        self.compiled = BlockCache()  # the blocks of `forward` and `context_keys_values`
 
     def __call__(self, h, context, start, mask, kernels: KernelOptions = DEFAULT_KERNELS):
+        """The layer op by op (what training differentiates)."""
         return self._mlp(h, self.self_attn(self.input_layernorm(h), context, start, mask, kernels), kernels)
 
-    def over_batch(self, h, batch: BlockBatch, context, mask, kernels: KernelOptions = DEFAULT_KERNELS):
-        return self._mlp(h, self.self_attn.over_batch(self.input_layernorm(h), batch, context, mask, kernels), kernels)
+    def forward(self, h, attend, kernels: KernelOptions):
+        """The layer's output for the engine's drafts, `attend(q, k, v)` being the block's (or
+        blocks') RoPE and attention (`DrafterAttention.attend`, `attend_batch`): what comes before
+        it (input norm, projections, their norms) and after it (o_proj, residuals, the MLP) run as
+        two compiled blocks, each built as a graph in one call where op by op they were some
+        thirty (a small target's cycle waits on the host that builds its graphs); blocks of more
+        than COMPILED_MAX_TOKENS tokens (several rows') op by op."""
+        if not kernels.compiled_drafter or h.shape[1] > COMPILED_MAX_TOKENS:
+            return self._post(kernels)(h, attend(*self._pre(kernels)(h)))
+        pre = self.compiled.get(self, ("pre", kernels), lambda: self._pre(kernels))
+        post = self.compiled.get(self, ("post", kernels), lambda: self._post(kernels))
+        return post(h, attend(*pre(h)))
+
+    def context_keys_values(self, c: mx.array, kernels: KernelOptions) -> tuple[mx.array, mx.array]:
+        """`DrafterAttention.unrotated_keys_values` of the context vectors `c`, a compiled block
+        where `forward`'s are."""
+        if not kernels.compiled_drafter or c.shape[1] > COMPILED_MAX_TOKENS:
+            return self.self_attn.unrotated_keys_values(c, kernels)
+        return self.compiled.get(self, ("context", kernels), lambda: partial(self.self_attn.unrotated_keys_values,
+                                                                            kernels=kernels))(c)
+
+    def _pre(self, kernels: KernelOptions):
+        return lambda h: self.self_attn.projections(self.input_layernorm(h), kernels)
+
+    def _post(self, kernels: KernelOptions):
+        return lambda h, attended: self._mlp(h, linear(self.self_attn.o_proj, attended, kernels), kernels)
 
     def _mlp(self, h, attended, kernels: KernelOptions):
         h, x = add_norm(h, attended, *norm_of(self.post_attention_layernorm), kernels)
@@ -256,7 +291,7 @@ class DFlashDrafter(nn.Module):
             offsets = mx.array(starts)
             layout = RaggedLayout(bounds, max(widths))  # (its gather made once for all layers)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.unrotated_keys_values(c, self.kernels)
+            k, v = layer.context_keys_values(c, self.kernels)
             if len(rows) == 1:
                 cache = rows[0][1][i]
                 cache.update_and_fetch(layer.self_attn.rope(k, offset=cache.offset), v)
@@ -319,7 +354,10 @@ class DFlashDrafter(nn.Module):
             masks: dict = {}
             first, earliest = (starts[0], None) if start is None else start
             for i, layer in enumerate(self.layers):
-                h = layer(h, *self._block_row(i, caches[0][i], first, widths[0], masks, earliest), self.kernels)
+                row = self._block_row(i, caches[0][i], first, widths[0], masks, earliest)
+                attend = partial(layer.self_attn.attend, context=row.context, start=row.start, mask=row.mask,
+                                 kernels=self.kernels)
+                h = layer.forward(h, attend, self.kernels)
             return self.norm(h)
         if start is not None:
             raise ValueError("a block drafted at a position on the device is drafted alone")
@@ -335,7 +373,8 @@ class DFlashDrafter(nn.Module):
                 # attention's time on a CPU).
                 context = (context[0][:, :, :used], context[1][:, :, :used])
             mask = batch.mask(self.config, i, context[0].shape[2])
-            h = layer.over_batch(h, batch, context, mask, self.kernels)
+            attend = partial(layer.self_attn.attend_batch, batch=batch, context=context, mask=mask, kernels=self.kernels)
+            h = layer.forward(h, attend, self.kernels)
         self.stacked_rows.end_forward()
         return self.norm(h)
 

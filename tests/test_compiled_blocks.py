@@ -4,7 +4,7 @@ MLX keys the traces of a compiled function by the Python function's id. Engines 
 families with the same tiny shapes, loaded, run (the batched steps on a worker thread, as the
 server's scheduler runs them) and freed one after another in one process: without care, a new
 engine's block allocated where a freed one was ran the freed block's trace, with the other model's
-weights in it, and generated other tokens (adapters/base.py, `entry_point`). Each engine here must
+weights in it, and generated other tokens (dflash_core/compiled.py, `entry_point`). Each engine here must
 generate exactly what it generates with compilation off.
 """
 

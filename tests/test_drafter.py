@@ -324,6 +324,40 @@ def test_drafting_ahead_drafts_what_drafting_after_the_read_does(overrides, n_co
             mx.array([5]), lender, after_read).tolist()
 
 
+def test_compiled_blocks_draft_what_the_layers_op_by_op_draft():
+    """The engine's drafts run each layer's input norm and projections, and its o_proj and MLP, as
+    two compiled blocks (`DrafterLayer.forward`), and a cycle's context projections as one: the
+    same context and hidden states bit for bit as op by op, for one block and for two rows' at
+    once. Weights put into the same drafter afterwards (loaded,
+    trained) are the ones its next drafts use: a block traced with the old ones as constants is
+    traced again."""
+    from dflash_core.kernels import KernelOptions
+
+    cfg = _config()
+    model = _random_drafter(cfg)
+    op_by_op = model.with_kernels(KernelOptions(compiled_drafter=False))
+    mx.random.seed(4)
+    lender = _Lender(mx.random.normal((V, H)))
+    taps = [mx.random.normal((1, n, 2 * H)) for n in (6, 11)]
+    block = lender.embed(mx.array([[17] + [cfg.mask_token_id] * 7 + [23] + [cfg.mask_token_id] * 4]))
+
+    def drafted(drafter):
+        caches = [drafter.make_cache(), drafter.make_cache()]
+        for cache, t in zip(caches, taps):
+            drafter.add_context(t, cache)
+        keys = [c.keys[..., : c.offset, :] for cache in caches for c in cache]
+        return (*keys, drafter.hidden(block[:, :8], caches[0]), drafter.hidden_rows(block, caches, [8, 5]),
+                drafter.propose(mx.array([17]), lender, caches[1]))
+
+    before = drafted(model)
+    assert all(mx.array_equal(a, b) for a, b in zip(before, drafted(op_by_op)))
+
+    model.update(_random_drafter(cfg, seed=3).parameters())
+    after = drafted(model)
+    assert not any(mx.array_equal(a, b) for a, b in zip(after[:-1], before[:-1]))
+    assert all(mx.array_equal(a, b) for a, b in zip(after, drafted(op_by_op)))
+
+
 def test_drafts_ahead_on_a_gpu_by_default(monkeypatch):
     """`KernelOptions.draft_ahead`: unset, on where the device is not the host's own CPU (there
     drafting ahead only shares the same cores, and measured slower); set, as set."""

@@ -21,7 +21,6 @@ whatever the other rows (MLX's CPU reference BLAS), each row gets exactly what i
 from __future__ import annotations
 
 import copy
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
@@ -29,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
 
+from ..compiled import COMPILED_MAX_TOKENS, entry_point
 from ..kernels import DEFAULT_KERNELS, KernelOptions, backend, cpu_extension, cpu_linear
 from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.cpu_head import MIN_PARAMETERS, half_head_for
@@ -77,11 +77,6 @@ class ForwardRow:
     # A greedy row's logit bias (token ids, float32 values, `Sampler.batch_bias`): the batch's one
     # argmax (`TargetOutput.choices`) is then taken after adding it to the row's logits.
     logit_bias: Optional[tuple[Sequence[int], Sequence[float]]] = None
-
-
-# Decode and verify forwards (at most this many tokens) run each layer as a few compiled
-# functions: building a graph of thousands of small ops on the host otherwise bounds a step.
-COMPILED_MAX_TOKENS = 16
 
 
 @dataclass
@@ -214,27 +209,7 @@ def gated_mlp_group(mlp: nn.Module) -> dict[str, list[nn.Module]]:
     return {"gate_up": [mlp.gate_proj, mlp.up_proj]} if is_gated_mlp(mlp) else {}
 
 
-# MLX keys its traces of a compiled function by the Python function's id, and a trace could
-# outlive the function: once an adapter was freed, a new block allocated at the same address
-# (another model of the same shapes, or the same model loaded again) was seen running the old
-# block's trace, with the old model's weights in it (tests/test_compiled_blocks.py). So what
-# mx.compile gets is a small entry point kept for the life of the process, whose id is therefore
-# never reused; it reaches the block (held by its adapter, freed with it) through a weak reference.
-_ENTRY_POINTS: list = []
-
-
 _UNSET = object()  # a lazily made attribute not made yet
-
-
-def entry_point(block):
-    """A function calling `block`, never freed, that does not keep `block` alive."""
-    ref = weakref.ref(block)
-
-    def call(*args):
-        return ref()(*args)
-
-    _ENTRY_POINTS.append(call)
-    return call
 
 
 def batch_choices(logits: mx.array, rows: Sequence[ForwardRow], picks: Sequence[tuple[int, int]]) -> mx.array:

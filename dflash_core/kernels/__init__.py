@@ -72,6 +72,9 @@ class KernelOptions:
     # H100, 6 % slower on a 2-core x86 CPU (docs/performance.md, "Drafts ahead and split outputs");
     # on for Metal by the same reasoning (a device beside the host's cores), not measured there.
     draft_ahead: Optional[bool] = None
+    # The drafter's layers in the engine's drafts as two compiled blocks each around attention
+    # (drafter.py, `DrafterLayer.forward`), else op by op: the same ops, fewer for the host to build.
+    compiled_drafter: bool = True
     cpu_half_head: bool = True  # on the CPU, a large float32 LM head as int8/float16 in our kernel (cpu_head.py)
     cpu_narrow_linears: bool = True  # on the CPU, a target's projections as int8/float16 copies in our primitive (cpu_linear.py)
     # on the CPU, attention's softmax and (<= 16 queries) its products in our primitives (cpu_softmax.cpp, cpu_attention.cpp)
