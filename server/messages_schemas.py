@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .schemas import MAX_STOP_LENGTH, DflashOptions, StrictModel, ToolName, by_type, text_only
 
@@ -133,9 +133,16 @@ class ToolChoice(StrictModel):
 
 class Thinking(StrictModel):
     type: Literal["enabled", "disabled", "adaptive"]
-    # enabled: the thinking ends within this many tokens (its end marker forced then).
+    # The thinking ends within this many tokens (its end marker forced then). Required with enabled,
+    # as Anthropic requires it; its least is 1 here, not Anthropic's 1024 (a small model's budget).
     budget_tokens: Optional[int] = Field(default=None, ge=1)
     display: Optional[Literal["summarized", "omitted"]] = None
+
+    @model_validator(mode="after")
+    def _budget_with_enabled(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("budget_tokens is required when thinking.type is enabled")
+        return self
 
 
 class OutputFormat(StrictModel):
