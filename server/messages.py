@@ -81,7 +81,8 @@ def chat_messages(body) -> list[dict]:
     tools = {t.name: t for t in body.tools or ()}
     loaded: set[str] = set()  # the deferred tools whose definitions a tool_reference wrote out
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
-    for message in body.messages:
+    called: set[str] = set()  # the ids of the tool_use blocks so far
+    for i, message in enumerate(body.messages):
         blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
             out: dict[str, Any] = {"role": "assistant"}
@@ -92,6 +93,7 @@ def chat_messages(body) -> list[dict]:
                 elif isinstance(block, ThinkingBlock):
                     thought.append(block.thinking)
                 elif isinstance(block, ToolUseBlock):
+                    called.add(block.id)
                     out.setdefault("tool_calls", []).append(
                         {"id": block.id, "type": "function",
                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
@@ -103,8 +105,12 @@ def chat_messages(body) -> list[dict]:
             messages.append(out)
             continue
         text = []
-        for block in blocks:
+        for j, block in enumerate(blocks):
             if isinstance(block, ToolResultBlock):
+                if block.tool_use_id not in called:
+                    raise bad_request(f"unexpected tool_use_id {block.tool_use_id!r} in a tool_result block: it must "
+                                      "answer a tool_use block of an earlier assistant message",
+                                      param=f"messages.{i}.content.{j}.tool_use_id")
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
                                  "content": tool_result_text(block, tools, loaded)})
             elif isinstance(block, TextBlock):

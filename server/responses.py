@@ -34,7 +34,7 @@ from .responses_schemas import (
     ReasoningItem,
     ResponsesRequest,
 )
-from .schemas import ChatCompletionRequest, Sampling
+from .schemas import ChatCompletionRequest, Sampling, unanswered_result
 from .serving import ServerState, respond, start_chat
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,10 @@ def to_chat(body: ResponsesRequest, history: list[dict], names: ToolNames) -> tu
     conversation = history + input_messages(body.input, names)
     if not conversation:
         raise bad_request("input is empty", param="input")
+    unanswered = unanswered_result(conversation)
+    if unanswered is not None:
+        raise bad_request(f"no tool call found for the output with call_id {unanswered[1]!r}: a function call with "
+                          "that call_id must come before it (in input, or in the previous response)", param="input")
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     choice = body.tool_choice
     if isinstance(choice, NamedTool):

@@ -197,8 +197,34 @@ class SamplingFields(Sampling):
     n: Optional[int] = None
 
 
+def unanswered_result(messages: list[dict]) -> Optional[tuple[int, Optional[str]]]:
+    """(index, id) of the first tool message (chat messages as dicts) whose tool_call_id is not the
+    id of a call in an earlier assistant message, else None: a result for a call never made (a
+    chat template shows results in order, without their ids, so nothing else would catch it)."""
+    called: set = set()
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            called.update(call["id"] for call in message.get("tool_calls") or ())
+        elif message.get("role") == "tool" and message.get("tool_call_id") not in called:
+            return i, message.get("tool_call_id")
+    return None
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _results_answer_calls(cls, messages: list[Message]) -> list[Message]:
+        unanswered = unanswered_result([{"role": m.role, "tool_call_id": m.tool_call_id,
+                                         "tool_calls": [{"id": c.id} for c in m.tool_calls or ()]} for m in messages])
+        if unanswered is not None:
+            i, call_id = unanswered
+            if call_id is None:
+                raise ValueError(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers")
+            raise ValueError(f"messages[{i}].tool_call_id {call_id!r} is not the id of a tool call in an earlier "
+                             "assistant message")
+        return messages
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)

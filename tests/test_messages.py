@@ -169,12 +169,16 @@ def _user(*blocks) -> list[dict]:
       "thinking": {"type": "enabled", "budget_tokens": 20}}, 400, "thinking may not be enabled"),
     ({"model": "tiny", "messages": HI, "max_tokens": 50, "thinking": {"type": "enabled"}}, 400,
      "budget_tokens is required when thinking.type is enabled"),
+    ({"model": "tiny", "messages": [*HI, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        *_user({"type": "tool_result", "tool_use_id": "toolu_2", "content": "sunny"})], "max_tokens": 5}, 400,
+     "unexpected tool_use_id 'toolu_2'"),
     ({"model": "tiny", "messages": _user(), "max_tokens": 5}, 400, "messages.0: a message's content must not be empty"),
     ({"model": "tiny", "messages": [*HI, {"role": "assistant", "content": ""}, *HI], "max_tokens": 5}, 400,
      "messages.1: a message's content must not be empty"),
 ], ids=["no-max-tokens", "unknown-field", "messages-type", "image", "document-in-result", "server-block",
         "block-field", "prefill", "server-tool", "tool-without-name", "model", "choice-name-unused", "ttl", "speed",
-        "forced-call-and-thinking", "enabled-thinking-without-budget", "empty-content", "empty-turn"])
+        "forced-call-and-thinking", "enabled-thinking-without-budget", "result-for-no-call", "empty-content", "empty-turn"])
 def test_bad_input_is_anthropic_shaped(live, body, status, says):
     response = httpx.post(live.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
     assert response.status_code == status, response.text

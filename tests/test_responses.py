@@ -260,9 +260,13 @@ def test_builder_closes_each_item_before_the_next():
     # OpenAI's metadata limits, which also bound what the response store keeps per response.
     ({"model": "tiny", "input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", ""),
     ({"model": "tiny", "input": "x", "metadata": {"k": "v" * 513}}, "metadata", ""),
+    ({"model": "tiny", "input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1",
+                                  "name": "f", "arguments": "{}"},
+                                 {"type": "function_call_output", "call_id": "c2", "output": "sunny"}]},
+     "input", "no tool call found for the output with call_id 'c2'"),
 ], ids=["input-type", "unknown-field", "tool-type", "tool-type-not-a-string", "include", "background", "truncation",
         "image", "empty", "model", "item-reference", "image-part", "file-output", "item-field", "tool-role",
-        "program-caller", "custom-tool-field", "metadata-pairs", "metadata-value"])
+        "program-caller", "custom-tool-field", "metadata-pairs", "metadata-value", "output-for-no-call"])
 def test_bad_input_is_a_400_in_openai_shape(live, body, param, says):
     response = httpx.post(live.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == (404 if body["model"] == "nope" else 400), response.text

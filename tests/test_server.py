@@ -183,10 +183,16 @@ def _error(response, status, param=None, code=None):
          "context_length_exceeded"),
         ({"model": "tiny", "messages": MESSAGES, "store": True}, 400, "store", None),
         ({"model": "tiny", "messages": MESSAGES, "stop": ["x" * 1025]}, 400, "stop", None),
+        # A result for a call never made, or for none: the template shows results without their ids.
+        ({"model": "tiny", "messages": [*MESSAGES, {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]},
+         400, "messages", None),
+        ({"model": "tiny", "messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "content": "sunny"}]}, 400, "messages", None),
     ],
     ids=["malformed-json", "wrong-type", "messages-not-list", "n2", "top-logprobs-alone", "top-logprobs-21",
          "response-format-type", "bad-schema", "unknown-field", "top-p-zero", "logit-bias-range", "unknown-model",
-         "prompt-too-long", "store", "stop-length"],
+         "prompt-too-long", "store", "stop-length", "tool-result-for-no-call", "tool-result-without-id"],
 )
 def test_bad_requests(live, client, body, status, param, code):
     _error(_post(live, "/v1/chat/completions", body), status, param, code)
