@@ -94,14 +94,23 @@ class DrafterAttention(nn.Module):
         blocks at once."""
         return (self._queries(x, kernels), *self._token_keys_values(x, kernels))
 
+    def rotated(self, q, k, v, start) -> tuple[mx.array, mx.array, mx.array]:
+        """One block's `projections` heads first [B, heads, L, D], q and k with RoPE from position
+        `start` (an int, or an array on the device)."""
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        return self.rope(q, offset=start), self.rope(k, offset=start), v
+
+    def attend_rotated(self, q, k, v, context: tuple[mx.array, mx.array], mask, kernels: KernelOptions) -> mx.array:
+        """Attention of one block's `rotated` q, k, v over [context ; block]: [B, L, Hq * D], before
+        o_proj."""
+        B, L = q.shape[0], q.shape[2]
+        out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
     def attend(self, q, k, v, context: tuple[mx.array, mx.array], start, mask, kernels: KernelOptions) -> mx.array:
         """RoPE and attention of one block whose first query sits at `start`, over [context ;
         block], from its `projections`: [B, L, Hq * D], before o_proj."""
-        B, L = q.shape[:2]
-        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-        q, k = self.rope(q, offset=start), self.rope(k, offset=start)
-        out = attention(q, [context[0], k], [context[1], v], self.scale, mask, kernels)
-        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.attend_rotated(*self.rotated(q, k, v, start), context, mask, kernels)
 
     def attend_batch(self, q, k, v, batch: "BlockBatch", context: tuple[mx.array, mx.array], mask: mx.array,
                      kernels: KernelOptions) -> mx.array:
@@ -198,18 +207,20 @@ class DrafterLayer(nn.Module):
         """The layer op by op (what training differentiates)."""
         return self._mlp(h, self.self_attn(self.input_layernorm(h), context, start, mask, kernels), kernels)
 
-    def forward(self, h, attend, kernels: KernelOptions):
+    def forward(self, h, attend, kernels: KernelOptions, start: Optional[mx.array] = None):
         """The layer's output for the engine's drafts, `attend(q, k, v)` being the block's (or
-        blocks') RoPE and attention (`DrafterAttention.attend`, `attend_batch`): what comes before
-        it (input norm, projections, their norms) and after it (o_proj, residuals, the MLP) run as
-        two compiled blocks, each built as a graph in one call where op by op they were some
-        thirty (a small target's cycle waits on the host that builds its graphs); blocks of more
-        than COMPILED_MAX_TOKENS tokens (several rows') op by op."""
+        blocks') attention: what comes before it (input norm, projections, their norms, and with
+        `start` given, one block's RoPE from that position) and after it (o_proj, residuals, the
+        MLP) run as two compiled blocks, each built as a graph in one call where op by op they
+        were some thirty (a small target's cycle waits on the host that builds its graphs); blocks
+        of more than COMPILED_MAX_TOKENS tokens (several rows') op by op. `attend`: with `start`,
+        `DrafterAttention.attend_rotated`'s; without, `attend_batch`'s (RoPE at each row's start)."""
+        args = (h,) if start is None else (h, start)
         if not kernels.compiled_drafter or h.shape[1] > COMPILED_MAX_TOKENS:
-            return self._post(kernels)(h, attend(*self._pre(kernels)(h)))
-        pre = self.compiled.get(self, ("pre", kernels), lambda: self._pre(kernels))
+            return self._post(kernels)(h, attend(*self._pre(kernels, start is not None)(*args)))
+        pre = self.compiled.get(self, ("pre", start is not None, kernels), lambda: self._pre(kernels, start is not None))
         post = self.compiled.get(self, ("post", kernels), lambda: self._post(kernels))
-        return post(h, attend(*pre(h)))
+        return post(h, attend(*pre(*args)))
 
     def context_keys_values(self, c: mx.array, kernels: KernelOptions) -> tuple[mx.array, mx.array]:
         """`DrafterAttention.unrotated_keys_values` of the context vectors `c`, a compiled block
@@ -219,8 +230,11 @@ class DrafterLayer(nn.Module):
         return self.compiled.get(self, ("context", kernels), lambda: partial(self.self_attn.unrotated_keys_values,
                                                                             kernels=kernels))(c)
 
-    def _pre(self, kernels: KernelOptions):
-        return lambda h: self.self_attn.projections(self.input_layernorm(h), kernels)
+    def _pre(self, kernels: KernelOptions, rotate: bool):
+        attn = self.self_attn
+        if rotate:
+            return lambda h, start: attn.rotated(*attn.projections(self.input_layernorm(h), kernels), start)
+        return lambda h: attn.projections(self.input_layernorm(h), kernels)
 
     def _post(self, kernels: KernelOptions):
         return lambda h, attended: self._mlp(h, linear(self.self_attn.o_proj, attended, kernels), kernels)
@@ -353,11 +367,14 @@ class DFlashDrafter(nn.Module):
         if len(caches) == 1:
             masks: dict = {}
             first, earliest = (starts[0], None) if start is None else start
+            # RoPE's offset an array, one for every layer: an input of their compiled blocks (an int
+            # would be a constant of the trace, traced again at every position).
+            offset = first if isinstance(first, mx.array) else mx.array(first, mx.int32)
             for i, layer in enumerate(self.layers):
                 row = self._block_row(i, caches[0][i], first, widths[0], masks, earliest)
-                attend = partial(layer.self_attn.attend, context=row.context, start=row.start, mask=row.mask,
+                attend = partial(layer.self_attn.attend_rotated, context=row.context, mask=row.mask,
                                  kernels=self.kernels)
-                h = layer.forward(h, attend, self.kernels)
+                h = layer.forward(h, attend, self.kernels, offset)
             return self.norm(h)
         if start is not None:
             raise ValueError("a block drafted at a position on the device is drafted alone")
