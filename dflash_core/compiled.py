@@ -15,6 +15,7 @@ its module still holds the arrays it was traced with and traces again where it d
 from __future__ import annotations
 
 import weakref
+from operator import getitem, is_
 from typing import Callable
 
 import mlx.core as mx
@@ -64,11 +65,14 @@ class WeightedBlock:
     def __init__(self, module: nn.Module, make: Callable[[], Callable]):
         self.module, self.make = module, make
         self.block = self.fn = None
-        self.slots: tuple = ()
+        self.parents: tuple = ()  # with `keys` and `values`: every slot under the module, as traced
+        self.keys: tuple = ()
+        self.values: tuple = ()
 
     def __call__(self, *args):
-        if self.fn is None or any(parent[key] is not value for parent, key, value in self.slots):
-            self.slots = tuple(_slots(self.module))
+        # (The check loops in C: a drafter calls some fifteen blocks a cycle.)
+        if self.fn is None or not all(map(is_, map(getitem, self.parents, self.keys), self.values)):
+            self.parents, self.keys, self.values = zip(*_slots(self.module))
             self.block = self.make()
             self.fn = mx.compile(entry_point(self.block))
         return self.fn(*args)
