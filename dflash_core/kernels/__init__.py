@@ -57,8 +57,8 @@ class KernelOptions:
     one_launch_per_input: bool = True  # projections sharing an input in one launch, else one per weight
     # With bf16_stream and one_launch_per_input: each projection's output an array of its own from the
     # one launch, else columns of one product, which the reshapes after them copy (a launch each).
-    # Off: on an H100 it made no end-to-end difference above the noise, and its CUDA test has not run
-    # on a GPU yet (docs/performance.md, "Drafts ahead and split outputs")
+    # Off: on an H100 it made no end-to-end difference above the noise (its CUDA test passed there on
+    # 2026-12-07; docs/performance.md, "Drafts ahead and split outputs")
     stream_parts: bool = False
     # on CUDA, a residual add and the RMS norms beside it in one launch (norms.py, residual_norm_cuda.py);
     # off: on an H100 with 33 % fewer launches it made no end-to-end difference above the noise
