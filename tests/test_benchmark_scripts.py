@@ -80,13 +80,17 @@ def test_batch_verify_profile_times_and_summarizes(tmp_path):
     assert not any("setup" in line for line in lines)
 
 
-def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
-    target, drafter = qwen3_pair
-    out = tmp_path / "demo.json"
-    done = _run("benchmarks/demo_pair.py", "--target", str(target), "--drafter", str(drafter),
+def _report_on_pair(script: str, pair, out) -> dict:
+    """`script`'s report on a tiny pair, one prompt of each set, 12 tokens, one repeat."""
+    target, drafter = pair
+    done = _run(script, "--target", str(target), "--drafter", str(drafter),
                 "--prompts-per-set", "1", "--max-tokens", "12", "--repeats", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
+    report = _report_on_pair("benchmarks/demo_pair.py", qwen3_pair, tmp_path / "demo.json")
     assert set(report["sets"]) == {"text", "code"}
     for result in report["sets"].values():
         assert result["outputs_identical"] and result["tokens_per_cycle"] >= 1.0
@@ -94,12 +98,7 @@ def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
 
 
 def test_draft_ahead_script_compares_both_modes_on_a_pair(qwen3_pair, tmp_path):
-    target, drafter = qwen3_pair
-    out = tmp_path / "ahead.json"
-    done = _run("benchmarks/draft_ahead.py", "--target", str(target), "--drafter", str(drafter),
-                "--prompts-per-set", "1", "--max-tokens", "12", "--repeats", "1", "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    report = json.loads(out.read_text())
+    report = _report_on_pair("benchmarks/draft_ahead.py", qwen3_pair, tmp_path / "ahead.json")
     assert report["outputs_identical"] and report["runs_per_mode"] == 2  # one prompt of each set
     assert set(report["median_tokens_per_second"]) == {"ahead", "after_read"}
 
