@@ -212,19 +212,6 @@ def unanswered_result(messages: list[dict]) -> Optional[tuple[int, Optional[str]
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
-
-    @field_validator("messages")
-    @classmethod
-    def _results_answer_calls(cls, messages: list[Message]) -> list[Message]:
-        unanswered = unanswered_result([{"role": m.role, "tool_call_id": m.tool_call_id,
-                                         "tool_calls": [{"id": c.id} for c in m.tool_calls or ()]} for m in messages])
-        if unanswered is not None:
-            i, call_id = unanswered
-            if call_id is None:
-                raise ValueError(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers")
-            raise ValueError(f"messages[{i}].tool_call_id {call_id!r} is not the id of a tool call in an earlier "
-                             "assistant message")
-        return messages
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -241,6 +228,19 @@ class ChatCompletionRequest(SamplingFields):
     max_reasoning_tokens: Optional[int] = Field(default=None, ge=1)
     response_format: Optional[ResponseFormat] = None
     store: Optional[bool] = None
+
+    @field_validator("messages")
+    @classmethod
+    def _results_answer_calls(cls, messages: list[Message]) -> list[Message]:
+        unanswered = unanswered_result([{"role": m.role, "tool_call_id": m.tool_call_id,
+                                         "tool_calls": [{"id": c.id} for c in m.tool_calls or ()]} for m in messages])
+        if unanswered is not None:
+            i, call_id = unanswered
+            if call_id is None:
+                raise ValueError(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers")
+            raise ValueError(f"messages[{i}].tool_call_id {call_id!r} is not the id of a tool call in an earlier "
+                             "assistant message")
+        return messages
 
 
 class CompletionRequest(SamplingFields):

@@ -336,12 +336,12 @@ def test_drafting_ahead_drafts_what_drafting_after_the_read_does(overrides, n_co
 
 
 def test_compiled_blocks_draft_what_the_layers_op_by_op_draft():
-    """The engine's drafts run each layer's input norm and projections, and its o_proj and MLP, as
-    two compiled blocks (`DrafterLayer.forward`), and a cycle's context projections as one: the
-    same context and hidden states bit for bit as op by op, for one block and for two rows' at
-    once. Weights put into the same drafter afterwards (loaded,
-    trained) are the ones its next drafts use: a block traced with the old ones as constants is
-    traced again."""
+    """The engine's drafts run each layer's input norm, projections and (one block's) RoPE, and its
+    o_proj and MLP, as two compiled blocks (`DrafterLayer.forward`), and a cycle's context
+    projections as one: the same context, hidden states and drafts as op by op (`_same`: bit for bit
+    on the CPU), for one block and for two rows' at once. Weights put into the same drafter
+    afterwards (loaded, trained) are the ones its next drafts use: a block traced with the old ones
+    as constants is traced again."""
     from dflash_core.kernels import KernelOptions
 
     cfg = _config()
