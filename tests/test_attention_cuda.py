@@ -87,8 +87,10 @@ def test_matches_mlx(dtype, heads, kv_heads, D, L, T):
 
 
 @cuda_only
-@pytest.mark.parametrize("tensor_cores,chunk", [(True, 128), (False, 128), (True, 512)],
-                         ids=["tensor-cores", "scalar", "tensor-cores-chunk512"])
+@pytest.mark.parametrize("tensor_cores,chunk", [(True, 128), (False, 128), (True, 512), (True, 32), (False, 32),
+                                                (True, 64)],
+                         ids=["tensor-cores", "scalar", "tensor-cores-chunk512", "tensor-cores-chunk32", "scalar-chunk32",
+                              "tensor-cores-chunk64"])
 @pytest.mark.parametrize("D,kv_heads", [(128, 2), (256, 4), (512, 1)])
 def test_a_query_gets_the_same_bits_alone_or_in_a_block(D, kv_heads, tensor_cores, chunk):
     """A verify's query over the cache's whole buffer (its tail masked) and the same query as a

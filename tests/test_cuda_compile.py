@@ -167,10 +167,13 @@ def test_attention_kernels_compile(kernels):
     k1, v1 = _normal(1, 1, 1000, 256), _normal(1, 1, 1000, 256)
     assert attention_cuda.attention(q1, k1, v1, 256**-0.5, None, True, 128, 4).shape == q1.shape
     assert len(kernels.compiled) > count
-    # 512 key slots per block (`KernelOptions.attention_chunk`, gpu_cycle.py's chunk512 path).
-    count = len(kernels.compiled)
-    assert attention_cuda.attention(q, k, v, 128**-0.5, mx.ones((16, 1000), mx.bool_), True, 512).shape == q.shape
-    assert len(kernels.compiled) > count
+    # 512 and 32 key slots per block (`KernelOptions.attention_chunk`, gpu_cycle.py's chunk512 and
+    # chunk32 paths), on either kernel.
+    for chunk, tensor_cores in [(512, True), (32, True), (32, False)]:
+        count = len(kernels.compiled)
+        assert attention_cuda.attention(q, k, v, 128**-0.5, mx.ones((16, 1000), mx.bool_), tensor_cores,
+                                        chunk).shape == q.shape
+        assert len(kernels.compiled) > count
     with pytest.raises(ValueError, match="multiple of 32"):
         attention_cuda.attention(q, k, v, 128**-0.5, None, True, 100)
     names = {name for name, _ in kernels.compiled.values()}

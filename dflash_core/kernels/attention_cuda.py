@@ -35,6 +35,7 @@ import mlx.core as mx
 from . import attention_mma_cuda
 
 CHUNK = 128  # key slots per thread block: fixed, so a query's sums never depend on the buffer's length
+MIN_CHUNK = 32  # a multiple of every tile's keys (TK)
 MAX_QUERIES = 16
 MAX_GRID = 65535  # blocks along a CUDA grid's y and z axes
 MAX_ROWS_PER_BLOCK = 16  # warps (query rows) per block: they share each loaded tile of keys and values
@@ -270,7 +271,7 @@ def supported(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     if not (B >= 1 and 1 <= L <= MAX_QUERIES and D in HEAD_DIMS and k.shape[3] == D and k.shape[0] in (1, B)
-            and Hkv > 0 and Hq % Hkv == 0 and 0 < T <= MAX_GRID * CHUNK and B * Hkv <= MAX_GRID):
+            and Hkv > 0 and Hq % Hkv == 0 and 0 < T <= MAX_GRID * MIN_CHUNK and B * Hkv <= MAX_GRID):
         return False
     if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
@@ -313,12 +314,14 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
     """softmax(q k^T * scale, over the keys `mask` shows each query; all of them without one) v,
     [B, Hq, L, D] in q's dtype, for inputs `supported` takes. A query that sees no key gets zeros.
     `tensor_cores`: bf16/fp16 head dims the tensor-core kernel takes go through it, else through
-    the scalar one; `chunk`: key slots per block (a multiple of 32, at least CHUNK). A decode and
+    the scalar one; `chunk`: key slots per block (a multiple of MIN_CHUNK). A decode and
     a verify must pass the same of both. `load_warps`: warps per block of the tensor-core kernel
     at least, the ones past its computing warps only loading tiles (the same bits: a decode step's
     block has one computing warp, which otherwise loads each tile alone)."""
-    if chunk % 32 or chunk < CHUNK:
-        raise ValueError(f"chunk must be a multiple of 32 and at least {CHUNK}, not {chunk}")
+    if chunk % MIN_CHUNK or chunk < MIN_CHUNK:
+        raise ValueError(f"chunk must be a positive multiple of {MIN_CHUNK}, not {chunk}")
+    if -(-k.shape[2] // chunk) > MAX_GRID:
+        raise ValueError(f"{k.shape[2]} key slots are more than {MAX_GRID} chunks of {chunk}")
     B, Hq, L, D = q.shape
     T = k.shape[2]
     rows = Hq // k.shape[1] * L  # query rows per KV head

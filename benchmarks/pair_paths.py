@@ -1,0 +1,128 @@
+"""A real pair's speed under several kernel paths, against the target alone, in one process.
+
+For each prompt, each path in turn (gpu_cycle.py's `--paths` labels: kernel options) runs the
+target alone and always-on DFlash, greedy, so that the paths alternate prompt by prompt on a noisy
+host. Per path: the median decode tok/s of each mode, DFlash over the target alone (the median of
+the per-prompt ratios, and the ratio of the medians), tokens per cycle, and whether every output
+(each path, each mode) was the same token for token (it must be: a path changes how, never what).
+
+    python benchmarks/pair_paths.py --target DIR --drafter DIR --dtype bfloat16 --paths dflash,chunk32 \
+        --prompts prompts.jsonl --prompts-per-set 6 --out pair_paths.json
+
+`--prompts`: a `dflash corpus` JSONL file (its held-out split, the first N of each category), else
+benchmarks/demo_pair.py's held-out openings. Prompts go in without a chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from demo_pair import HELD_OUT, add_pair_arguments  # noqa: E402
+from gpu_cycle import PATHS  # noqa: E402
+
+from dflash_core.bench import first_divergence, mode_result, run_once  # noqa: E402
+from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.sampling import SamplingParams  # noqa: E402
+
+
+def held_out_prompts(path: Path | None, per_set: int) -> dict[str, list[str]]:
+    """category -> prompts: the file's held-out split, or demo_pair.py's openings."""
+    if path is None:
+        return {name: prompts[:per_set] for name, prompts in HELD_OUT.items()}
+    sets: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("split", "held_out") == "held_out":
+            prompts = sets.setdefault(record.get("category", "all"), [])
+            if len(prompts) < per_set:
+                prompts.append(record["prompt"])
+    return sets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_arguments(parser)
+    parser.add_argument("--dtype", help="the target's and drafter's dtype (default: as stored)")
+    parser.add_argument("--paths", default="dflash", help=f"comma-separated, of: {', '.join(PATHS)}")
+    parser.add_argument("--prompts", type=Path, help="a `dflash corpus` JSONL file")
+    parser.add_argument("--prompts-per-set", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    paths = args.paths.split(",")
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        parser.error(f"unknown paths {unknown}; known: {', '.join(PATHS)}")
+
+    from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
+    from dflash_core.loading import load_model
+
+    target_dir = args.target or str(demo_target_dir())
+    drafter_dir = args.drafter or str(DEMO_DRAFTER)
+    loaded = load_model(target_dir, drafter_dir, dtype=args.dtype).engine
+    engines = {p: Engine(loaded.target.with_kernels(PATHS[p]), loaded.tokenizer, loaded.drafter.with_kernels(PATHS[p]),
+                         prefill_chunk=loaded.prefill_chunk)
+               for p in paths}
+    greedy = SamplingParams()
+    warm = loaded.tokenizer.encode("Warm up")
+    for engine in engines.values():  # compile and allocate before anything is timed
+        for speculative in (False, True):
+            run_once(engine, warm, speculative=speculative, max_tokens=32, sampling=greedy, ignore_eos=True,
+                     speculation="on")
+
+    sets = {}
+    identical = True
+    for name, prompts in held_out_prompts(args.prompts, args.prompts_per_set).items():
+        runs = {p: {False: [], True: []} for p in paths}
+        for prompt in prompts:
+            tokens = loaded.tokenizer.encode(prompt)
+            outputs = []
+            for p, engine in engines.items():
+                for speculative in (False, True):
+                    run = run_once(engine, tokens, speculative=speculative, max_tokens=args.max_tokens,
+                                   sampling=greedy, ignore_eos=True, speculation="on")
+                    runs[p][speculative].append(run)
+                    outputs.append(run.tokens)
+            for other in outputs[1:]:
+                if first_divergence(outputs[0], other) is not None:
+                    identical = False
+        sets[name] = {}
+        for p in paths:
+            alone, dflash = runs[p][False], runs[p][True]
+            alone_tps = statistics.median(r.decode_tokens_per_second for r in alone)
+            dflash_tps = statistics.median(r.decode_tokens_per_second for r in dflash)
+            ratios = [d.decode_tokens_per_second / a.decode_tokens_per_second for a, d in zip(alone, dflash)]
+            sets[name][p] = {
+                "prompts": len(prompts), "tokens_per_cycle": mode_result(dflash).tokens_per_cycle,
+                "target_alone_decode_tokens_per_second": alone_tps, "dflash_decode_tokens_per_second": dflash_tps,
+                "speedup_of_medians": dflash_tps / alone_tps, "speedup_median_per_prompt": statistics.median(ratios),
+            }
+            s = sets[name][p]
+            print(f"{name} {p}: {s['tokens_per_cycle']:.2f} tokens/cycle, alone {alone_tps:.1f} tok/s, "
+                  f"DFlash {dflash_tps:.1f} tok/s, {s['speedup_of_medians']:.2f}x "
+                  f"(per prompt {s['speedup_median_per_prompt']:.2f}x)", flush=True)
+
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "device": str(mx.default_device()), "machine": platform.machine(),
+        "mlx": mx.__version__, "target": target_dir, "drafter": drafter_dir, "dtype": args.dtype,
+        "max_tokens": args.max_tokens, "paths": paths, "greedy": True, "sets": sets, "outputs_identical": identical,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    if not identical:
+        sys.exit("outputs differed between paths or modes")
+
+
+if __name__ == "__main__":
+    main()
