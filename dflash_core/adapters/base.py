@@ -137,6 +137,21 @@ def rotary(attn):
     return rope
 
 
+def rotated(pre, attn):
+    """One row's projections up to RoPE (`pre`: x -> q, k, ... token-major) and RoPE at the row's
+    offset as one block: (x, offset) -> q, k [1, heads, L, D] and the rest of `pre`'s outputs as
+    they are. A forward of one row (decode, a verify) then builds one compiled block a layer for
+    both, not two: the host's build of a forward bounds a small model's cycle. The same ops as
+    `pre` then `rotary`'s, so the same bits as rows batched (`attend_rows`)."""
+    rope = rotary(attn)
+
+    def block(x, offset):
+        q, k, *rest = pre(x)
+        return (*rope(offset, q, k), *rest)
+
+    return block
+
+
 def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict, kernels: KernelOptions) -> mx.array:
     """Write k, v into an mlx-lm KVCache and attend. One query (decode): mlx-lm's attention over the
     keys written so far. A block (verify): the cache's whole buffer with its tail masked

@@ -14,7 +14,7 @@ from ..cache import RowsKVCache
 from ..kernels.attention import buffer_mask, path_for, unfused_cpu
 from ..kernels.matmul import gated_mlp, linear, linears
 from ..kernels.norms import add_norm, norm_of, residual
-from .base import TargetAdapter, attend_rows, gated_mlp_group, heads_first, rotary, with_next_input
+from .base import TargetAdapter, attend_rows, cached_attention, gated_mlp_group, heads_first, rotary, rotated, with_next_input
 
 
 def call_norm(norm, x: mx.array) -> mx.array:
@@ -99,9 +99,15 @@ class DenseAdapter(TargetAdapter):
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             attn = layer.self_attn
-            q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(x)
-            rope = self.compiled(("rope", i), lambda: rotary(attn))
-            attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
+            if len(rows.rows) == 1:  # RoPE in the projections' block
+                q, k, v = self.compiled(("pre_rope", i), lambda: rotated(attention_inputs(layer, groups, self.kernels),
+                                                                         attn))(x, rows.offsets[0])
+                attended = cached_attention(q, k, heads_first(v), rows.caches(i)[0], attn.scale, rows.starts[0],
+                                            rows.masks[0], self.kernels)
+            else:
+                q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(x)
+                rope = self.compiled(("rope", i), lambda: rotary(attn))
+                attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
             following = self.next_input_norm(i)
             post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, following))
             h, x = with_next_input(post(h, attended), following)

@@ -29,11 +29,13 @@ from .base import (
     TargetAdapter,
     attend_batch,
     attend_rows,
+    cached_attention,
     gated_mlp_group,
     heads_first,
     join,
     part,
     rotary,
+    rotated,
     with_next_input,
 )
 from .dense import attention_inputs, prefill_attention  # Gemma 3's attention up to RoPE is Qwen3's (per-head norms)
@@ -231,6 +233,17 @@ class Gemma3Adapter(TargetAdapter):
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             attn = layer.self_attn
+            if len(rows.rows) == 1:  # RoPE in the projections' block
+                q, k, v = self.compiled(("pre_rope", i), lambda: rotated(
+                    attention_inputs(layer, groups, self.kernels, self.norms), attn))(x, rows.offsets[0])
+                if self._is_global(i):
+                    attended = cached_attention(q, k, heads_first(v), rows.caches(i)[0], attn.scale, rows.starts[0],
+                                                rows.masks[0], self.kernels)
+                else:
+                    attended = window_attention(q, k, heads_first(v), rows.caches(i)[0], attn.scale, sliding_masks[0],
+                                                self.kernels)
+                h, x = self._after_attention(i, layer, groups, h, attended, rows, tapped, tap_ids)
+                continue
             q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels, self.norms))(x)
             rope = self.compiled(("rope", i), lambda: rotary(attn))
             if self._is_global(i):
@@ -245,11 +258,16 @@ class Gemma3Adapter(TargetAdapter):
                     parts.append(window_attention(q_row, k_row, heads_first(part(v, s, e)), layer_cache, attn.scale,
                                                   sliding_mask, self.kernels))
                 attended = join(parts, axis=2)
-            following = self.next_input_norm(i)
-            post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, self.norms,
-                                                                               following))
-            h, x = with_next_input(post(h, attended), following)
-            self.queue_layers(i, h, rows)
-            if i in tap_ids:
-                tapped[i] = h
+            h, x = self._after_attention(i, layer, groups, h, attended, rows, tapped, tap_ids)
         return h, tapped
+
+    def _after_attention(self, i, layer, groups, h, attended, rows, tapped: dict, tap_ids):
+        """Layer i's block after attention: h and the next layer's normed input (queued, tapped)."""
+        following = self.next_input_norm(i)
+        post = self.compiled(("post", i), lambda: attention_output_and_mlp(layer, groups, self.kernels, self.norms,
+                                                                           following))
+        h, x = with_next_input(post(h, attended), following)
+        self.queue_layers(i, h, rows)
+        if i in tap_ids:
+            tapped[i] = h
+        return h, x

@@ -43,7 +43,19 @@ from ..kernels.gated_delta import (
 )
 from ..kernels.matmul import gated_mlp, linear, linears
 from ..kernels.norms import add_norm, norm_of, residual
-from .base import Rows, TargetAdapter, attend_rows, gated_mlp_group, join, part, rotary, with_next_input
+from .base import (
+    Rows,
+    TargetAdapter,
+    attend_rows,
+    cached_attention,
+    gated_mlp_group,
+    heads_first,
+    join,
+    part,
+    rotary,
+    rotated,
+    with_next_input,
+)
 
 
 def _row_of(x: Optional[mx.array], row: int) -> Optional[mx.array]:
@@ -367,9 +379,16 @@ class Qwen35Adapter(TargetAdapter):
         """An attention layer over rows (h, and x its input norm's output): projections and MLP on
         all of h; RoPE, the cache update and attention for all rows as one batch (`attend_rows`);
         returns h and the next layer's input norm's output (None after the last layer)."""
-        q, k, v, gate = self.compiled(("attn_in", i), lambda: gated_attention_inputs(layer, groups, self.kernels))(x)
-        rope = self.compiled(("rope", i), lambda: rotary(layer.self_attn))
-        attended = attend_rows(q, k, v, rows, rows.caches(i), layer.self_attn.scale, rope, self.kernels)
+        attn = layer.self_attn
+        if len(rows.rows) == 1:  # RoPE in the projections' block
+            q, k, v, gate = self.compiled(("attn_in_rope", i), lambda: rotated(
+                gated_attention_inputs(layer, groups, self.kernels), attn))(x, rows.offsets[0])
+            attended = cached_attention(q, k, heads_first(v), rows.caches(i)[0], attn.scale, rows.starts[0],
+                                        rows.masks[0], self.kernels)
+        else:
+            q, k, v, gate = self.compiled(("attn_in", i), lambda: gated_attention_inputs(layer, groups, self.kernels))(x)
+            rope = self.compiled(("rope", i), lambda: rotary(attn))
+            attended = attend_rows(q, k, v, rows, rows.caches(i), attn.scale, rope, self.kernels)
         following = self.next_input_norm(i)
         post = self.compiled(("attn_out", i), lambda: gated_attention_output_and_mlp(layer, groups, self.kernels,
                                                                                      following))
