@@ -283,6 +283,20 @@ def supported(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
     return mb in (1, B) and mh in (1, Hq) and ml in (1, L) and mt == k.shape[2]
 
 
+@functools.lru_cache(maxsize=64)
+def _scale(value: float) -> mx.array:
+    """The kernel's scale as a float32 scalar made once per value (a layer's scale is a constant):
+    an array made at every call is host work and, on a GPU, a copy each layer of every forward."""
+    return mx.array(value, mx.float32)
+
+
+@functools.cache
+def _no_mask() -> mx.array:
+    """The mask input of a call without a mask (never read: HAS_MASK is off), made from data once,
+    not an op (`mx.zeros` would be a launch each call)."""
+    return mx.array([[[[False]]]])
+
+
 def _mask4(mask: mx.array) -> mx.array:
     """[L, T] as [1, 1, L, T]; a 4-d mask as it is."""
     return mask[None, None] if mask.ndim == 2 else mask
@@ -327,13 +341,13 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
     rows = Hq // k.shape[1] * L  # query rows per KV head
     chunks = -(-T // chunk)
     has_mask = mask is not None
-    mask = _mask4(mask) if has_mask else mx.zeros((1, 1, 1, 1), mx.bool_)
+    mask = _mask4(mask) if has_mask else _no_mask()
     final = chunks == 1
     n = B * Hq * L
     outputs = dict(output_shapes=[(B, Hq, L, D) if final else (1,), (1,) if final else (n, chunks),
                                   (1,) if final else (n, chunks), (1,) if final else (n, chunks, D)],
                    output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32])
-    inputs = [q, k, v, mask, mx.array(scale, mx.float32)]
+    inputs = [q, k, v, mask, _scale(float(scale))]
     if tensor_cores and attention_mma_cuda.takes(q.dtype, D):  # by dtype and head dim: decode and verify alike
         TK, WR = attention_mma_cuda.mma_layout(D, rows)
         NW = max(WR, load_warps)
