@@ -135,3 +135,38 @@ def test_gemma3_norm_scales_are_the_modules_own_norms(gemma3_pair, dtype):
     assert mx.array_equal(adapter.norms(replaced, x), replaced(x))
     assert not mx.array_equal(adapter.norms(replaced, x), mx.fast.rms_norm(x, adapter.norms.scales[id(replaced)][2],
                                                                            replaced.eps))
+
+
+def _fused_kernels(out: mx.array) -> list[str]:
+    """The element-wise kernels mx.compile made for `out` (its graph's Compiled nodes)."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    return [label for label in re.findall(r'label ?= ?"([^"]*)"', dot.getvalue()) if label.startswith("Compiled")]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gemma3_gelu_is_mlx_lms_and_one_kernel_off_the_cpu(dtype):
+    """Gemma 3's MLP activation is mlx-lm's `gelu_approx(gate) * up`: off the CPU (`gelu_tanh_gate`)
+    as its own ops, one fused kernel in a compiled block, with the bits it has op by op (a
+    prefill's), where the CPU's form with the rational tanh is 5 or more (mx.compile fuses chains
+    at most 11 ops deep); in float32 both are within 1e-5 of mlx-lm's."""
+    import mlx.nn as nn
+
+    from dflash_core.adapters.gemma3 import gelu_approx_gate, gelu_rational_gate, gelu_tanh_gate
+
+    rng = np.random.default_rng(1)
+    gate = mx.array(rng.normal(size=(1, 16, 640)) * 3, dtype=dtype)
+    up = mx.array(rng.normal(size=(1, 16, 640)), dtype=dtype)
+    mx.eval(gate, up)
+    tanh_form, rational_form = mx.compile(gelu_tanh_gate)(gate, up), gelu_rational_gate(gate, up)
+    assert len(_fused_kernels(tanh_form)) == 1  # (counted before anything evaluates the graphs)
+    assert len(_fused_kernels(rational_form)) >= 5
+    assert mx.array_equal(gelu_approx_gate(gate, up), rational_form)  # this machine's backend: the CPU
+    assert mx.array_equal(tanh_form, gelu_tanh_gate(gate, up))
+    if dtype == mx.float32:
+        reference = np.array(nn.gelu_approx(gate) * up)
+        np.testing.assert_allclose(np.array(tanh_form), reference, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(rational_form), reference, rtol=1e-5, atol=1e-5)

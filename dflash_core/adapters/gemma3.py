@@ -17,9 +17,10 @@ import math
 from functools import partial
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..cache import RowsKVCache, SlidingWindowCache, ring_mask
-from ..kernels import DEFAULT_KERNELS, KernelOptions
+from ..kernels import DEFAULT_KERNELS, KernelOptions, backend
 from ..kernels.attention import attention, single_query
 from ..kernels.matmul import gated_mlp, linear
 from ..kernels.norms import add_norm, add_normed
@@ -44,7 +45,8 @@ from .dense import attention_inputs, prefill_attention  # Gemma 3's attention up
 # fit made for this file. Largest error against float64 tanh: 3.5e-7 in float32 arithmetic, under
 # one float32 ulp in float64. MLX's CPU backend computes `tanh` with a scalar library call per value,
 # most of the time of Gemma 3's GELU in a prefill (docs/performance.md, "The CPU path"); adds,
-# multiplies and one division fused by mx.compile are what it runs fastest, and one kernel on a GPU.
+# multiplies and one division fused by mx.compile are what it runs fastest. The CPU's alone: on a
+# GPU the tanh is one instruction and this chain is several kernels (`gelu_approx_gate`).
 TANH_P = (0.9999999832, 0.1339243432, 0.003509136221, 2.083198071e-05, 1.366345839e-08)
 TANH_Q = (1.0, 0.4672575296, 0.02592852808, 0.0003307789092, 7.902955802e-07)
 TANH_LIMIT = 9.0
@@ -64,11 +66,30 @@ def rational_tanh(x: mx.array) -> mx.array:
 
 
 @partial(mx.compile, shapeless=True)
-def gelu_approx_gate(gate: mx.array, up: mx.array) -> mx.array:
-    """Gemma 3's MLP activation, mlx-lm's `gelu_approx(gate) * up` (the tanh approximation of GELU)
-    with `rational_tanh` for the tanh."""
+def gelu_rational_gate(gate: mx.array, up: mx.array) -> mx.array:
+    """mlx-lm's `gelu_approx(gate) * up` (the tanh approximation of GELU) with `rational_tanh` for
+    the tanh."""
     inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate * gate * gate)
     return 0.5 * gate * (1 + rational_tanh(inner)) * up
+
+
+def gelu_tanh_gate(gate: mx.array, up: mx.array) -> mx.array:
+    """mlx-lm's `gelu_approx(gate) * up` itself, not compiled on its own: in the compiled blocks of
+    decode and verify it is one fused kernel with its neighbours (compiled shapeless, its constants'
+    broadcasts would count toward the depth limit and split it in two), in a prefill op by op, the
+    same bits (MLX's fused kernels round each op as its own kernel does)."""
+    return nn.gelu_approx(gate) * up
+
+
+def gelu_approx_gate(gate: mx.array, up: mx.array) -> mx.array:
+    """Gemma 3's MLP activation, mlx-lm's `gelu_approx(gate) * up`: on the CPU with `rational_tanh`
+    (`gelu_rational_gate`), elsewhere with MLX's tanh (`gelu_tanh_gate`). mx.compile fuses a chain
+    of element-wise ops at most 11 deep into one kernel, so the rational form's 21 make 5-7
+    kernels where mlx-lm's makes one: on a GPU, where a small model's forward is bound by the
+    host launching its kernels (docs/performance.md, "A 270M cycle is the host launching
+    kernels"), 4 launches fewer a layer. Prefill, decode and verify all take the same one on a
+    backend."""
+    return (gelu_rational_gate if backend() == "cpu" else gelu_tanh_gate)(gate, up)
 
 
 def block(layer, groups: dict, h: mx.array, mask, cache, kernels) -> mx.array:
