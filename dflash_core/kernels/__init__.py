@@ -40,7 +40,9 @@ class KernelOptions:
     # scalar kernel; either way a query's bits do not depend on the others.
     tensor_core_attention: bool = True
     # With exact_attention: key slots per thread block (fixed per model, so that a decode and a verify
-    # cut a query's keys alike); fewer blocks and partial sums at long context the larger it is.
+    # cut a query's keys alike), a multiple of 32; fewer blocks and partial sums at long context the
+    # larger it is. 32 and 64 were no faster for the 270M's one KV head at 1K on an H100
+    # (docs/performance.md, "A 270M cycle is the host launching kernels").
     attention_chunk: int = 128
     # With tensor_core_attention: warps per block at least, the extra ones loading tiles only (the
     # same bits); 1, not measured yet: a decode step's block loads with its one computing warp
