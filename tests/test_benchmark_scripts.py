@@ -39,6 +39,22 @@ def test_host_build_times_each_graph_on_a_tiny_shape(tmp_path):
     assert all(0 < kind["min"] <= kind["median"] for kind in report["build_ms"].values())
 
 
+def test_cycle_profile_splits_each_paths_cycles_on_a_tiny_shape(tmp_path):
+    """Forced cycles under cProfile, two paths in turn: each cycle's host time split into the
+    verify's and the draft's builds and launches (all found: none 0) and the rest."""
+    out = tmp_path / "cycle_profile.json"
+    done = _run("benchmarks/cycle_profile.py", "--shape", "tiny-gemma3_text", "--paths", "dflash,eager-drafter",
+                "--context", "64", "--tokens", "40", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [r["path"] for r in report["results"]] == ["dflash", "eager-drafter"]
+    for row in report["results"]:
+        assert row["tokens_per_cycle"] == 3.0  # the forced schedule really ran
+        parts = row["host_ms"]
+        assert set(parts) == {"verify_build", "verify_launch", "draft_build", "draft_launch", "rest"}
+        assert all(parts[k] > 0 for k in ("verify_build", "verify_launch", "draft_build", "draft_launch"))
+
+
 def test_gpu_graphs_runs_mlx_products_on_the_cpu(tmp_path):
     """gpu_graphs.py's MLX kinds (its kernel kinds need CUDA) on small weights."""
     out = tmp_path / "graphs.json"
@@ -95,6 +111,24 @@ def test_demo_pair_script_reports_identical_outputs(qwen3_pair, tmp_path):
     for result in report["sets"].values():
         assert result["outputs_identical"] and result["tokens_per_cycle"] >= 1.0
         assert len(result["acceptance_by_position"]) == 15
+
+
+def test_pair_paths_script_runs_each_path_against_the_target_alone(qwen3_pair, tmp_path):
+    """Two paths over a tiny pair's prompts (demo_pair.py's, one of each set): each path's target
+    alone and DFlash, their speeds and ratio, and DFlash's output equal to the target's."""
+    target, drafter = qwen3_pair
+    out = tmp_path / "paths.json"
+    done = _run("benchmarks/pair_paths.py", "--target", str(target), "--drafter", str(drafter),
+                "--paths", "dflash,eager-drafter", "--prompts-per-set", "1", "--max-tokens", "12", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["outputs_identical"] and set(report["sets"]) == {"text", "code"}
+    for by_path in report["sets"].values():
+        assert set(by_path) == {"dflash", "eager-drafter"}
+        for row in by_path.values():
+            assert row["prompts"] == 1 and row["tokens_per_cycle"] >= 1.0
+            assert row["speedup_of_medians"] == pytest.approx(
+                row["dflash_decode_tokens_per_second"] / row["target_alone_decode_tokens_per_second"])
 
 
 def test_draft_ahead_script_compares_both_modes_on_a_pair(qwen3_pair, tmp_path):
