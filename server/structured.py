@@ -325,13 +325,16 @@ def strict_tools_grammar(tools: list[dict], markers: Markers, forced_opening: st
     parts = _call_parts if strict else _any_arguments_parts
     calls = [(f["name"], *parts(rules, markers, f)) for f in strict or [t["function"] for t in tools]]
     bodies = [rules.add(f"{lit(head)} {core} {lit(tail)}") for _, head, core, tail in calls]
+    # A named tool_choice holds every call of the turn to that tool, the first (opened) and any after it.
+    callable_bodies = [body for body, (name, *_) in zip(bodies, calls) if name == (named or name)] or bodies
     rules.lines += ["TEXT: /(.|\\n)*/", lit.until("trigger", markers.tool_start),
-                    f"call: trigger ({' | '.join(bodies)})", "rest: call* TEXT"]
+                    f"call: trigger ({' | '.join(callable_bodies)})", "rest: call* TEXT"]
     if not forced_opening:
         think = _reasoning_prefix(lit, markers, starts_in_reasoning)
         start = "start: think rest" if think else "start: rest"
         return GrammarSpec("lark", HEADER + "\n".join([start, *rules.lines, think]))
-    # The server wrote the opening of a call: the model continues it, then may go on as in `auto`.
+    # The server wrote the opening of a call: the model continues it, then may go on as in `auto`
+    # (more calls of the named tool only, where one is named).
     written = forced_opening[len(markers.tool_start):]
     firsts = [f"{lit(head[len(written):])} {core} {lit(tail)}" for name, head, core, tail in calls
               if head.startswith(written) and name == (named or name)]

@@ -98,7 +98,7 @@ def test_a_forced_call_of_loose_tools_is_finished_well_formed(qwen, gemma, marke
                                                               broken, named):
     """tool_choice required or named with tools that are not strict: the call the server opened is
     finished as a call the parser reads (a tool of the request, arguments in the form's syntax),
-    not held to the schema; text and more calls may follow, as in auto."""
+    not held to the schema; text and more calls may follow, as in auto (named: of that tool only)."""
     hf = gemma if markers is GEMMA4_MARKERS else qwen
     if named:
         opening += "get_weather" if markers is GEMMA4_MARKERS else (
@@ -112,6 +112,8 @@ def test_a_forced_call_of_loose_tools_is_finished_well_formed(qwen, gemma, marke
     assert not _matches(hf, spec, "Some text first. " + rest)
     other = call.replace("get_weather", "get_time")[len(opening):]
     assert _matches(hf, spec, other) is (named is None)  # required: any tool of the request
+    # ... and after the forced call too: named, its further calls are of the named tool alone
+    assert _matches(hf, spec, rest + "\nDone. " + call.replace("get_weather", "get_time")) is (named is None)
     assert not _matches(hf, spec, call.replace("get_weather", "get_news")[len(opening):])
 
 
