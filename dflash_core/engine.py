@@ -436,13 +436,15 @@ class Engine:
     def _width_ahead(self, policy: SpeculationPolicy, width: int, constraint: Optional[Constraint]) -> int:
         """For a cycle of `width` about to be queued: the width to draft the next cycle at behind
         its verify, before the host reads it (0: none). That is this cycle's width while the policy
-        says it keeps to cycles (`speculating`; the next plan, made after the read, uses the drafts
-        if it picks that width, else they are dropped). Only drafters that can draft a block at a
-        position on the device do this (`drafts_ahead`); a grammar's masks need the host to read
-        each cycle first."""
+        says the next step is likely a cycle of it (`cycles_next`, else `speculating`; the next plan,
+        made after the read, uses the drafts if it picks that width, else they are dropped). Only
+        drafters that can draft a block at a position on the device do this (`drafts_ahead`); a
+        grammar's masks need the host to read each cycle first."""
         if width == 0 or constraint is not None or not getattr(self.drafter, "drafts_ahead", False):
             return 0
-        return width if getattr(policy, "speculating", False) else 0
+        cycles_next = getattr(policy, "cycles_next", None)
+        keeps = cycles_next(width) if cycles_next is not None else getattr(policy, "speculating", False)
+        return width if keeps else 0
 
     def _launch(self, token, index: int, width: int, sampler: Sampler, state: DecodeState,
                 scorer: LogprobScorer, constraint: Optional[Constraint], next_width: int = 0,

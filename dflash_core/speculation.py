@@ -62,6 +62,8 @@ class SpeculationPolicy(Protocol):
     # Optional, read by the engine: True while the next step is likely a cycle of the width just
     # planned, so that its drafts are worth queueing before the host reads this one (absent: never).
     # speculating: bool
+    # Optional, read by the engine before `speculating`: `cycles_next(width)`, the same for the
+    # cycle of `width` just planned, where a policy knows better (`AutoSpeculation`'s probes).
 
 
 def _bucket(context: int) -> int:
@@ -353,6 +355,15 @@ class AutoSpeculation:
         # A probe of the most promising width (the block, before anything is measured).
         self._probe_width = best if rates else None
         return best if self.probes.due(share) else 0
+
+    def cycles_next(self, width: int) -> bool:
+        """Whether the step after the cycle of `width` just planned is planned as a cycle of that
+        width too, so that its drafts may be queued ahead of this one's read (engine.py): while
+        cycles win, and in a probe alone, whose first cycle (after another step) is not timed and
+        runs again. So the probe's timed cycle is timed as a streak's cycles run, drafted ahead,
+        not drafted after its read, which would price every probe dearer than the cycles it
+        stands for."""
+        return self.speculating or (self._batch_rows() == 1 and self._last != width)
 
     def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
         # A cycle is timed only right after a cycle of its width: as a run of them repeats it, not

@@ -124,6 +124,28 @@ def test_switching_with_drafts_ahead_is_lossless(engines, family, sampling):
         assert calls.count(False) in (cycles - took, cycles - took + 1)
 
 
+def test_a_probe_drafts_its_timed_cycle_ahead(engines):
+    """Mostly off (its cycles never accepted), auto probes with two cycles of one width, the first
+    not timed; that first one queues the second's drafts ahead of its read, as a streak's cycles
+    are drafted, so the timed one is priced as cycles run while they win (not drafted after its
+    read, dearer). So every block drafted after a read is followed by one drafted ahead, but at
+    the output's end; and the output is the target's."""
+    engine = engines["qwen3"]
+    prompt = _prompt(engine)
+    reference, _ = _tokens(engine, prompt, SAMPLINGS["greedy"], speculative=False)
+    forced = ForcedDrafter(list(prompt) + reference + [0] * 16, len(prompt), [0], engine.target.vocab_size,
+                           engine.drafter.config.target_layer_ids)
+    ahead = []  # for each block drafted: whether ahead of the read
+    real = forced.propose
+    forced.propose = lambda *args, **kwargs: ahead.append(kwargs.get("start") is not None) or real(*args, **kwargs)
+    probing = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
+    tokens, stats = _tokens(probing, prompt, SAMPLINGS["greedy"], speculation="auto")
+    assert tokens == reference
+    assert 0 < stats.cycles < N_TOKENS / 2  # it probed, and was mostly off
+    assert ahead[:2] == [False, True]
+    assert all(then for now, then in zip(ahead, ahead[1:]) if not now), ahead
+
+
 def _controller(block=16):
     return AutoSpeculation(Timings(), AcceptanceCounts(block - 1, decay=0.98), block)
 
