@@ -73,6 +73,7 @@ PATHS = {
     "stream-parts": KernelOptions(stream_parts=True),
     "draft-after-read": KernelOptions(draft_ahead=False),
     "eager-drafter": KernelOptions(compiled_drafter=False),
+    "drafter-exact": KernelOptions(drafter_exact_attention=True),
 }
 
 

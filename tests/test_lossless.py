@@ -90,6 +90,28 @@ def test_cuda_attention_paths_are_lossless(engines, references, family, monkeypa
     assert exact_attention_calls == [16] * sum(not getattr(layer, "is_linear", False) for layer in target.layers)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_drafter_blocks_through_the_exact_kernel_are_lossless(engines, references, family, monkeypatch,
+                                                             exact_attention_calls):
+    """`drafter_exact_attention`: the drafter's blocks attend over [context ; block] joined into one
+    segment, so on CUDA they take the exact kernel's gate too (its CPU stand-in here), not the
+    stacked GEMMs; the drafts change in their last bits at most, the output not at all."""
+    from dataclasses import replace
+
+    taken = []
+    stacked = block_attention.stacked
+    monkeypatch.setattr(block_attention, "stacked", lambda q, keys, *rest: taken.append(len(keys)) or stacked(q, keys, *rest))
+    engine = engines[family]
+    drafter = engine.drafter.with_kernels(replace(engine.drafter.kernels, drafter_exact_attention=True))
+    exact = Engine(engine.target, engine.tokenizer, drafter, prefill_chunk=engine.prefill_chunk)
+    prompt, reference = references[family]
+    tokens, last = _run(exact, prompt)
+    assert tokens == reference[:N_TOKENS] and last.stats.cycles > 0
+    assert not taken  # no stacked call: the drafter's blocks too went to the exact kernel's gate
+    drafter_layers = len(drafter.layers)
+    assert exact_attention_calls.count(16) >= drafter_layers * last.stats.cycles  # (and the verifies')
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"])
 def test_stacked_projections_are_lossless(request, references, family, monkeypatch, stack_lookups):
     """Projections sharing an input stacked at load into one matrix, one GEMM each (as on CUDA),

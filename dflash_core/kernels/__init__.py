@@ -44,6 +44,13 @@ class KernelOptions:
     # larger it is. 32 and 64 were no faster for the 270M's one KV head at 1K on an H100
     # (docs/performance.md, "A 270M cycle is the host launching kernels").
     attention_chunk: int = 128
+    # With exact_attention: a drafter's blocks attend over [context ; block] as one key segment (the
+    # two joined), so that on CUDA they take the exact kernel (one or two launches) rather than the
+    # stacked GEMMs over two segments (about ten); the drafts' numbers change in the last bits,
+    # never the target's tokens. Off: not measured yet (a 270M draft's launches are most of its
+    # host time, docs/performance.md, "A 270M cycle is the host launching kernels"; gpu_cycle.py
+    # and cycle_profile.py's drafter-exact path measure it).
+    drafter_exact_attention: bool = False
     # With tensor_core_attention: warps per block at least, the extra ones loading tiles only (the
     # same bits); 1, not measured yet: a decode step's block loads with its one computing warp
     # (docs/performance.md, "Fewer launches: Gemma's norm scales, fused residual norms")
