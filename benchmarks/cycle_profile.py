@@ -35,7 +35,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_cycle import PATHS  # noqa: E402
+from gpu_cycle import PATHS, parse_paths  # noqa: E402
 
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.random_models import ForcedAcceptance, parse_shape, random_drafter, random_target  # noqa: E402
@@ -77,10 +77,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=300, help="tokens generated a profiled run")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    paths = args.paths.split(",")
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown:
-        parser.error(f"unknown paths {unknown}; known: {', '.join(PATHS)}")
+    paths = parse_paths(parser, args.paths)
 
     name, tiny = parse_shape(args.shape)
     target = random_target(name, "bf16", tiny=tiny)

@@ -77,6 +77,14 @@ PATHS = {
 }
 
 
+def parse_paths(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """--paths' comma list of PATHS labels, in order (an unknown one: the parser's error)."""
+    paths = text.split(",")
+    if unknown := [p for p in paths if p not in PATHS]:
+        parser.error(f"--paths: unknown {', '.join(unknown)} (known: {', '.join(PATHS)})")
+    return paths
+
+
 def weight_bytes_per_token(adapter) -> int:
     """Bytes a decode step reads: all weights but the embedding table (unless it is the LM
     head) and, for MoE, only the experts a token uses."""
@@ -250,13 +258,12 @@ def main() -> int:
                              "with each stacked projection's output an array of its own from the stream kernel, not "
                              "columns of one product), draft-after-read (dflash drafting each cycle after its read, "
                              "not queued behind its verify), eager-drafter (dflash with the drafter's layers op by op, "
-                             "not as compiled blocks)")
+                             "not as compiled blocks), chunk32 / chunk64 (exact attention in chunks of 32 / 64 key "
+                             "slots), drafter-exact (a drafter's blocks through the exact attention kernel)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()
-    paths = args.paths.split(",")
-    if unknown := [p for p in paths if p not in PATHS]:
-        parser.error(f"--paths: unknown {', '.join(unknown)} (known: {', '.join(PATHS)})")
+    paths = parse_paths(parser, args.paths)
     report = {"device": str(mx.default_device()), "backend": backend(), "gated_delta": gated_delta.active_path(),
               "small_m_matmul": small_m.active_path(),
               "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "results": []}

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_pair import HELD_OUT, add_pair_arguments  # noqa: E402
-from gpu_cycle import PATHS  # noqa: E402
+from gpu_cycle import PATHS, parse_paths  # noqa: E402
 
 from dflash_core.bench import first_divergence, mode_result, run_once  # noqa: E402
 from dflash_core.engine import Engine  # noqa: E402
@@ -62,10 +62,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    paths = args.paths.split(",")
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown:
-        parser.error(f"unknown paths {unknown}; known: {', '.join(PATHS)}")
+    paths = parse_paths(parser, args.paths)
 
     from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
     from dflash_core.loading import load_model
