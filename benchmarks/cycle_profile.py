@@ -9,7 +9,9 @@ cProfile and splits each cycle's host time into:
 - verify launch: `queue_layers`' `mx.async_eval`s (the first layers' kernels, as they are built);
 - draft build: the drafter's `propose`;
 - draft launch: `DecodeState.evaluate` (the drafts' `mx.async_eval`);
-- rest: the read, the engine's bookkeeping, the last layers' and the head's launch.
+- rest: the read, the engine's bookkeeping, the last layers' and the head's launch, cProfile's
+  own overhead, and the first cycle's write of the prompt's taps into the drafter's context
+  (spread over the run's cycles; the prompt's own forward, `run_layers`, is left out).
 
 Each path (gpu_cycle.py's `--paths` labels: kernel options) runs in turn, as often as it is
 named, so a path that takes launches out of a forward shows as less launch time a cycle, a
@@ -46,25 +48,27 @@ PARTS = {
     "draft_launch": (("decode_state.py", "evaluate"), "tottime"),
     "draft_build": (("drafter.py", "propose"), "cumtime"),
 }
-FORWARDS = "run_rows"  # every adapter's one-forward-of-rows method
+FORWARDS = "run_rows"  # every adapter's forward of rows (decode, verify)
+PREFILL = "run_layers"  # and of a prompt
 
 
 def split(profile: cProfile.Profile, cycles: int) -> dict[str, float]:
     """ms a cycle of each part (PARTS, verify_build, rest) from one profile."""
     stats = pstats.Stats(profile).stats
     found = {name: 0.0 for name in PARTS}
-    forwards = 0.0
+    forwards = prefill = 0.0
     total = 0.0
     for (path, _, function), (_, _, tottime, cumtime, _) in stats.items():
         total += tottime
         for name, ((ending, wanted), kind) in PARTS.items():
             if path.endswith(ending) and function == wanted:
                 found[name] += tottime if kind == "tottime" else cumtime
-        if function == FORWARDS and "/adapters/" in path:
-            forwards += cumtime
+        if "/adapters/" in path and function in (FORWARDS, PREFILL):
+            forwards += cumtime if function == FORWARDS else 0.0
+            prefill += cumtime if function == PREFILL else 0.0
     parts = {name: 1e3 * seconds / cycles for name, seconds in found.items()}
     parts["verify_build"] = 1e3 * (forwards - found["verify_launch"]) / cycles
-    parts["rest"] = 1e3 * total / cycles - sum(parts.values())
+    parts["rest"] = 1e3 * (total - prefill) / cycles - sum(parts.values())
     return parts
 
 
@@ -103,6 +107,8 @@ def main() -> None:
         profile.enable()
         stats = run(engines[p], args.tokens)
         profile.disable()
+        if not stats.cycles or not plain.cycles:
+            sys.exit(f"{p}: no cycle ran in {args.tokens} tokens (more --tokens)")
         parts = split(profile, stats.cycles)
         row = {"path": p, "cycles": stats.cycles, "tokens_per_cycle": stats.tokens_per_cycle,
                "cycle_ms": 1e3 * plain.decode_seconds / plain.cycles,

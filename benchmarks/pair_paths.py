@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     paths = parse_paths(parser, args.paths)
+    if args.prompts_per_set < 1 or args.max_tokens < 2:  # (a decode speed needs two tokens)
+        parser.error("--prompts-per-set must be at least 1 and --max-tokens at least 2")
 
     from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
     from dflash_core.loading import load_model

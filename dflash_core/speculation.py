@@ -357,13 +357,14 @@ class AutoSpeculation:
         return best if self.probes.due(share) else 0
 
     def cycles_next(self, width: int) -> bool:
-        """Whether the step after the cycle of `width` just planned is planned as a cycle of that
-        width too, so that its drafts may be queued ahead of this one's read (engine.py): while
-        cycles win, and in a probe alone, whose first cycle (after another step) is not timed and
-        runs again. So the probe's timed cycle is timed as a streak's cycles run, drafted ahead,
-        not drafted after its read, which would price every probe dearer than the cycles it
-        stands for."""
-        return self.speculating or (self._batch_rows() == 1 and self._last != width)
+        """Whether the cycle of `width` just planned queues the next one's drafts ahead of its read
+        (engine.py): while cycles win, and in a probe alone, both of its cycles. The first (after
+        another step, not timed) queues the drafts of the second, which runs next; the second, the
+        timed one, queues drafts too, dropped where the plan goes back to plain steps. So the timed
+        cycle does the host's work a streak's cycle does, no less (drafting nothing, it would price
+        cycles about a draft's build and launch cheaper) and no more (drafting after its read, that
+        much dearer, where the device also waits)."""
+        return self.speculating or self._batch_rows() == 1
 
     def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
         # A cycle is timed only right after a cycle of its width: as a run of them repeats it, not

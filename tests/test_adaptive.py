@@ -126,10 +126,10 @@ def test_switching_with_drafts_ahead_is_lossless(engines, family, sampling):
 
 def test_a_probe_drafts_its_timed_cycle_ahead(engines):
     """Mostly off (its cycles never accepted), auto probes with two cycles of one width, the first
-    not timed; that first one queues the second's drafts ahead of its read, as a streak's cycles
-    are drafted, so the timed one is priced as cycles run while they win (not drafted after its
-    read, dearer). So every block drafted after a read is followed by one drafted ahead, but at
-    the output's end; and the output is the target's."""
+    not timed; each queues the next block's drafts ahead of its read, as a streak's cycles do, so
+    the timed one does a streak cycle's host work (not a draft after its read, dearer; not none,
+    cheaper). So a block drafted after a read (a probe's first cycle) is followed by two drafted
+    ahead, but at the output's end; and the output is the target's."""
     engine = engines["qwen3"]
     prompt = _prompt(engine)
     reference, _ = _tokens(engine, prompt, SAMPLINGS["greedy"], speculative=False)
@@ -142,8 +142,8 @@ def test_a_probe_drafts_its_timed_cycle_ahead(engines):
     tokens, stats = _tokens(probing, prompt, SAMPLINGS["greedy"], speculation="auto")
     assert tokens == reference
     assert 0 < stats.cycles < N_TOKENS / 2  # it probed, and was mostly off
-    assert ahead[:2] == [False, True]
-    assert all(then for now, then in zip(ahead, ahead[1:]) if not now), ahead
+    assert ahead[:3] == [False, True, True]
+    assert all(ahead[i + 1 : i + 3] == [True, True] for i, now in enumerate(ahead[:-2]) if not now), ahead
 
 
 def _controller(block=16):

@@ -74,10 +74,11 @@ def gelu_rational_gate(gate: mx.array, up: mx.array) -> mx.array:
 
 
 def gelu_tanh_gate(gate: mx.array, up: mx.array) -> mx.array:
-    """mlx-lm's `gelu_approx(gate) * up` itself, not compiled on its own: in the compiled blocks of
-    decode and verify it is one fused kernel with its neighbours (compiled shapeless, its constants'
-    broadcasts would count toward the depth limit and split it in two), in a prefill op by op, the
-    same bits (MLX's fused kernels round each op as its own kernel does)."""
+    """mlx-lm's `gelu_approx(gate) * up` itself, not compiled again around it: in the compiled
+    blocks of decode and verify it is one fused kernel with the product (compiled shapeless, as
+    the rational form is, its constants' broadcasts would count toward the depth limit and split
+    it in two); in a prefill MLX's own compiled GELU and the product, the same bits (MLX's fused
+    kernels round each op as its own kernel does)."""
     return nn.gelu_approx(gate) * up
 
 

@@ -45,11 +45,12 @@ class KernelOptions:
     # (docs/performance.md, "A 270M cycle is the host launching kernels").
     attention_chunk: int = 128
     # With exact_attention: a drafter's blocks attend over [context ; block] as one key segment (the
-    # two joined), so that on CUDA they take the exact kernel (one or two launches) rather than the
-    # stacked GEMMs over two segments (about ten); the drafts' numbers change in the last bits,
-    # never the target's tokens. Off: not measured yet (a 270M draft's launches are most of its
-    # host time, docs/performance.md, "A 270M cycle is the host launching kernels"; gpu_cycle.py
-    # and cycle_profile.py's drafter-exact path measure it).
+    # two joined: two copies of the context buffer a layer), so that on CUDA they take the exact
+    # kernel (one or two launches; four with the copies) rather than the stacked GEMMs over two
+    # segments (about ten); the drafts' numbers change in the last bits, never the target's tokens.
+    # Off: not measured yet (a 270M draft's launches are most of its host time, docs/performance.md,
+    # "A 270M cycle is the host launching kernels"; gpu_cycle.py and cycle_profile.py's
+    # drafter-exact path measure it).
     drafter_exact_attention: bool = False
     # With tensor_core_attention: warps per block at least, the extra ones loading tiles only (the
     # same bits); 1, not measured yet: a decode step's block loads with its one computing warp

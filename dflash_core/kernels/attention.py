@@ -67,7 +67,7 @@ def exact(q: mx.array, k, v, mask, kernels: KernelOptions = DEFAULT_KERNELS) -> 
     """Whether this attention (one key segment) goes through attention_cuda.py's kernel: on CUDA,
     with `exact_attention` on and shapes it takes."""
     return (kernels.exact_attention and backend() == "cuda" and isinstance(k, mx.array)
-            and isinstance(v, mx.array) and attention_cuda.supported(q, k, v, mask))
+            and isinstance(v, mx.array) and attention_cuda.supported(q, k, v, mask, kernels.attention_chunk))
 
 
 def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], scale: float, mask,

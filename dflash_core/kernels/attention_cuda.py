@@ -262,16 +262,16 @@ def _combine_kernel():
     )
 
 
-def supported(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
+def supported(q: mx.array, k: mx.array, v: mx.array, mask, chunk: int = CHUNK) -> bool:
     """q [B, Hq, 1..16, D], k and v [1 or B, Hkv, T, D] of q's dtype (bf16, fp16 or fp32), D one of
     HEAD_DIMS, and no mask or a boolean one, [L, T] or [1 or B, 1 or Hq, 1 or L, T]; within CUDA's
-    grid limits (chunks and B x Hkv at most 65535 blocks)."""
+    grid limits (chunks of `chunk` slots and B x Hkv at most 65535 blocks)."""
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         return False
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     if not (B >= 1 and 1 <= L <= MAX_QUERIES and D in HEAD_DIMS and k.shape[3] == D and k.shape[0] in (1, B)
-            and Hkv > 0 and Hq % Hkv == 0 and 0 < T <= MAX_GRID * MIN_CHUNK and B * Hkv <= MAX_GRID):
+            and Hkv > 0 and Hq % Hkv == 0 and 0 < T <= MAX_GRID * chunk and B * Hkv <= MAX_GRID):
         return False
     if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
