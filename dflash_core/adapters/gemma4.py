@@ -45,6 +45,19 @@ def attention_inputs(layer, groups: dict, kernels):
     return pre
 
 
+def rotated_inputs(pre, attn):
+    """One row's `attention_inputs` and RoPE at the row's offset as one block: (h, offset) -> q, k
+    [1, heads, L, D] and v token-major, or q alone for a layer that shares another's K/V (the
+    base adapter's `rotated` takes both q and k)."""
+    rope = rotary(attn)
+
+    def block(h, offset):
+        q, *kv = pre(h)
+        return (*rope(offset, q, kv[0]), kv[1]) if kv else rope(offset, q)
+
+    return block
+
+
 def route(router, h: mx.array, kernels) -> tuple[mx.array, mx.array]:
     """mlx-lm's MoE `Router` with its projection through `linear` on the CPU, so that a token's
     experts and their weights have the same bits in a verify as in a decode step
@@ -192,6 +205,12 @@ class Gemma4Adapter(TargetAdapter):
             shared = [None] * len(self.layers)  # per layer: the batch's queries' keys, values and mask
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
+            if len(rows.rows) == 1:  # RoPE in the projections' block
+                inputs = self.compiled(("pre_rope", i), lambda: rotated_inputs(
+                    attention_inputs(layer, groups, self.kernels), layer.self_attn))(h, rows.offsets[0])
+                attended = self._attend_row(i, inputs, caches[0], shared[0], masks[0], rows, 0, rotated=True)
+                h = self._after_attention(i, layer, groups, h, attended, per_layer, rows, tapped, tap_ids)
+                continue
             inputs = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
             if layout is not None:
                 attended = self._attend_batch(i, inputs, rows, layout, shared)
@@ -200,12 +219,17 @@ class Gemma4Adapter(TargetAdapter):
                     self._attend_row(i, [part(x, s, e) for x in inputs], caches[r], shared[r], masks[r], rows, r)
                     for r, (s, e) in enumerate(rows.bounds)
                 ], axis=2)
-            post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer, groups, self.kernels))
-            h = post(h, attended, *(() if per_layer[i] is None else (per_layer[i],)))
-            self.queue_layers(i, h, rows)
-            if i in tap_ids:
-                tapped[i] = h
+            h = self._after_attention(i, layer, groups, h, attended, per_layer, rows, tapped, tap_ids)
         return h, tapped
+
+    def _after_attention(self, i, layer, groups, h, attended, per_layer, rows, tapped: dict, tap_ids):
+        """Layer i's block after attention (queued, tapped): its output h."""
+        post = self.compiled(("post", i), lambda: attention_output_and_feed_forward(layer, groups, self.kernels))
+        h = post(h, attended, *(() if per_layer[i] is None else (per_layer[i],)))
+        self.queue_layers(i, h, rows)
+        if i in tap_ids:
+            tapped[i] = h
+        return h
 
     def _batch_layout(self, rows):
         """The sliding layers' ring layout for attending all rows as one batch (`window_rows_layout`,
@@ -234,16 +258,17 @@ class Gemma4Adapter(TargetAdapter):
         _, keys, values, mask = shared[i] = shared[self.inner.previous_kvs[i]]
         return attend_batch(q_b, keys, values, mask, rows, attn.scale, self.kernels)
 
-    def _attend_row(self, i, inputs, cache, shared, masks, rows, r):
-        """Layer i's attention for row r from its slice of the layer's inputs: RoPE at its offset,
-        its cache update (or the K/V it shares) and attention. A verify attends through the block
-        attention (kernels/attention.py) with boolean masks: sliding layers' ring already has one;
-        global layers attend over their cache's whole buffer with its tail masked, as in the dense
+    def _attend_row(self, i, inputs, cache, shared, masks, rows, r, rotated: bool = False):
+        """Layer i's attention for row r from its slice of the layer's inputs: RoPE at its offset
+        (done already where `rotated`: `rotated_inputs`' q and k, heads first), its cache update (or
+        the K/V it shares) and attention. A verify attends through the block attention
+        (kernels/attention.py) with boolean masks: sliding layers' ring already has one; global
+        layers attend over their cache's whole buffer with its tail masked, as in the dense
         adapter, so shapes repeat across cycles."""
         layer = self.layers[i]
         attn = layer.self_attn
-        rope = self.compiled(("rope", i), lambda: rotary(attn))
-        n = inputs[0].shape[1]
+        rope = (lambda offset, *xs: xs) if rotated else self.compiled(("rope", i), lambda: rotary(attn))
+        n = inputs[0].shape[2 if rotated else 1]
         if attn.has_kv:
             q, k = rope(rows.offsets[r], inputs[0], inputs[1])
             k, v = cache[i].update_and_fetch(k, heads_first(inputs[2]))
