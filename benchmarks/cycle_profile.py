@@ -6,12 +6,19 @@ host launching kernels"). This runs forced-acceptance cycles (random weights, a 
 cProfile and splits each cycle's host time into:
 
 - verify build: the target's forward (`run_rows`), less the launches queued inside it;
-- verify launch: `queue_layers`' `mx.async_eval`s (the first layers' kernels, as they are built);
+- verify launch: `queue_layers`' `mx.async_eval`s (the first layers' kernels, as they are built)
+  and `read_later`'s (the rest, the head and the choices);
 - draft build: the drafter's `propose`;
 - draft launch: `DecodeState.evaluate` (the drafts' `mx.async_eval`);
-- rest: the read, the engine's bookkeeping, the last layers' and the head's launch, cProfile's
-  own overhead, and the first cycle's write of the prompt's taps into the drafter's context
-  (spread over the run's cycles; the prompt's own forward, `run_layers`, is left out).
+- read wait: the blocking read of the cycle's tokens (what the device still had to do; about 0
+  where the host is the bound);
+- rest: the engine's bookkeeping, cProfile's own overhead, and the first cycle's write of the
+  prompt's taps into the drafter's context (spread over the run's cycles; the prompt's own
+  forward, `run_layers`, is left out).
+
+and the same for the target alone, a plain step a token: its build, its launch (`read_later`'s
+`mx.async_eval`), the read's wait and the rest. A change that takes launches out of both (the
+target's layers) moves both; one that takes them out of the draft moves the cycle alone.
 
 Each path (gpu_cycle.py's `--paths` labels: kernel options) runs in turn, as often as it is
 named, so a path that takes launches out of a forward shows as less launch time a cycle, a
@@ -42,34 +49,38 @@ from gpu_cycle import PATHS, parse_paths  # noqa: E402
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.random_models import ForcedAcceptance, parse_shape, random_drafter, random_target  # noqa: E402
 
-# (file name ending, function name) -> what it measures; tottime or cumtime
-PARTS = {
-    "verify_launch": (("adapters/base.py", "queue_layers"), "tottime"),
-    "draft_launch": (("decode_state.py", "evaluate"), "tottime"),
-    "draft_build": (("drafter.py", "propose"), "cumtime"),
+# What each part of a step's host time is: (file name ending, function name, tottime or cumtime)
+# summed, less what other parts count inside it.
+LAUNCH_VERIFY = [("adapters/base.py", "queue_layers", "tottime"),  # its first layers as they are built
+                 ("decode_state.py", "read_later", "tottime")]  # the rest, the head, the choices
+CYCLE_PARTS = {
+    "verify_build": ([("adapters/", "run_rows", "cumtime")], LAUNCH_VERIFY[:1]),
+    "verify_launch": (LAUNCH_VERIFY, []),
+    "draft_build": ([("drafter.py", "propose", "cumtime")], []),
+    "draft_launch": ([("decode_state.py", "evaluate", "tottime")], []),
+    "read_wait": ([("host_reads.py", "tolist", "tottime")], []),  # the blocking read: the device's lead
 }
-FORWARDS = "run_rows"  # every adapter's forward of rows (decode, verify)
-PREFILL = "run_layers"  # and of a prompt
+STEP_PARTS = {  # a plain target step (the target alone): one launch point, at its read_later
+    "step_build": ([("adapters/", "run_rows", "cumtime")], []),
+    "step_launch": ([("decode_state.py", "read_later", "tottime")], []),
+    "read_wait": ([("host_reads.py", "tolist", "tottime")], []),
+}
+PREFILL = ("adapters/", "run_layers", "cumtime")  # a prompt's forward: left out of "rest"
 
 
-def split(profile: cProfile.Profile, cycles: int) -> dict[str, float]:
-    """ms a cycle of each part (PARTS, verify_build, rest) from one profile."""
+def split(profile: cProfile.Profile, steps: int, parts: dict) -> dict[str, float]:
+    """ms a step (a cycle, or a plain step) of each of `parts` and of the rest, from one profile."""
     stats = pstats.Stats(profile).stats
-    found = {name: 0.0 for name in PARTS}
-    forwards = prefill = 0.0
-    total = 0.0
-    for (path, _, function), (_, _, tottime, cumtime, _) in stats.items():
-        total += tottime
-        for name, ((ending, wanted), kind) in PARTS.items():
-            if path.endswith(ending) and function == wanted:
-                found[name] += tottime if kind == "tottime" else cumtime
-        if "/adapters/" in path and function in (FORWARDS, PREFILL):
-            forwards += cumtime if function == FORWARDS else 0.0
-            prefill += cumtime if function == PREFILL else 0.0
-    parts = {name: 1e3 * seconds / cycles for name, seconds in found.items()}
-    parts["verify_build"] = 1e3 * (forwards - found["verify_launch"]) / cycles
-    parts["rest"] = 1e3 * (total - prefill) / cycles - sum(parts.values())
-    return parts
+
+    def seconds(entries) -> float:
+        return sum(tottime if kind == "tottime" else cumtime
+                   for (path, _, function), (_, _, tottime, cumtime, _) in stats.items()
+                   for ending, wanted, kind in entries if ending in path and function == wanted)
+
+    out = {name: 1e3 * (seconds(plus) - seconds(minus)) / steps for name, (plus, minus) in parts.items()}
+    total = sum(tottime for _, _, tottime, _, _ in stats.values())
+    out["rest"] = 1e3 * (total - seconds([PREFILL])) / steps - sum(out.values())
+    return out
 
 
 def main() -> None:
@@ -95,28 +106,41 @@ def main() -> None:
         engine.tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
         engines[p] = engine
 
-    def run(engine, tokens):
-        return list(engine.generate(prompt, max_tokens=tokens, stop_token_ids=set(), speculation="on"))[-1].stats
+    def run(engine, tokens, speculative=True):
+        return list(engine.generate(prompt, max_tokens=tokens, stop_token_ids=set(), speculative=speculative,
+                                    speculation="on"))[-1].stats
+
+    def profiled(engine, speculative):
+        profile = cProfile.Profile()
+        profile.enable()
+        stats = run(engine, args.tokens, speculative)
+        profile.disable()
+        return profile, stats
 
     for engine in engines.values():  # traced, compiled and allocated before anything is timed
         run(engine, 64)
+        run(engine, 64, speculative=False)
     results = []
     for p in paths:
-        plain = run(engines[p], args.tokens)
-        profile = cProfile.Profile()
-        profile.enable()
-        stats = run(engines[p], args.tokens)
-        profile.disable()
-        if not stats.cycles or not plain.cycles:
+        plain_cycles, plain_steps = run(engines[p], args.tokens), run(engines[p], args.tokens, speculative=False)
+        (cycle_profile, cycles), (step_profile, steps) = profiled(engines[p], True), profiled(engines[p], False)
+        if not cycles.cycles or not plain_cycles.cycles:
             sys.exit(f"{p}: no cycle ran in {args.tokens} tokens (more --tokens)")
-        parts = split(profile, stats.cycles)
-        row = {"path": p, "cycles": stats.cycles, "tokens_per_cycle": stats.tokens_per_cycle,
-               "cycle_ms": 1e3 * plain.decode_seconds / plain.cycles,
-               "profiled_cycle_ms": 1e3 * stats.decode_seconds / stats.cycles,
-               "host_ms": {k: round(v, 3) for k, v in parts.items()}}
+        step_count = steps.generated_tokens - 1  # (the first token is the prompt's)
+        row = {"path": p, "cycles": cycles.cycles, "tokens_per_cycle": cycles.tokens_per_cycle,
+               "cycle_ms": 1e3 * plain_cycles.decode_seconds / plain_cycles.cycles,
+               "profiled_cycle_ms": 1e3 * cycles.decode_seconds / cycles.cycles,
+               "host_ms": {k: round(v, 3) for k, v in split(cycle_profile, cycles.cycles, CYCLE_PARTS).items()},
+               "target_alone": {
+                   "step_ms": 1e3 * plain_steps.decode_seconds / (plain_steps.generated_tokens - 1),
+                   "profiled_step_ms": 1e3 * steps.decode_seconds / step_count,
+                   "host_ms": {k: round(v, 3) for k, v in split(step_profile, step_count, STEP_PARTS).items()}}}
         results.append(row)
+        alone = row["target_alone"]
         print(f"{p}: cycle {row['cycle_ms']:.2f} ms (profiled {row['profiled_cycle_ms']:.2f}), "
-              + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()), flush=True)
+              + ", ".join(f"{k} {v:.2f}" for k, v in row["host_ms"].items())
+              + f"; target alone: step {alone['step_ms']:.2f} ms (profiled {alone['profiled_step_ms']:.2f}), "
+              + ", ".join(f"{k} {v:.2f}" for k, v in alone["host_ms"].items()), flush=True)
     report = {"date": time.strftime("%Y-%m-%d"), "device": str(mx.default_device()), "mlx": mx.__version__,
               "shape": args.shape, "context": args.context, "accepted": args.accepted, "results": results}
     if args.out:

@@ -41,7 +41,8 @@ def test_host_build_times_each_graph_on_a_tiny_shape(tmp_path):
 
 def test_cycle_profile_splits_each_paths_cycles_on_a_tiny_shape(tmp_path):
     """Forced cycles under cProfile, two paths in turn: each cycle's host time split into the
-    verify's and the draft's builds and launches (all found: none 0) and the rest."""
+    verify's and the draft's builds and launches (all found: none 0), the read's wait and the
+    rest; and the target alone's plain steps likewise."""
     out = tmp_path / "cycle_profile.json"
     done = _run("benchmarks/cycle_profile.py", "--shape", "tiny-gemma3_text", "--paths", "dflash,eager-drafter",
                 "--context", "64", "--tokens", "40", "--out", str(out))
@@ -51,8 +52,11 @@ def test_cycle_profile_splits_each_paths_cycles_on_a_tiny_shape(tmp_path):
     for row in report["results"]:
         assert row["tokens_per_cycle"] == 3.0  # the forced schedule really ran
         parts = row["host_ms"]
-        assert set(parts) == {"verify_build", "verify_launch", "draft_build", "draft_launch", "rest"}
+        assert set(parts) == {"verify_build", "verify_launch", "draft_build", "draft_launch", "read_wait", "rest"}
         assert all(parts[k] > 0 for k in ("verify_build", "verify_launch", "draft_build", "draft_launch"))
+        alone = row["target_alone"]
+        assert set(alone["host_ms"]) == {"step_build", "step_launch", "read_wait", "rest"}
+        assert alone["step_ms"] > 0 and alone["host_ms"]["step_build"] > 0 and alone["host_ms"]["step_launch"] > 0
 
 
 def test_gpu_graphs_runs_mlx_products_on_the_cpu(tmp_path):
