@@ -138,18 +138,25 @@ def rotary(attn):
 
 
 def rotated(pre, attn):
-    """One row's projections up to RoPE (`pre`: x -> q, k, ... token-major) and RoPE at the row's
-    offset as one block: (x, offset) -> q, k [1, heads, L, D] and the rest of `pre`'s outputs as
-    they are. A forward of one row (decode, a verify) then builds one compiled block a layer for
-    both, not two: the host's build of a forward bounds a small model's cycle. The same ops as
-    `pre` then `rotary`'s, so the same bits as rows batched (`attend_rows`)."""
+    """One row's projections up to RoPE (`pre`: x -> q, k, ... token-major, or q alone for a layer
+    that reuses another's K/V) and RoPE at the row's offset as one block: (x, offset) -> q, k
+    [1, heads, L, D] and the rest of `pre`'s outputs as they are. A forward of one row (decode, a
+    verify) then builds one compiled block a layer for both, not two: the host's build of a
+    forward bounds a small model's cycle. The same ops as `pre` then `rotary`'s, so the same bits
+    as rows batched (`attend_rows`)."""
     rope = rotary(attn)
 
     def block(x, offset):
-        q, k, *rest = pre(x)
-        return (*rope(offset, q, k), *rest)
+        q, *kv = pre(x)
+        return (*rope(offset, q, *kv[:1]), *kv[1:])
 
     return block
+
+
+def attend_row(q, k, v, rows: Rows, caches: Sequence, scale: float, kernels: KernelOptions) -> mx.array:
+    """One row's attention from q and k with RoPE [1, heads, L, D] and v token-major: v and k into
+    its KVCache (`cached_attention`)."""
+    return cached_attention(q, k, heads_first(v), caches[0], scale, rows.starts[0], rows.masks[0], kernels)
 
 
 def cached_attention(q, k, v, cache, scale: float, start: int, masks: dict, kernels: KernelOptions) -> mx.array:
@@ -180,8 +187,7 @@ def attend_rows(q, k, v, rows: Rows, caches: Sequence, scale: float, rope, kerne
     Several: `batch_keys`, then one attention over all rows (`attend_batch`).
     `rope(offset, q, k)`: `rotary`'s function."""
     if len(rows.rows) == 1:
-        q_row, k_row = rope(rows.offsets[0], q, k)
-        return cached_attention(q_row, k_row, heads_first(v), caches[0], scale, rows.starts[0], rows.masks[0], kernels)
+        return attend_row(*rope(rows.offsets[0], q, k), v, rows, caches, scale, kernels)
     return attend_batch(*batch_keys(q, k, v, rows, caches, rope), rows, scale, kernels)
 
 

@@ -14,7 +14,7 @@ from ..cache import RowsKVCache
 from ..kernels.attention import buffer_mask, path_for, unfused_cpu
 from ..kernels.matmul import gated_mlp, linear, linears
 from ..kernels.norms import add_norm, norm_of, residual
-from .base import TargetAdapter, attend_rows, cached_attention, gated_mlp_group, heads_first, rotary, rotated, with_next_input
+from .base import TargetAdapter, attend_row, attend_rows, gated_mlp_group, heads_first, rotary, rotated, with_next_input
 
 
 def call_norm(norm, x: mx.array) -> mx.array:
@@ -102,8 +102,7 @@ class DenseAdapter(TargetAdapter):
             if len(rows.rows) == 1:  # RoPE in the projections' block
                 q, k, v = self.compiled(("pre_rope", i), lambda: rotated(attention_inputs(layer, groups, self.kernels),
                                                                          attn))(x, rows.offsets[0])
-                attended = cached_attention(q, k, heads_first(v), rows.caches(i)[0], attn.scale, rows.starts[0],
-                                            rows.masks[0], self.kernels)
+                attended = attend_row(q, k, v, rows, rows.caches(i), attn.scale, self.kernels)
             else:
                 q, k, v = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(x)
                 rope = self.compiled(("rope", i), lambda: rotary(attn))

@@ -29,8 +29,8 @@ from .base import (
     Rows,
     TargetAdapter,
     attend_batch,
+    attend_row,
     attend_rows,
-    cached_attention,
     gated_mlp_group,
     heads_first,
     join,
@@ -259,8 +259,7 @@ class Gemma3Adapter(TargetAdapter):
                 q, k, v = self.compiled(("pre_rope", i), lambda: rotated(
                     attention_inputs(layer, groups, self.kernels, self.norms), attn))(x, rows.offsets[0])
                 if self._is_global(i):
-                    attended = cached_attention(q, k, heads_first(v), rows.caches(i)[0], attn.scale, rows.starts[0],
-                                                rows.masks[0], self.kernels)
+                    attended = attend_row(q, k, v, rows, rows.caches(i), attn.scale, self.kernels)
                 else:
                     attended = window_attention(q, k, heads_first(v), rows.caches(i)[0], attn.scale, sliding_masks[0],
                                                 self.kernels)

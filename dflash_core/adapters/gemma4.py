@@ -22,7 +22,7 @@ from ..kernels import backend
 from ..kernels.attention import attention, buffer_mask, single_query
 from ..kernels.matmul import gated_mlp, linear, linears
 from ..kernels.norms import add_norm, add_normed, norm_of
-from .base import TargetAdapter, attend_batch, batch_keys, gated_mlp_group, heads_first, join, part, rotary
+from .base import TargetAdapter, attend_batch, batch_keys, gated_mlp_group, heads_first, join, part, rotary, rotated
 from .gemma3 import window_batch_keys, window_rows_layout
 
 
@@ -43,19 +43,6 @@ def attention_inputs(layer, groups: dict, kernels):
         return q, attn.k_norm(k), attn.v_norm(v)
 
     return pre
-
-
-def rotated_inputs(pre, attn):
-    """One row's `attention_inputs` and RoPE at the row's offset as one block: (h, offset) -> q, k
-    [1, heads, L, D] and v token-major, or q alone for a layer that shares another's K/V (the
-    base adapter's `rotated` takes both q and k)."""
-    rope = rotary(attn)
-
-    def block(h, offset):
-        q, *kv = pre(h)
-        return (*rope(offset, q, kv[0]), kv[1]) if kv else rope(offset, q)
-
-    return block
 
 
 def route(router, h: mx.array, kernels) -> tuple[mx.array, mx.array]:
@@ -206,9 +193,9 @@ class Gemma4Adapter(TargetAdapter):
         tapped = {}
         for i, (layer, groups) in enumerate(zip(self.layers, self.shared_inputs)):
             if len(rows.rows) == 1:  # RoPE in the projections' block
-                inputs = self.compiled(("pre_rope", i), lambda: rotated_inputs(
+                inputs = self.compiled(("pre_rope", i), lambda: rotated(
                     attention_inputs(layer, groups, self.kernels), layer.self_attn))(h, rows.offsets[0])
-                attended = self._attend_row(i, inputs, caches[0], shared[0], masks[0], rows, 0, rotated=True)
+                attended = self._attend_row(i, inputs, caches[0], shared[0], masks[0], rows, 0, rope_done=True)
                 h = self._after_attention(i, layer, groups, h, attended, per_layer, rows, tapped, tap_ids)
                 continue
             inputs = self.compiled(("pre", i), lambda: attention_inputs(layer, groups, self.kernels))(h)
@@ -258,17 +245,17 @@ class Gemma4Adapter(TargetAdapter):
         _, keys, values, mask = shared[i] = shared[self.inner.previous_kvs[i]]
         return attend_batch(q_b, keys, values, mask, rows, attn.scale, self.kernels)
 
-    def _attend_row(self, i, inputs, cache, shared, masks, rows, r, rotated: bool = False):
+    def _attend_row(self, i, inputs, cache, shared, masks, rows, r, rope_done: bool = False):
         """Layer i's attention for row r from its slice of the layer's inputs: RoPE at its offset
-        (done already where `rotated`: `rotated_inputs`' q and k, heads first), its cache update (or
+        (done already where `rope_done`: `rotated`'s q and k, heads first), its cache update (or
         the K/V it shares) and attention. A verify attends through the block attention
         (kernels/attention.py) with boolean masks: sliding layers' ring already has one; global
         layers attend over their cache's whole buffer with its tail masked, as in the dense
         adapter, so shapes repeat across cycles."""
         layer = self.layers[i]
         attn = layer.self_attn
-        rope = (lambda offset, *xs: xs) if rotated else self.compiled(("rope", i), lambda: rotary(attn))
-        n = inputs[0].shape[2 if rotated else 1]
+        rope = (lambda offset, *xs: xs) if rope_done else self.compiled(("rope", i), lambda: rotary(attn))
+        n = inputs[0].shape[2 if rope_done else 1]
         if attn.has_kv:
             q, k = rope(rows.offsets[r], inputs[0], inputs[1])
             k, v = cache[i].update_and_fetch(k, heads_first(inputs[2]))

@@ -46,10 +46,9 @@ from ..kernels.norms import add_norm, norm_of, residual
 from .base import (
     Rows,
     TargetAdapter,
+    attend_row,
     attend_rows,
-    cached_attention,
     gated_mlp_group,
-    heads_first,
     join,
     part,
     rotary,
@@ -383,8 +382,7 @@ class Qwen35Adapter(TargetAdapter):
         if len(rows.rows) == 1:  # RoPE in the projections' block
             q, k, v, gate = self.compiled(("attn_in_rope", i), lambda: rotated(
                 gated_attention_inputs(layer, groups, self.kernels), attn))(x, rows.offsets[0])
-            attended = cached_attention(q, k, heads_first(v), rows.caches(i)[0], attn.scale, rows.starts[0],
-                                        rows.masks[0], self.kernels)
+            attended = attend_row(q, k, v, rows, rows.caches(i), attn.scale, self.kernels)
         else:
             q, k, v, gate = self.compiled(("attn_in", i), lambda: gated_attention_inputs(layer, groups, self.kernels))(x)
             rope = self.compiled(("rope", i), lambda: rotary(attn))
