@@ -52,9 +52,10 @@ HELD_OUT = {
 
 
 def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
-    """--target and --drafter: a pair to load instead of the demo's (`load_pair`)."""
+    """--target and --drafter: a pair to load instead of the demo's, --dtype to cast it to (`load_pair`)."""
     parser.add_argument("--target", help="converted target directory (default: the installed demo target)")
     parser.add_argument("--drafter", help="drafter directory (default: the shipped demo drafter)")
+    parser.add_argument("--dtype", help="the target's and drafter's dtype (default: as stored)")
 
 
 def load_pair(args: argparse.Namespace):
@@ -64,7 +65,7 @@ def load_pair(args: argparse.Namespace):
 
     target = args.target or str(demo_target_dir())
     drafter = args.drafter or str(DEMO_DRAFTER)
-    return target, drafter, load_model(target, drafter).engine
+    return target, drafter, load_model(target, drafter, dtype=args.dtype).engine
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo_pair import HELD_OUT, add_pair_arguments  # noqa: E402
+from demo_pair import HELD_OUT, add_pair_arguments, load_pair  # noqa: E402
 from gpu_cycle import PATHS, parse_paths  # noqa: E402
 
 from dflash_core.bench import first_divergence, mode_result, run_once  # noqa: E402
@@ -55,7 +55,6 @@ def held_out_prompts(path: Path | None, per_set: int) -> dict[str, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
-    parser.add_argument("--dtype", help="the target's and drafter's dtype (default: as stored)")
     parser.add_argument("--paths", default="dflash", help=f"comma-separated, of: {', '.join(PATHS)}")
     parser.add_argument("--prompts", type=Path, help="a `dflash corpus` JSONL file")
     parser.add_argument("--prompts-per-set", type=int, default=6)
@@ -66,12 +65,7 @@ def main() -> None:
     if args.prompts_per_set < 1 or args.max_tokens < 2:  # (a decode speed needs two tokens)
         parser.error("--prompts-per-set must be at least 1 and --max-tokens at least 2")
 
-    from dflash_core.demo import DEMO_DRAFTER, demo_target_dir
-    from dflash_core.loading import load_model
-
-    target_dir = args.target or str(demo_target_dir())
-    drafter_dir = args.drafter or str(DEMO_DRAFTER)
-    loaded = load_model(target_dir, drafter_dir, dtype=args.dtype).engine
+    target_dir, drafter_dir, loaded = load_pair(args)
     engines = {p: Engine(loaded.target.with_kernels(PATHS[p]), loaded.tokenizer, loaded.drafter.with_kernels(PATHS[p]),
                          prefill_chunk=loaded.prefill_chunk)
                for p in paths}
