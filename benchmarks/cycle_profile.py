@@ -25,7 +25,7 @@ named, so a path that takes launches out of a forward shows as less launch time 
 steadier measure than wall time on a noisy host.
 
     MLX_USE_CUDA_GRAPHS=1 python benchmarks/cycle_profile.py --shape gemma-3-270m \\
-        --paths dflash,stream-parts,fused-norms,dflash,stream-parts,fused-norms --out cycle_profile.json
+        --paths dflash,cycle-copies,fused-norms,dflash,cycle-copies,fused-norms --out cycle_profile.json
 """
 
 from __future__ import annotations

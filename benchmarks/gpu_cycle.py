@@ -70,10 +70,14 @@ PATHS = {
     "chunk64": KernelOptions(attention_chunk=64),
     "fused-norms": KernelOptions(fused_norms=True),
     "load-warps4": KernelOptions(attention_load_warps=4),
-    "stream-parts": KernelOptions(stream_parts=True),
+    "column-copies": KernelOptions(stream_parts=False),
     "draft-after-read": KernelOptions(draft_ahead=False),
     "eager-drafter": KernelOptions(compiled_drafter=False),
-    "drafter-exact": KernelOptions(drafter_exact_attention=True),
+    "drafter-stacked": KernelOptions(drafter_exact_attention=False),
+    # The default before 2026-12-07: the verify's and the draft's column copies and the draft's
+    # stacked attention, launches a cycle makes and the target alone does not (docs/performance.md,
+    # "Fewer launches in the cycle").
+    "cycle-copies": KernelOptions(stream_parts=False, drafter_exact_attention=False),
 }
 
 
@@ -254,12 +258,14 @@ def main() -> int:
                              "scalar-attention (dflash with the exact attention's scalar kernel, not tensor cores), "
                              "chunk512 (dflash with 512 key slots per block of the exact attention, not 128), "
                              "fused-norms (dflash with a residual add and its norms in one launch of ours, not MLX's kernels), "
-                             "load-warps4 (dflash with 4 warps loading each tile of the exact attention), stream-parts (dflash "
-                             "with each stacked projection's output an array of its own from the stream kernel, not "
-                             "columns of one product), draft-after-read (dflash drafting each cycle after its read, "
+                             "load-warps4 (dflash with 4 warps loading each tile of the exact attention), column-copies (dflash "
+                             "with each stacked projection's output columns of one product, which reshapes copy, not an "
+                             "array of its own from the stream kernel), draft-after-read (dflash drafting each cycle after "
+                             "its read, "
                              "not queued behind its verify), eager-drafter (dflash with the drafter's layers op by op, "
                              "not as compiled blocks), chunk32 / chunk64 (exact attention in chunks of 32 / 64 key "
-                             "slots), drafter-exact (a drafter's blocks through the exact attention kernel)")
+                             "slots), drafter-stacked (a drafter's blocks through the stacked GEMMs over two "
+                             "segments, not the exact attention kernel), cycle-copies (column-copies and drafter-stacked)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks this script on a CPU, measures nothing")
     args = parser.parse_args()

@@ -35,7 +35,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .cache import RowsKVCache
 from .compiled import COMPILED_MAX_TOKENS, BlockCache
-from .drafter_config import CheckpointError, DrafterConfig
+from .drafter_config import CheckpointError, DrafterConfig, HeldOutAcceptance, read_held_out_acceptance
 from .kernels import DEFAULT_KERNELS, KernelOptions, backend
 from .kernels.attention import attention
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
@@ -267,6 +267,9 @@ class DFlashDrafter(nn.Module):
         self.layers = [DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.stacked_rows = StackedRows()  # the batched rows' context buffers, for their next block
+        # Its training report's held-out acceptance by block position (`load_drafter`), if it has one:
+        # what `speculation: auto` expects of it before its own cycles say more.
+        self.held_out_acceptance: Optional[HeldOutAcceptance] = None
 
     @property
     def block_size(self) -> int:
@@ -491,6 +494,7 @@ def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None,
     model.eval()
     mx.eval(model.parameters())
     model.stack_shared_inputs()
+    model.held_out_acceptance = read_held_out_acceptance(path, cfg.block_size - 1)
     return model
 
 

@@ -1,12 +1,19 @@
 """A DFlash drafter checkpoint's config.json (z-lab `DFlashDraftModel`): what it says, read and
-checked, with errors that name the file and the key; and where a drafter taps its target when the
-checkpoint names no layers. Layouts: docs/formats.md.
+checked, with errors that name the file and the key; where a drafter taps its target when the
+checkpoint names no layers; and the held-out acceptance its `dflash train` report measured.
+Layouts: docs/formats.md.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 
@@ -191,3 +198,36 @@ def default_target_layer_ids(num_target_layers: int, num_taps: Optional[int] = N
         return [n // 2]
     span = max(n - 4, k - 1)
     return [min(n - 1, int(round(1 + j * span / (k - 1)))) for j in range(k)]
+
+
+@dataclass(frozen=True)
+class HeldOutAcceptance:
+    """What `dflash train` measured of a drafter on held-out sequences (`acceptance_by_position` of
+    the train_report.json in its directory, `source`): per block position 1.., the share of cycles
+    whose drafts were all accepted through it."""
+
+    through: tuple[float, ...]
+    source: str
+
+
+def read_held_out_acceptance(path: Path, positions: int) -> Optional[HeldOutAcceptance]:
+    """The `HeldOutAcceptance` in a drafter directory, of at most `positions` positions. None where
+    the directory has no report (z-lab's checkpoints) or one that does not say it; a report that
+    says it wrongly is a warning naming the file and key, not an error: a drafter serves without it."""
+    report = path / "train_report.json"
+    if not report.is_file():
+        return None
+    try:
+        values = json.loads(report.read_text()).get("acceptance_by_position")
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("%s: not a readable report (%s); its held-out acceptance is not used", report, e)
+        return None
+    if values is None:
+        return None
+    if (not isinstance(values, list) or not 0 < len(values) <= positions
+            or not all(isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1 for v in values)
+            or any(b > a for a, b in zip(values, values[1:]))):
+        log.warning("%s: acceptance_by_position: expected at most %d shares in [0, 1], none above the one "
+                    "before it; not used", report, positions)
+        return None
+    return HeldOutAcceptance(tuple(float(v) for v in values), str(report))

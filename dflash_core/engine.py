@@ -103,7 +103,9 @@ class Engine:
             raise ValueError(f"speculation must be one of {MODES}, got {speculation!r}")
         self.speculation = speculation  # what generate() does unless told otherwise
         # What `auto` measured on this machine, kept across this model's generations.
-        self.speculation_state = ModelSpeculation(drafter.block_size) if drafter is not None else None
+        held_out = getattr(drafter, "held_out_acceptance", None)
+        self.speculation_state = (ModelSpeculation(drafter.block_size, held_out.through if held_out else None)
+                                  if drafter is not None else None)
         # Cache bytes per token held, the largest a finished generation had (target and drafter):
         # what a scheduler admits new generations by. None until one finished.
         self.cache_bytes_per_token: Optional[float] = None

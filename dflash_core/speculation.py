@@ -113,6 +113,15 @@ class AcceptanceCounts:
         self.verified = [0.0] * positions
         self.decay = decay
 
+    @classmethod
+    def expecting(cls, positions: int, through, cycles: float, decay: float = 1.0) -> "AcceptanceCounts":
+        """Counts as if `cycles` full-width cycles had been accepted through position j in a share
+        `through[j]` of them (positions past `through`: never verified)."""
+        counts = cls(positions, decay)
+        for j, share in enumerate(list(through)[:positions]):
+            counts.verified[j], counts.accepted[j] = float(cycles), cycles * float(share)
+        return counts
+
     def add(self, width: int, accepted: int) -> None:
         if self.decay != 1.0:
             for j in range(len(self.verified)):
@@ -423,9 +432,16 @@ class AlwaysSpeculate:
 
 @dataclass
 class ModelSpeculation:
-    """What a model keeps across its generations for `auto`."""
+    """What a model keeps across its generations for `auto`. Its acceptance history starts from
+    `expected` where the drafter came with one (the held-out acceptance its training measured,
+    `drafter_config.HeldOutAcceptance`), counted as `expected_cycles` of its own cycles and fading
+    as they come: without it a new server judged cycles by its first one or two, which on a GPU
+    kept `auto` off for whole generations whose cycles won 1.3-2x (docs/performance.md, "Never
+    slower")."""
 
     block_size: int
+    expected: Optional[tuple[float, ...]] = None  # P(accepted through block position j), j = 1..
+    expected_cycles: float = 8.0
     timings: Timings = field(default_factory=Timings)
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     refreshes: RefreshSchedule = field(default_factory=RefreshSchedule)
@@ -434,7 +450,8 @@ class ModelSpeculation:
 
     def __post_init__(self):
         self.rounds = RoundCosts(self.block_size)
-        self.prior = AcceptanceCounts(self.block_size - 1, decay=0.98)
+        self.prior = AcceptanceCounts.expecting(self.block_size - 1, self.expected or (), self.expected_cycles,
+                                                decay=0.98)
 
     def policy(self, mode: str, batched: bool = False) -> SpeculationPolicy:
         """`batched`: the generation's forwards run in `batching.step_together`'s rounds."""

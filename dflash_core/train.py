@@ -30,6 +30,7 @@ from .drafter import DFlashDrafter, load_drafter, read_drafter_config
 from .drafter_config import DrafterConfig, default_target_layer_ids
 from .engine import Engine
 from .hub import DRAFTER_FILES, TARGET_FILES, resolve
+from .kernels import KernelOptions
 from .loading import load_target
 from .prompts import hf_tokenizer
 from .train_data import data_report, read_prompt_records, regenerate, split_sequences
@@ -114,6 +115,12 @@ class TrainOptions:
 # ----------------------------------------------------------------------- the model
 
 
+def training_kernels(target) -> KernelOptions:
+    """The target's kernel options for a drafter being trained: its blocks' attention never in the
+    exact CUDA kernel (`drafter_exact_attention`), which has no gradient, but in MLX's ops."""
+    return replace(target.kernels, drafter_exact_attention=False)
+
+
 def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
     opts = opts.with_new_drafter_defaults()
     H, n = target.hidden_size, target.num_layers
@@ -148,7 +155,7 @@ def new_drafter(target, tokenizer, opts: TrainOptions) -> DFlashDrafter:
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
         "dflash_config": {"block_size": opts.block_size, "target_layer_ids": taps, "mask_token_id": int(mask)},
     }
-    drafter = DFlashDrafter(DrafterConfig.from_dict(raw), target.kernels)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw), training_kernels(target))
     drafter.config.raw = raw  # written out as config.json
     mx.eval(drafter.parameters())
     return drafter
@@ -174,7 +181,7 @@ def drafter_to_continue(target, opts: TrainOptions) -> tuple[Path, TrainOptions]
 def initial_drafter(target, path: Path) -> DFlashDrafter:
     """The drafter in `path` (z-lab format, checked by `drafter_to_continue`) to train further, in
     float32 (the shipped ones are bf16; AdamW's small updates would round away)."""
-    drafter = load_drafter(path, dtype=mx.float32, kernels=target.kernels)
+    drafter = load_drafter(path, dtype=mx.float32, kernels=training_kernels(target))
     raw, _ = read_drafter_config(path)
     for key in ("torch_dtype", "dtype"):  # the weights are written in --save-dtype or the target's
         raw.pop(key, None)

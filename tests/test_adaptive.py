@@ -637,3 +637,49 @@ def test_a_generation_ending_on_plain_steps_leaves_an_exact_snapshot(engines, fa
     assert stats.prefill_tokens < len(follow) - len(first)  # restored from the generation's end
     cold, _ = _tokens(engine, follow, SamplingParams(), speculative=False)
     assert hit == cold
+
+
+def test_a_drafter_s_held_out_acceptance_outweighs_two_unlucky_first_cycles():
+    """The H100 with the demo pair (docs/performance.md, "Never slower"): a plain step 4 ms, a cycle
+    7.6 ms at any width and twice that after plain steps, acceptance by position as the drafter's
+    training measured on held-out data (3.1 tokens a cycle: cycles win 1.6x), but for a server's
+    first two cycles, which make one token each. A model that knows nothing of the drafter judges
+    cycles by those two and waits long before it probes again: whole generations of plain steps.
+    One given the drafter's held-out acceptance keeps speculating at full width."""
+    import random
+
+    from dflash_core.speculation import ModelSpeculation
+
+    through = (0.6, 0.45, 0.35, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def generations(expected, seed):
+        rng, model, cycles, out = random.Random(seed), ModelSpeculation(16, expected), 0, []
+        for _ in range(4):
+            policy, context, last, plans = model.policy("auto"), 100, 0, []
+            for _ in range(128):
+                width = policy.plan(context)
+                accepted, seconds = 0, 0.004
+                if width:
+                    cycles, draw = cycles + 1, rng.random()
+                    accepted = 0 if cycles <= 2 else min(sum(draw < t for t in through), width - 1)
+                    seconds = 0.0076 * (2 if last == 0 else 1)
+                policy.observe(width, context, seconds, accepted)
+                plans.append(width)
+                context, last = context + accepted + 1, width
+            out.append(plans)
+        return out
+
+    unknown = [g for seed in range(4) for g in generations(None, seed)]
+    held_out = [g for seed in range(4) for g in generations(through, seed)]
+    assert max(g.count(0) for g in unknown) > 100  # a generation of plain steps but for its probe
+    assert max(g.count(0) for g in held_out) <= 32
+    assert sum(g.count(16) for g in held_out) >= 0.9 * sum(map(len, held_out))
+
+
+def test_acceptance_counts_expecting_a_measured_drafter():
+    from dflash_core.speculation import AcceptanceCounts
+
+    counts = AcceptanceCounts.expecting(4, (0.5, 0.25), cycles=8)
+    assert counts.verified == [8.0, 8.0, 0.0, 0.0] and counts.accepted == [4.0, 2.0, 0.0, 0.0]
+    policy = AutoSpeculation(Timings(), counts, 5)
+    assert policy.expected_tokens(5) == 1.75  # 1 + 0.5 + 0.25, and nothing past what was measured

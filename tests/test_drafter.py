@@ -188,6 +188,29 @@ def test_both_layouts_load_the_same(tiny_pair_factory):
         assert getattr(a, key) == getattr(b, key), key
 
 
+def test_a_training_report_s_held_out_acceptance_seeds_auto(tiny_pair_factory, caplog):
+    """A drafter directory's train_report.json (`dflash train`'s) gives the loaded drafter its
+    held-out acceptance by position, which an engine's `auto` starts from as 8 cycles of history; a
+    z-lab directory (no report) gives none, and a report that says it wrongly a warning naming the
+    file and key, and none."""
+    from dflash_core.engine import Engine
+
+    target_dir, drafter_dir = tiny_pair_factory("qwen3")
+    target, tokenizer, _ = load_target(target_dir)
+    assert load_drafter(drafter_dir).held_out_acceptance is None
+    engine = Engine(target, tokenizer, load_drafter(drafter_dir))
+    assert engine.speculation_state.prior.verified == [0.0] * (engine.drafter.block_size - 1)
+    through = [0.5, 0.25, 0.125]
+    (drafter_dir / "train_report.json").write_text(json.dumps({"steps": 3, "acceptance_by_position": through}))
+    drafter = load_drafter(drafter_dir)
+    assert drafter.held_out_acceptance.through == tuple(through)
+    prior = Engine(target, tokenizer, drafter).speculation_state.prior
+    assert prior.verified[:4] == [8.0, 8.0, 8.0, 0.0] and prior.accepted[:3] == [4.0, 2.0, 1.0]
+    (drafter_dir / "train_report.json").write_text(json.dumps({"acceptance_by_position": [0.2, 0.5]}))
+    assert load_drafter(drafter_dir).held_out_acceptance is None
+    assert "train_report.json: acceptance_by_position: expected" in caplog.text
+
+
 def test_model_prefix_and_stray_embeddings_are_accepted(tiny_pair_factory, caplog):
     target, drafter = tiny_pair_factory("qwen3", weight_prefix="model.")
     weights = mx.load(str(drafter / "model.safetensors"))

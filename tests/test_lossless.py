@@ -68,18 +68,20 @@ def test_every_acceptance_length_drafting_after_the_read_is_lossless(engines, re
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4", "gemma3"])
 def test_cuda_attention_paths_are_lossless(engines, references, family, monkeypatch, exact_attention_calls):
     """The attention paths CUDA takes, run here on the CPU: the target's decode steps and verify
-    blocks through the exact kernel's gate (kernels/attention_cuda.py; its CPU stand-in here), the
-    drafter's blocks (context and block: two key segments) through the stacked GEMMs
-    (kernels/attention.py). The dense, Qwen3.5, Gemma 4 (sliding and global layers, shared K/V) and
-    Gemma 3 (rings) adapters all hand their masks and buffers to the gate."""
+    blocks through the exact kernel's gate (kernels/attention_cuda.py; its CPU stand-in here), and
+    the drafter's blocks too (`drafter_exact_attention`: context and block joined into one key
+    segment), none through the stacked GEMMs (kernels/attention.py). The dense, Qwen3.5, Gemma 4
+    (sliding and global layers, shared K/V) and Gemma 3 (rings) adapters all hand their masks and
+    buffers to the gate."""
     taken = []  # the number of key segments of each stacked call
     stacked = block_attention.stacked
     monkeypatch.setattr(block_attention, "stacked", lambda q, keys, *rest: taken.append(len(keys)) or stacked(q, keys, *rest))
     prompt, reference = references[family]
     assert _run(engines[family], prompt, speculative=False)[0] == reference[:N_TOKENS]
     assert 1 in exact_attention_calls and not taken  # target-alone decode steps (and 16-token prefill chunks)
+    exact_attention_calls.clear()
     test_random_drafter_is_lossless(engines, references, family)
-    assert set(taken) == {2}  # the real drafter's blocks, and nothing else
+    assert not taken  # no stacked call: the drafter's blocks too went to the exact kernel's gate
     _check_every_acceptance_length(engines, references, family)
     # A verify-sized forward of the target sends every attention layer through the exact kernel.
     target = engines[family].target
@@ -91,25 +93,23 @@ def test_cuda_attention_paths_are_lossless(engines, references, family, monkeypa
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_drafter_blocks_through_the_exact_kernel_are_lossless(engines, references, family, monkeypatch,
-                                                             exact_attention_calls):
-    """`drafter_exact_attention`: the drafter's blocks attend over [context ; block] joined into one
-    segment, so on CUDA they take the exact kernel's gate too (its CPU stand-in here), not the
-    stacked GEMMs; the drafts change in their last bits at most, the output not at all. (With the
-    gate as on CUDA, a block not sent to the exact kernel goes to the stacked GEMMs, which `taken`
-    counts.)"""
+def test_drafter_blocks_through_the_stacked_gemms_are_lossless(engines, references, family, monkeypatch,
+                                                              exact_attention_calls):
+    """`drafter_exact_attention` off: the drafter's blocks attend over [context ; block] as two key
+    segments, which on CUDA the stacked GEMMs take (kernels/attention.py), not the exact kernel;
+    the drafts change in their last bits at most, the output not at all."""
     from dataclasses import replace
 
     taken = []
     stacked = block_attention.stacked
     monkeypatch.setattr(block_attention, "stacked", lambda q, keys, *rest: taken.append(len(keys)) or stacked(q, keys, *rest))
     engine = engines[family]
-    drafter = engine.drafter.with_kernels(replace(engine.drafter.kernels, drafter_exact_attention=True))
-    exact = Engine(engine.target, engine.tokenizer, drafter, prefill_chunk=engine.prefill_chunk)
+    drafter = engine.drafter.with_kernels(replace(engine.drafter.kernels, drafter_exact_attention=False))
+    two_segments = Engine(engine.target, engine.tokenizer, drafter, prefill_chunk=engine.prefill_chunk)
     prompt, reference = references[family]
-    tokens, last = _run(exact, prompt)
+    tokens, last = _run(two_segments, prompt)
     assert tokens == reference[:N_TOKENS] and last.stats.cycles > 0
-    assert not taken  # no stacked call: the drafter's blocks too went to the exact kernel's gate
+    assert set(taken) == {2}  # the drafter's blocks, and nothing else
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"])

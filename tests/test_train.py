@@ -45,6 +45,34 @@ def test_training_forward_matches_inference(qwen3_pair):
         np.testing.assert_allclose(np.array(batched[k]), np.array(single), rtol=1e-4, atol=1e-4)
 
 
+def test_a_trained_drafter_never_takes_the_exact_kernel(qwen3_pair, exact_attention_calls):
+    """The exact attention kernel has no gradient: with the gate as on CUDA, a drafter made to
+    train (new or loaded to train further) attends through MLX's ops, and its gradient flows,
+    where the engine's drafter (`drafter_exact_attention`) would take the kernel."""
+    from dflash_core.drafter import DFlashDrafter
+
+    target, tokenizer, _ = load_target(qwen3_pair[0])
+    opts = TrainOptions(target="x", data=None, out=None, layers=2, head_dim=16, heads=4, kv_heads=2,
+                        intermediate_size=96)
+    drafter = new_drafter(target, tokenizer, opts)
+    tokens = mx.array(tokenizer.encode("A sequence long enough to anchor several blocks in it."), dtype=mx.int32)
+    taps = target.forward(tokens[None], target.make_cache(16), drafter.config.target_layer_ids).tapped_hidden
+    exact_attention_calls.clear()  # (the target's own forward above went to the kernel)
+    anchors = mx.array([3, 7], dtype=mx.int32)
+
+    def loss(model):
+        return block_logits(model, target, taps, tokens, anchors).astype(mx.float32).square().mean()
+
+    value, grads = nn.value_and_grad(drafter, loss)(drafter)
+    mx.eval(value, grads)
+    assert exact_attention_calls == [] and drafter.kernels.drafter_exact_attention is False
+    assert float(mx.abs(grads["layers"][0]["self_attn"]["q_proj"]["weight"]).sum()) > 0
+    serving = DFlashDrafter(drafter.config, target.kernels)
+    serving.update(drafter.parameters())
+    block_logits(serving, target, taps, tokens, anchors)
+    assert exact_attention_calls  # (the engine's options: the kernel's gate takes the blocks)
+
+
 def test_a_step_of_sequences_trains_as_each_alone(qwen3_pair):
     """A step's sequences as one padded batch (`batch_of`) give every block the logits and labels
     it gets in its own sequence alone: it sees only its own sequence's context, its labels stop at

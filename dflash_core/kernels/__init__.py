@@ -27,8 +27,8 @@ def backend() -> str:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """Which of this project's own paths may run where the backend has them; on by default but two.
-    Benchmarks turn one off to measure MLX's own in the same process: an adapter and a drafter are
+    """Which of this project's own paths may run where the backend has them; on by default but one
+    (`fused_norms`). Benchmarks turn one off to measure MLX's own in the same process: an adapter and a drafter are
     given one (`with_kernels`), and it is part of the key of their compiled functions, since a
     block reads it when it is traced. Frozen, so that a key never changes under a traced block."""
 
@@ -46,12 +46,12 @@ class KernelOptions:
     attention_chunk: int = 128
     # With exact_attention: a drafter's blocks attend over [context ; block] as one key segment (the
     # two joined: two copies of the context buffer a layer), so that on CUDA they take the exact
-    # kernel (one or two launches; four with the copies) rather than the stacked GEMMs over two
-    # segments (about ten); the drafts' numbers change in the last bits, never the target's tokens.
-    # Off: not measured yet (a 270M draft's launches are most of its host time, docs/performance.md,
-    # "A 270M cycle is the host launching kernels"; gpu_cycle.py and cycle_profile.py's
-    # drafter-exact path measure it).
-    drafter_exact_attention: bool = False
+    # kernel (two launches; four with the copies) rather than the stacked GEMMs over two segments
+    # (about ten); the drafts' numbers change in the last bits, never the target's tokens. Elsewhere
+    # the attention joins the segments itself, so it changes nothing there. On an H100 a 270M
+    # draft's launches went 229 -> 174 with `stream_parts` and its launch time 1.3 -> 0.9 ms a cycle
+    # (docs/performance.md, "Fewer launches in the cycle"). Not for training: the kernel has no gradient.
+    drafter_exact_attention: bool = True
     # With tensor_core_attention: warps per block at least, the extra ones loading tiles only (the
     # same bits); 1, not measured yet: a decode step's block loads with its one computing warp
     # (docs/performance.md, "Fewer launches: Gemma's norm scales, fused residual norms")
@@ -66,10 +66,10 @@ class KernelOptions:
     bf16_stream: bool = True  # on CUDA, bf16 products of <= 32 rows in our stream kernel (bf16_matmul_cuda.py)
     one_launch_per_input: bool = True  # projections sharing an input in one launch, else one per weight
     # With bf16_stream and one_launch_per_input: each projection's output an array of its own from the
-    # one launch, else columns of one product, which the reshapes after them copy (a launch each).
-    # Off: on an H100 it made no end-to-end difference above the noise (its CUDA test passed there on
-    # 2026-12-07; docs/performance.md, "Drafts ahead and split outputs")
-    stream_parts: bool = False
+    # one launch, else columns of one product, which the reshapes after them copy (a launch each: 54
+    # a Gemma 3 270M verify, 36 of the 54 gone; the drafts' too). Launches a cycle makes and a
+    # target-alone step does not (docs/performance.md, "Fewer launches in the cycle").
+    stream_parts: bool = True
     # on CUDA, a residual add and the RMS norms beside it in one launch (norms.py, residual_norm_cuda.py);
     # off: on an H100 with 33 % fewer launches it made no end-to-end difference above the noise
     # (docs/performance.md, "Fewer launches: Gemma's norm scales, fused residual norms")
