@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--accepted", type=int, default=2, help="drafts accepted a cycle (tokens a cycle: one more)")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=300, help="tokens generated a profiled run")
+    parser.add_argument("--stats", type=int, default=0,
+                        help="also print each path's first profiled cycles' top N functions by own time")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     paths = parse_paths(parser, args.paths)
@@ -120,7 +122,7 @@ def main() -> None:
     for engine in engines.values():  # traced, compiled and allocated before anything is timed
         run(engine, 64)
         run(engine, 64, speculative=False)
-    results = []
+    results, printed = [], set()
     for p in paths:
         plain_cycles, plain_steps = run(engines[p], args.tokens), run(engines[p], args.tokens, speculative=False)
         (cycle_profile, cycles), (step_profile, steps) = profiled(engines[p], True), profiled(engines[p], False)
@@ -136,6 +138,10 @@ def main() -> None:
                    "profiled_step_ms": 1e3 * steps.decode_seconds / step_count,
                    "host_ms": {k: round(v, 3) for k, v in split(step_profile, step_count, STEP_PARTS).items()}}}
         results.append(row)
+        if args.stats and p not in printed:
+            printed.add(p)
+            print(f"{p}: top {args.stats} functions of {cycles.cycles} cycles by own time", flush=True)
+            pstats.Stats(cycle_profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.stats)
         alone = row["target_alone"]
         print(f"{p}: cycle {row['cycle_ms']:.2f} ms (profiled {row['profiled_cycle_ms']:.2f}), "
               + ", ".join(f"{k} {v:.2f}" for k, v in row["host_ms"].items())

@@ -190,7 +190,7 @@ _CHUNKS_SOURCE = """
       __syncthreads();  // before the next tile overwrites shared memory
     }
     if (!real || lane * DPL >= D) return;
-    const size_t row = ((size_t)b * Hq + hq) * L + qi;  // the output row [B, Hq, L]
+    const size_t row = ((size_t)b * L + qi) * Hq + hq;  // the output row [B, L, Hq]
     if constexpr (FINAL) {
       #pragma unroll
       for (int i = 0; i < DPL; ++i)
@@ -327,6 +327,10 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
               tensor_cores: bool = True, chunk: int = CHUNK, load_warps: int = 1) -> mx.array:
     """softmax(q k^T * scale, over the keys `mask` shows each query; all of them without one) v,
     [B, Hq, L, D] in q's dtype, for inputs `supported` takes. A query that sees no key gets zeros.
+    Written token-major, [B, L, Hq, D], and returned as its transposed view: the callers' next step
+    (heads back after the tokens, then one row a token) is then a view too, where the heads-first
+    layout made it a copy for every block of more than one query (a launch a layer in a verify and
+    a draft, none in a decode step, whose two layouts are one).
     `tensor_cores`: bf16/fp16 head dims the tensor-core kernel takes go through it, else through
     the scalar one; `chunk`: key slots per block (a multiple of MIN_CHUNK). A decode and
     a verify must pass the same of both. `load_warps`: warps per block of the tensor-core kernel
@@ -344,7 +348,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
     mask = _mask4(mask) if has_mask else _no_mask()
     final = chunks == 1
     n = B * Hq * L
-    outputs = dict(output_shapes=[(B, Hq, L, D) if final else (1,), (1,) if final else (n, chunks),
+    outputs = dict(output_shapes=[(B, L, Hq, D) if final else (1,), (1,) if final else (n, chunks),
                                   (1,) if final else (n, chunks), (1,) if final else (n, chunks, D)],
                    output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32])
     inputs = [q, k, v, mask, _scale(float(scale))]
@@ -362,13 +366,13 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Optiona
                                      ("HAS_MASK", has_mask), ("FINAL", final)],
             grid=(-(-rows // W) * W * 32, chunks, B * k.shape[1]), threadgroup=(W * 32, 1, 1), **outputs)
     if final:
-        return out
+        return out.transpose(0, 2, 1, 3)
     per_block = 4
     return _combine_kernel()(
         inputs=[part_m, part_l, part_o],
         template=[("OutT", q.dtype), ("D", D)],
         grid=(-(-n // per_block) * per_block * 32, 1, 1),
         threadgroup=(per_block * 32, 1, 1),
-        output_shapes=[(B, Hq, L, D)],
+        output_shapes=[(B, L, Hq, D)],
         output_dtypes=[q.dtype],
-    )[0]
+    )[0].transpose(0, 2, 1, 3)

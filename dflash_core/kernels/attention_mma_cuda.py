@@ -272,7 +272,7 @@ MMA_CHUNKS_SOURCE = r"""
     for (int h = 0; h < 2; ++h) {
       if (!real[h]) continue;
       const int r = rows_of[h];
-      const size_t row = ((size_t)b * Hq + hkv * nrep + r / L) * L + r % L;  // the output row [B, Hq, L]
+      const size_t row = ((size_t)b * L + r % L) * Hq + hkv * nrep + r / L;  // the output row [B, L, Hq]
       if constexpr (FINAL) {
         #pragma unroll
         for (int d = 0; d < DT; ++d) {
