@@ -95,20 +95,27 @@ def test_rows_match_with_sliding_layers(tiny_pair_factory):
     _check_rows_match_alone(target, drafter)
 
 
-def test_rows_match_on_the_cuda_paths(qwen3_pair, monkeypatch, exact_attention_calls):
-    """The stacked k/v and gate/up matrices and the stacked block attention CUDA uses for drafter
-    blocks (the target's own attention: the exact kernel's gate), run here on the CPU: rows still
-    get what they get alone."""
+@pytest.mark.parametrize("drafter_exact", [True, False], ids=["exact-kernel", "stacked-gemms"])
+def test_rows_match_on_the_cuda_paths(qwen3_pair, monkeypatch, exact_attention_calls, drafter_exact):
+    """The stacked k/v and gate/up matrices CUDA uses for drafter blocks, and their attention as
+    CUDA runs it (by default the exact kernel's gate over [context ; block] joined, its CPU
+    stand-in here; with `drafter_exact_attention` off, the stacked block attention over the two),
+    run here on the CPU: rows still get what they get alone."""
+    from dataclasses import replace
+
     monkeypatch.setattr(small_m, "backend", lambda: "cuda")
     monkeypatch.setattr(block_attention, "backend", lambda: "cuda")
     taken = []
     stacked = block_attention.stacked
     monkeypatch.setattr(block_attention, "stacked", lambda q, *rest: taken.append(q.shape[2]) or stacked(q, *rest))
     target, drafter = _load(qwen3_pair)
+    drafter = drafter.with_kernels(replace(drafter.kernels, drafter_exact_attention=drafter_exact))
     drafter.stack_shared_inputs()
     assert drafter.layers[0].self_attn.kv_input.stacked
     _check_rows_match_alone(target, drafter)
-    assert 5 in taken and 16 in taken  # each row's block attended on its own
+    blocks = exact_attention_calls if drafter_exact else taken
+    assert 5 in blocks and 16 in blocks  # each row's block attended on its own
+    assert not taken or not drafter_exact  # by default none through the stacked GEMMs
 
 
 def test_a_row_does_not_depend_on_its_companions(qwen3_pair):
