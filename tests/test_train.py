@@ -27,13 +27,19 @@ PROMPTS = [
 ]
 
 
-def test_training_forward_matches_inference(qwen3_pair):
-    target, tokenizer, _ = load_target(qwen3_pair[0])
+def _new_drafter_and_taps(pair):
+    """A small new drafter for `pair`'s target, a sequence's tokens and the target's taps of them."""
+    target, tokenizer, _ = load_target(pair[0])
     opts = TrainOptions(target="x", data=None, out=None, layers=2, head_dim=16, heads=4, kv_heads=2,
                         intermediate_size=96)
     drafter = new_drafter(target, tokenizer, opts)
     tokens = mx.array(tokenizer.encode("A sequence long enough to anchor several blocks in it."), dtype=mx.int32)
     taps = target.forward(tokens[None], target.make_cache(16), drafter.config.target_layer_ids).tapped_hidden
+    return target, drafter, tokens, taps
+
+
+def test_training_forward_matches_inference(qwen3_pair):
+    target, drafter, tokens, taps = _new_drafter_and_taps(qwen3_pair)
     anchors = mx.array([3, 7, 11], dtype=mx.int32)
     batched = block_logits(drafter, target, taps, tokens, anchors)
     for k, anchor in enumerate(anchors.tolist()):
@@ -51,12 +57,8 @@ def test_a_trained_drafter_never_takes_the_exact_kernel(qwen3_pair, exact_attent
     where the engine's drafter (`drafter_exact_attention`) would take the kernel."""
     from dflash_core.drafter import DFlashDrafter
 
-    target, tokenizer, _ = load_target(qwen3_pair[0])
-    opts = TrainOptions(target="x", data=None, out=None, layers=2, head_dim=16, heads=4, kv_heads=2,
-                        intermediate_size=96)
-    drafter = new_drafter(target, tokenizer, opts)
-    tokens = mx.array(tokenizer.encode("A sequence long enough to anchor several blocks in it."), dtype=mx.int32)
-    taps = target.forward(tokens[None], target.make_cache(16), drafter.config.target_layer_ids).tapped_hidden
+    target, drafter, tokens, taps = _new_drafter_and_taps(qwen3_pair)
+    assert train_module.initial_drafter(target, Path(qwen3_pair[1])).kernels.drafter_exact_attention is False
     exact_attention_calls.clear()  # (the target's own forward above went to the kernel)
     anchors = mx.array([3, 7], dtype=mx.int32)
 
