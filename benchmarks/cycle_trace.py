@@ -109,10 +109,11 @@ def main() -> None:
                    "tokens_per_cycle": dflash.stats.tokens_per_cycle,
                    **summary(dflash.stats.decode_seconds, policy.steps)}
             rows.append(row)
+            cycles = (f"cycle median {row['median_cycle_ms']:.2f}, slowest {row['slowest_cycle_ms']:.2f} ms"
+                      if row["timed_cycles"] else "no cycle timed")
             print(f"{name}: alone {row['alone_ms_per_token']:.2f} ms/token; {row['cycles']} cycles at "
                   f"{row['tokens_per_cycle']:.2f} tokens, decode {row['decode_ms']:.1f} ms = timed "
-                  f"{row['timed_ms']:.1f} + untimed {row['untimed_ms']:.1f}; cycle median "
-                  f"{row['median_cycle_ms']:.2f}, slowest {row['slowest_cycle_ms']:.2f} ms", flush=True)
+                  f"{row['timed_ms']:.1f} + untimed {row['untimed_ms']:.1f}; {cycles}", flush=True)
 
     result = {"date": time.strftime("%Y-%m-%d"), "device": str(mx.default_device()), "mlx": mx.__version__,
               "target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "max_tokens": args.max_tokens,

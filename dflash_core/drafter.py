@@ -37,7 +37,7 @@ from .cache import RowsKVCache
 from .compiled import COMPILED_MAX_TOKENS, BlockCache
 from .drafter_config import CheckpointError, DrafterConfig, HeldOutAcceptance, read_held_out_acceptance
 from .kernels import DEFAULT_KERNELS, KernelOptions, backend
-from .kernels.attention import attention
+from .kernels.attention import attention, joins_for_exact
 from .kernels.matmul import SharedInput, gated_mlp, linear, linears
 from .kernels.norms import add_norm, norm_of
 from .rows import RaggedLayout, StackedRows, stack_buffers, write_rows
@@ -104,7 +104,7 @@ class DrafterAttention(nn.Module):
         """Attention of one block's `rotated` q, k, v over [context ; block]: [B, L, Hq * D], before
         o_proj."""
         B, L = q.shape[0], q.shape[2]
-        out = attention(q, *_key_segments(context, k, v, kernels), self.scale, mask, kernels)
+        out = attention(q, *_key_segments(q, context, k, v, mask, kernels), self.scale, mask, kernels)
         return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
     def attend(self, q, k, v, context: tuple[mx.array, mx.array], start, mask, kernels: KernelOptions) -> mx.array:
@@ -120,7 +120,7 @@ class DrafterAttention(nn.Module):
         B, L = q.shape[:2]
         q, k, v = (batch.layout.batched(a).transpose(0, 2, 1, 3) for a in (q, k, v))
         q, k = self.rope(q, offset=batch.offsets), self.rope(k, offset=batch.offsets)
-        out = attention(q, *_key_segments(context, k, v, kernels), self.scale, mask, kernels)
+        out = attention(q, *_key_segments(q, context, k, v, mask, kernels), self.scale, mask, kernels)
         return batch.layout.unbatched(out.transpose(0, 2, 1, 3)).reshape(B, L, -1)
 
     def __call__(self, x, context: tuple[mx.array, mx.array], start, mask,
@@ -129,13 +129,15 @@ class DrafterAttention(nn.Module):
         return linear(self.o_proj, self.attend(*self.projections(x, kernels), context, start, mask, kernels), kernels)
 
 
-def _key_segments(context: tuple[mx.array, mx.array], k: mx.array, v: mx.array,
+def _key_segments(q: mx.array, context: tuple[mx.array, mx.array], k: mx.array, v: mx.array, mask,
                   kernels: KernelOptions) -> tuple[list[mx.array], list[mx.array]]:
-    """A block's keys and values over [context ; block]: two segments, or one joined where
-    `drafter_exact_attention` asks for it (one segment is what the exact kernel takes)."""
-    if kernels.drafter_exact_attention:
-        return [mx.concatenate([context[0], k], axis=2)], [mx.concatenate([context[1], v], axis=2)]
-    return [context[0], k], [context[1], v]
+    """A block's keys and values over [context ; block]: two segments, or one joined where the
+    exact kernel would take them so and the context is small enough to copy
+    (`kernels.attention.joins_for_exact`, `KernelOptions.drafter_exact_attention`)."""
+    keys, values = [context[0], k], [context[1], v]
+    if joins_for_exact(q, keys, values, mask, kernels):
+        return [mx.concatenate(keys, axis=2)], [mx.concatenate(values, axis=2)]
+    return keys, values
 
 
 class BlockBatch:

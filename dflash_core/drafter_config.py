@@ -222,7 +222,7 @@ def read_held_out_acceptance(path: Path, positions: int) -> Optional[HeldOutAcce
     except (OSError, ValueError, AttributeError) as e:
         log.warning("%s: not a readable report (%s); its held-out acceptance is not used", report, e)
         return None
-    if values is None:
+    if not values:  # (absent, or empty: a run whose held-out walk made no cycle)
         return None
     if (not isinstance(values, list) or not 0 < len(values) <= positions
             or not all(isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1 for v in values)

@@ -642,7 +642,7 @@ def test_a_generation_ending_on_plain_steps_leaves_an_exact_snapshot(engines, fa
 def test_a_drafter_s_held_out_acceptance_outweighs_two_unlucky_first_cycles():
     """The H100 with the demo pair (docs/performance.md, "Never slower"): a plain step 4 ms, a cycle
     7.6 ms at any width and twice that after plain steps, acceptance by position as the drafter's
-    training measured on held-out data (3.1 tokens a cycle: cycles win 1.6x), but for a server's
+    training measured on held-out data (3.0 tokens a cycle: cycles win 1.6x), but for a server's
     first two cycles, which make one token each. A model that knows nothing of the drafter judges
     cycles by those two and waits long before it probes again: whole generations of plain steps.
     One given the drafter's held-out acceptance keeps speculating at full width."""

@@ -206,6 +206,8 @@ def test_a_training_report_s_held_out_acceptance_seeds_auto(tiny_pair_factory, c
     assert drafter.held_out_acceptance.through == tuple(through)
     prior = Engine(target, tokenizer, drafter).speculation_state.prior
     assert prior.verified[:4] == [8.0, 8.0, 8.0, 0.0] and prior.accepted[:3] == [4.0, 2.0, 1.0]
+    (drafter_dir / "train_report.json").write_text(json.dumps({"acceptance_by_position": []}))
+    assert load_drafter(drafter_dir).held_out_acceptance is None and not caplog.text  # (a run with no cycle)
     (drafter_dir / "train_report.json").write_text(json.dumps({"acceptance_by_position": [0.2, 0.5]}))
     assert load_drafter(drafter_dir).held_out_acceptance is None
     assert "train_report.json: acceptance_by_position: expected" in caplog.text

@@ -79,9 +79,15 @@ def test_cuda_attention_paths_are_lossless(engines, references, family, monkeypa
     prompt, reference = references[family]
     assert _run(engines[family], prompt, speculative=False)[0] == reference[:N_TOKENS]
     assert 1 in exact_attention_calls and not taken  # target-alone decode steps (and 16-token prefill chunks)
-    exact_attention_calls.clear()
     test_random_drafter_is_lossless(engines, references, family)
     assert not taken  # no stacked call: the drafter's blocks too went to the exact kernel's gate
+    drafter, target = engines[family].drafter, engines[family].target
+    context = drafter.make_cache()
+    drafter.add_context(target.forward(mx.array(prompt)[None], target.make_cache(16),
+                                       drafter.config.target_layer_ids).tapped_hidden, context)
+    exact_attention_calls.clear()
+    mx.eval(drafter.propose(mx.array([1]), target, context))
+    assert exact_attention_calls == [drafter.block_size] * len(drafter.layers)  # a draft: its layers' blocks
     _check_every_acceptance_length(engines, references, family)
     # A verify-sized forward of the target sends every attention layer through the exact kernel.
     target = engines[family].target
@@ -92,19 +98,25 @@ def test_cuda_attention_paths_are_lossless(engines, references, family, monkeypa
     assert exact_attention_calls == [16] * sum(not getattr(layer, "is_linear", False) for layer in target.layers)
 
 
+@pytest.mark.parametrize("why", ["option-off", "long-context"])
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_drafter_blocks_through_the_stacked_gemms_are_lossless(engines, references, family, monkeypatch,
+def test_drafter_blocks_through_the_stacked_gemms_are_lossless(engines, references, family, why, monkeypatch,
                                                               exact_attention_calls):
-    """`drafter_exact_attention` off: the drafter's blocks attend over [context ; block] as two key
-    segments, which on CUDA the stacked GEMMs take (kernels/attention.py), not the exact kernel;
-    the drafts change in their last bits at most, the output not at all."""
+    """The drafter's blocks attend over [context ; block] as two key segments, which on CUDA the
+    stacked GEMMs take (kernels/attention.py), not the exact kernel: with `drafter_exact_attention`
+    off, or with it on where the context is too large to copy (`JOIN_MAX_BYTES`, 0 here); the
+    drafts change in their last bits at most, the output not at all."""
     from dataclasses import replace
 
     taken = []
     stacked = block_attention.stacked
     monkeypatch.setattr(block_attention, "stacked", lambda q, keys, *rest: taken.append(len(keys)) or stacked(q, keys, *rest))
     engine = engines[family]
-    drafter = engine.drafter.with_kernels(replace(engine.drafter.kernels, drafter_exact_attention=False))
+    drafter = engine.drafter
+    if why == "option-off":
+        drafter = drafter.with_kernels(replace(drafter.kernels, drafter_exact_attention=False))
+    else:
+        monkeypatch.setattr(block_attention, "JOIN_MAX_BYTES", 0)
     two_segments = Engine(engine.target, engine.tokenizer, drafter, prefill_chunk=engine.prefill_chunk)
     prompt, reference = references[family]
     tokens, last = _run(two_segments, prompt)

@@ -49,8 +49,9 @@ class KernelOptions:
     # kernel (two launches; four with the copies) rather than the stacked GEMMs over two segments
     # (about ten); the drafts' numbers change in the last bits, never the target's tokens. Elsewhere
     # the attention joins the segments itself, so it changes nothing there. On an H100 a 270M
-    # draft's launches went 229 -> 174 with `stream_parts` and its launch time 1.3 -> 0.9 ms a cycle
-    # (docs/performance.md, "Fewer launches in the cycle"). Not for training: the kernel has no gradient.
+    # draft's launches went 229 -> about 185 with `stream_parts` and its launch time 1.3 -> 0.9 ms a
+    # cycle (docs/performance.md, "Fewer launches in the cycle"). Only while the context's keys are
+    # small enough to copy (`attention.JOIN_MAX_BYTES`). Not for training: the kernel has no gradient.
     drafter_exact_attention: bool = True
     # With tensor_core_attention: warps per block at least, the extra ones loading tiles only (the
     # same bits); 1, not measured yet: a decode step's block loads with its one computing warp

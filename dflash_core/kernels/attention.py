@@ -19,8 +19,9 @@ whichever BLAS the process has.
 On CUDA a target's decode step and verify block (one key segment, the cache's buffer) take our
 kernel instead (attention_cuda.py, `KernelOptions.exact_attention`): a query gets the same bits
 there whether it comes alone or in a block, whatever the buffer's length, which the stacked GEMMs
-and MLX's fused attention do not promise each other. The stacked GEMMs keep the drafter's blocks
-(two segments, and a drafter's rounding never changes the output).
+and MLX's fused attention do not promise each other. A drafter's blocks (two segments) take it too,
+joined into one, while the context is small enough to copy (`joins_for_exact`); longer contexts go
+to the stacked GEMMs (a drafter's rounding never changes the output).
 
 Elsewhere (Metal, one query on CUDA with exact attention off, no mask) it is MLX's fused attention
 over the concatenated keys.
@@ -68,6 +69,25 @@ def exact(q: mx.array, k, v, mask, kernels: KernelOptions = DEFAULT_KERNELS) -> 
     with `exact_attention` on and shapes it takes."""
     return (kernels.exact_attention and backend() == "cuda" and isinstance(k, mx.array)
             and isinstance(v, mx.array) and attention_cuda.supported(q, k, v, mask, kernels.attention_chunk))
+
+
+# A drafter's block joins its context and itself into one key segment for the exact kernel (two
+# launches where the stacked GEMMs over the two take about ten, and two copies of the context) only
+# while the context's keys are at most this many bytes: copying them twice a layer then costs the
+# device less than the launches saved cost the host (8 MiB read and written is about 5 us at 3.3
+# TB/s, a launch 4-5 us of host time on an H100). Longer contexts keep two segments, never copied.
+# Measured at 1K context (the 270M drafter's 256 KiB: docs/performance.md, "Fewer launches in the
+# cycle"); the bound itself is this estimate, not yet a measurement.
+JOIN_MAX_BYTES = 8 << 20
+
+
+def joins_for_exact(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], mask,
+                    kernels: KernelOptions = DEFAULT_KERNELS) -> bool:
+    """Whether a block's key segments should be joined (`KernelOptions.drafter_exact_attention`):
+    the exact kernel would take them joined, and the ones before the last are small enough to copy."""
+    return (kernels.drafter_exact_attention and kernels.exact_attention and backend() == "cuda" and len(keys) > 1
+            and sum(k.nbytes for k in keys[:-1]) <= JOIN_MAX_BYTES
+            and attention_cuda.supported_segments(q, keys, values, mask, kernels.attention_chunk))
 
 
 def attention(q: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array], scale: float, mask,
@@ -163,7 +183,9 @@ def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     if backend() == "cuda" and kernels.exact_attention:
         cores = " on tensor cores for bf16/fp16 head_dim 16-256" if kernels.tensor_core_attention else ""
         return (f"dflash's kernel for a target's 1-{attention_cuda.MAX_QUERIES} queries (head_dim in "
-                f"{attention_cuda.HEAD_DIMS}, rows rounded alike{cores}); a drafter's blocks as stacked GEMMs")
+                f"{attention_cuda.HEAD_DIMS}, rows rounded alike{cores}); a drafter's blocks there too"
+                + (" up to a context of 8 MiB of keys, as stacked GEMMs beyond" if kernels.drafter_exact_attention
+                   else ", as stacked GEMMs"))
     if backend() == "cuda" and kernels.block_attention:
         return f"stacked GEMMs for 2-{MAX_QUERIES} queries with a mask (head_dim <= {MAX_HEAD_DIM}); MLX fused otherwise"
     if backend() == "cpu" and kernels.cpu_softmax and cpu_extension.extension() is not None:

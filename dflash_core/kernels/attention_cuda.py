@@ -266,21 +266,31 @@ def supported(q: mx.array, k: mx.array, v: mx.array, mask, chunk: int = CHUNK) -
     """q [B, Hq, 1..16, D], k and v [1 or B, Hkv, T, D] of q's dtype (bf16, fp16 or fp32), D one of
     HEAD_DIMS, and no mask or a boolean one, [L, T] or [1 or B, 1 or Hq, 1 or L, T]; within CUDA's
     grid limits (chunks of `chunk` slots and B x Hkv at most 65535 blocks)."""
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+    return supported_segments(q, [k], [v], mask, chunk)
+
+
+def supported_segments(q: mx.array, keys, values, mask, chunk: int = CHUNK) -> bool:
+    """`supported` for the keys and values that segments [.., T_i, D] joined on their slot axis
+    would make, from their shapes: whether joining them is worth it (the kernel takes one segment)."""
+    if q.ndim != 4 or not keys or len(keys) != len(values):
+        return False
+    k0 = keys[0]
+    if any(k.ndim != 4 or v.shape != k.shape or k.shape[:2] + k.shape[3:] != k0.shape[:2] + k0.shape[3:]
+           or k.dtype != k0.dtype or v.dtype != k0.dtype for k, v in zip(keys, values)):
         return False
     B, Hq, L, D = q.shape
-    Hkv, T = k.shape[1], k.shape[2]
-    if not (B >= 1 and 1 <= L <= MAX_QUERIES and D in HEAD_DIMS and k.shape[3] == D and k.shape[0] in (1, B)
+    Hkv, T = k0.shape[1], sum(k.shape[2] for k in keys)
+    if not (B >= 1 and 1 <= L <= MAX_QUERIES and D in HEAD_DIMS and k0.shape[3] == D and k0.shape[0] in (1, B)
             and Hkv > 0 and Hq % Hkv == 0 and 0 < T <= MAX_GRID * chunk and B * Hkv <= MAX_GRID):
         return False
-    if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or k0.dtype != q.dtype:
         return False
     if mask is None:
         return True
     if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim in (2, 4)):
         return False  # (a 3-d mask: MLX reads its first axis as heads, so it is not guessed at here)
     mb, mh, ml, mt = (1, 1, *mask.shape) if mask.ndim == 2 else mask.shape  # (as `_mask4` lays it out)
-    return mb in (1, B) and mh in (1, Hq) and ml in (1, L) and mt == k.shape[2]
+    return mb in (1, B) and mh in (1, Hq) and ml in (1, L) and mt == T
 
 
 @functools.lru_cache(maxsize=64)
