@@ -122,6 +122,11 @@ class AcceptanceCounts:
             counts.verified[j], counts.accepted[j] = float(cycles), cycles * float(share)
         return counts
 
+    def fade(self, factor: float) -> None:
+        """Every count `factor` as large (what they say stays; how much it weighs against others fades)."""
+        self.accepted = [a * factor for a in self.accepted]
+        self.verified = [v * factor for v in self.verified]
+
     def add(self, width: int, accepted: int) -> None:
         if self.decay != 1.0:
             for j in range(len(self.verified)):
@@ -248,6 +253,12 @@ class AutoSpeculation:
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     rounds: Optional[RoundCosts] = None  # the model's batched rounds (None: never batched)
     refreshes: RefreshSchedule = field(default_factory=RefreshSchedule)
+    # The drafter's held-out acceptance as counts beside `prior` (`ModelSpeculation.held_out`), fading
+    # with every step the model runs, plain or cycle: it speaks for the drafter until the model has
+    # run enough steps to say for itself (where cycles win, it has run cycles; where they do not,
+    # plain steps, whose history of few cycles it then believes).
+    held_out: Optional[AcceptanceCounts] = None
+    held_out_fade: float = 0.98
     margin: float = 1.1
     settled: int = 3  # samples of a width after which it is not explored again while another one runs
     refresh_steps: int = 4  # plain steps observed untimed after which a refresh gives up (one more
@@ -277,10 +288,11 @@ class AutoSpeculation:
         """1 + the expected accepted drafts of a cycle of `width`: P(accepted through j), each
         from this generation's counts and the prior, the latter weighted as `prior_weight` cycles."""
         total, through = 1.0, 1.0
-        weight = self.prior_weight / (self.prior.verified[0] or 1.0)
+        held = self.held_out or AcceptanceCounts(len(self.prior.verified))
+        weight = self.prior_weight / ((self.prior.verified[0] + held.verified[0]) or 1.0)
         for j in range(width - 1):
-            accepted = self._counts.accepted[j] + weight * self.prior.accepted[j]
-            verified = self._counts.verified[j] + weight * self.prior.verified[j]
+            accepted = self._counts.accepted[j] + weight * (self.prior.accepted[j] + held.accepted[j])
+            verified = self._counts.verified[j] + weight * (self.prior.verified[j] + held.verified[j])
             if verified <= 0:  # never verified this far: counted as never accepted
                 break
             through = min(through, accepted / verified)  # P(every draft through j accepted)
@@ -328,9 +340,14 @@ class AutoSpeculation:
         self._steps_since_check = 0
         rates = {w: self.expected_tokens(w) / t for w, t in cycles.items()}
         best = max(rates, key=rates.get) if rates else self.widths[0]
-        if not self.speculating and not (self._counts.verified[-1] or self.prior.verified[-1]):
+        if not self.speculating and not (self._counts.verified[-1] or self.prior.verified[-1]
+                                         or (self.held_out is not None and self.held_out.verified[-1])):
             best = self.widths[0]  # the block's last positions never verified: probe the whole block
-        if rates and rates[best] > (1.0 if self.speculating else self.margin) / step:
+        # Cycles go on while they beat steps at all; starting them, or going on where the expected
+        # tokens rest mostly on the drafter's report rather than this model's own cycles, takes the
+        # margin (where cycles are about even, as on a CPU, a report does not keep them going).
+        keep = self.speculating and not self._mostly_reported()
+        if rates and rates[best] > (1.0 if keep else self.margin) / step:
             self.speculating, self._note = True, None
             # A refresh's cost, in cycles: alone, three plain steps make their tokens where cycles
             # would have made them, and cost about two steps more at their edges (on an H100 three
@@ -365,6 +382,10 @@ class AutoSpeculation:
         self._probe_width = best if rates else None
         return best if self.probes.due(share) else 0
 
+    def _mostly_reported(self) -> bool:
+        """Whether the drafter's held-out acceptance weighs more than this model's own cycles."""
+        return self.held_out is not None and self.held_out.verified[0] > self.prior.verified[0]
+
     def cycles_next(self, width: int) -> bool:
         """Whether the cycle of `width` just planned queues the next one's drafts ahead of its read
         (engine.py): while cycles win, and in a probe alone, both of its cycles. The first (after
@@ -381,6 +402,8 @@ class AutoSpeculation:
         # plain steps, the write of their taps into the drafter's context). In a batch the wall is
         # the round's, not this step's: the rounds price it (rounds.py).
         alone = self._batch_rows() == 1
+        if self.held_out is not None:
+            self.held_out.fade(self.held_out_fade)
         # (0 s: a clock too coarse for the step, no time)
         timed = seconds is not None and seconds > 0 and alone and (width == 0 or width == self._last)
         if timed:
@@ -432,12 +455,13 @@ class AlwaysSpeculate:
 
 @dataclass
 class ModelSpeculation:
-    """What a model keeps across its generations for `auto`. Its acceptance history starts from
-    `expected` where the drafter came with one (the held-out acceptance its training measured,
-    `drafter_config.HeldOutAcceptance`), counted as `expected_cycles` of its own cycles and fading
-    as they come: without it a new server judged cycles by its first one or two, which on a GPU
-    kept `auto` off for whole generations whose cycles won 1.3-2x (docs/performance.md, "Never
-    slower")."""
+    """What a model keeps across its generations for `auto`. Where the drafter came with the
+    held-out acceptance its training measured (`expected`, `drafter_config.HeldOutAcceptance`),
+    that speaks for it at first, as `expected_cycles` cycles of history (`held_out`), fading with
+    every step the model runs: without it a new server judged cycles by its first one or two, which
+    on a GPU kept `auto` off for whole generations whose cycles won 1.3-2x; fading with plain steps
+    too, it does not keep a CPU, where cycles are near even, trying cycles its own history says
+    lose (docs/performance.md, "Never slower")."""
 
     block_size: int
     expected: Optional[tuple[float, ...]] = None  # P(accepted through block position j), j = 1..
@@ -446,16 +470,18 @@ class ModelSpeculation:
     probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     refreshes: RefreshSchedule = field(default_factory=RefreshSchedule)
     rounds: RoundCosts = field(init=False)
-    prior: AcceptanceCounts = field(init=False)
+    prior: AcceptanceCounts = field(init=False)  # the model's own cycles
+    held_out: Optional[AcceptanceCounts] = field(init=False)
 
     def __post_init__(self):
         self.rounds = RoundCosts(self.block_size)
-        self.prior = AcceptanceCounts.expecting(self.block_size - 1, self.expected or (), self.expected_cycles,
-                                                decay=0.98)
+        self.prior = AcceptanceCounts(self.block_size - 1, decay=0.98)
+        self.held_out = (AcceptanceCounts.expecting(self.block_size - 1, self.expected, self.expected_cycles)
+                         if self.expected else None)
 
     def policy(self, mode: str, batched: bool = False) -> SpeculationPolicy:
         """`batched`: the generation's forwards run in `batching.step_together`'s rounds."""
         if mode == "on":
             return AlwaysSpeculate(self.block_size)
         return AutoSpeculation(self.timings, self.prior, self.block_size, self.probes,
-                               self.rounds if batched else None, self.refreshes)
+                               self.rounds if batched else None, self.refreshes, self.held_out)

@@ -683,3 +683,24 @@ def test_acceptance_counts_expecting_a_measured_drafter():
     assert counts.verified == [8.0, 8.0, 0.0, 0.0] and counts.accepted == [4.0, 2.0, 0.0, 0.0]
     policy = AutoSpeculation(Timings(), counts, 5)
     assert policy.expected_tokens(5) == 1.75  # 1 + 0.5 + 0.25, and nothing past what was measured
+
+
+def test_the_held_out_acceptance_fades_with_every_step_the_model_runs():
+    """A drafter's held-out acceptance speaks for it only until the model has run steps of its own:
+    it fades by `held_out_fade` with every step, plain ones too, so that on a machine where cycles
+    lose (a CPU) the few cycles of probes decide, not the report; the model's own history of those
+    cycles does not fade with plain steps."""
+    from dflash_core.speculation import ModelSpeculation
+
+    model = ModelSpeculation(16, (0.6, 0.45, 0.35))
+    assert model.held_out.verified[0] == 8.0
+    policy = model.policy("auto")
+    _feed(policy, 100, 0.01, lambda w: 0.01 * w + 0.005, lambda w: 0, 200)  # CPU-like: cycles lose
+    probes = model.prior.verified[0]
+    assert 0 < probes and model.held_out.verified[0] < 8.0 * 0.98 ** 199
+    assert policy.expected_tokens(16) < 1.2  # the probes' (nothing accepted), not the report's 2.4
+    held, prior = model.held_out.verified[0], list(model.prior.verified)
+    for _ in range(10):
+        policy.observe(0, 100, 0.01, 0)  # plain steps
+    assert model.prior.verified == prior and model.held_out.verified[0] == pytest.approx(held * 0.98 ** 10)
+

@@ -199,13 +199,13 @@ def test_a_training_report_s_held_out_acceptance_seeds_auto(tiny_pair_factory, c
     target, tokenizer, _ = load_target(target_dir)
     assert load_drafter(drafter_dir).held_out_acceptance is None
     engine = Engine(target, tokenizer, load_drafter(drafter_dir))
-    assert engine.speculation_state.prior.verified == [0.0] * (engine.drafter.block_size - 1)
+    assert engine.speculation_state.held_out is None
     through = [0.5, 0.25, 0.125]
     (drafter_dir / "train_report.json").write_text(json.dumps({"steps": 3, "acceptance_by_position": through}))
     drafter = load_drafter(drafter_dir)
     assert drafter.held_out_acceptance.through == tuple(through)
-    prior = Engine(target, tokenizer, drafter).speculation_state.prior
-    assert prior.verified[:4] == [8.0, 8.0, 8.0, 0.0] and prior.accepted[:3] == [4.0, 2.0, 1.0]
+    held_out = Engine(target, tokenizer, drafter).speculation_state.held_out
+    assert held_out.verified[:4] == [8.0, 8.0, 8.0, 0.0] and held_out.accepted[:3] == [4.0, 2.0, 1.0]
     (drafter_dir / "train_report.json").write_text(json.dumps({"acceptance_by_position": []}))
     assert load_drafter(drafter_dir).held_out_acceptance is None and not caplog.text  # (a run with no cycle)
     (drafter_dir / "train_report.json").write_text(json.dumps({"acceptance_by_position": [0.2, 0.5]}))
