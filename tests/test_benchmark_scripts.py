@@ -39,6 +39,23 @@ def test_host_build_times_each_graph_on_a_tiny_shape(tmp_path):
     assert all(0 < kind["min"] <= kind["median"] for kind in report["build_ms"].values())
 
 
+def test_cycle_trace_times_a_real_pairs_cycles_one_by_one(qwen3_pair, tmp_path):
+    """A tiny pair's generations always-on, each cycle as the engine timed it: the first (after the
+    prompt) untimed, the rest timed, their sum and the untimed part adding up to the decode time."""
+    target, drafter = qwen3_pair
+    out = tmp_path / "trace.json"
+    done = _run("benchmarks/cycle_trace.py", "--target", str(target), "--drafter", str(drafter),
+                "--prompts-per-set", "1", "--max-tokens", "24", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["generations"]
+    assert {r["set"] for r in rows} == {"text", "code"}
+    for row in rows:
+        assert row["cycles"] >= 2 and row["timed_cycles"] == row["cycles"] - 1  # (the first: untimed)
+        assert row["timed_ms"] + row["untimed_ms"] == pytest.approx(row["decode_ms"])
+        assert 0 < row["median_cycle_ms"] <= row["slowest_cycle_ms"] and row["alone_ms_per_token"] > 0
+        assert sum(1 for _ in row["median_cycle_ms_by_accepted"]) >= 1
+
+
 def test_cycle_profile_splits_each_paths_cycles_on_a_tiny_shape(tmp_path):
     """Forced cycles under cProfile, two paths in turn: each cycle's host time split into the
     verify's and the draft's builds and launches (all found: none 0), the read's wait and the
