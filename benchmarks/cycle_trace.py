@@ -36,27 +36,21 @@ from pair_paths import held_out_prompts  # noqa: E402
 
 from dflash_core.bench import run_once  # noqa: E402
 from dflash_core.sampling import SamplingParams  # noqa: E402
+from dflash_core.speculation import AlwaysSpeculate  # noqa: E402
 
 
-class TracedCycles:
+class TracedCycles(AlwaysSpeculate):
     """`speculation: on` (every step a full-width cycle, drafted ahead) that keeps what the engine
     tells it of each step: (width, seconds or None, drafts accepted)."""
 
     name = "on"
-    speculating = True  # (the engine drafts the next block ahead of each read)
 
     def __init__(self, block_size: int):
-        self.block_size = block_size
+        super().__init__(block_size)
         self.steps: list[tuple[int, Optional[float], int]] = []
-
-    def plan(self, context: int) -> int:
-        return self.block_size
 
     def observe(self, width: int, context: int, seconds: Optional[float], accepted: int) -> None:
         self.steps.append((width, seconds, accepted))
-
-    def note(self) -> Optional[str]:
-        return None
 
 
 def summary(decode_seconds: float, steps: list[tuple[int, Optional[float], int]]) -> dict:

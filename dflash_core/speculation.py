@@ -114,10 +114,10 @@ class AcceptanceCounts:
         self.decay = decay
 
     @classmethod
-    def expecting(cls, positions: int, through, cycles: float, decay: float = 1.0) -> "AcceptanceCounts":
+    def expecting(cls, positions: int, through, cycles: float) -> "AcceptanceCounts":
         """Counts as if `cycles` full-width cycles had been accepted through position j in a share
         `through[j]` of them (positions past `through`: never verified)."""
-        counts = cls(positions, decay)
+        counts = cls(positions)
         for j, share in enumerate(list(through)[:positions]):
             counts.verified[j], counts.accepted[j] = float(cycles), cycles * float(share)
         return counts
@@ -256,7 +256,7 @@ class AutoSpeculation:
     # The drafter's held-out acceptance as counts beside `prior` (`ModelSpeculation.held_out`), fading
     # with every step the model runs, plain or cycle: it speaks for the drafter until the model has
     # run enough steps to say for itself (where cycles win, it has run cycles; where they do not,
-    # plain steps, whose history of few cycles it then believes).
+    # plain steps, whose history of few cycles it then believes). None: no report (all zeros).
     held_out: Optional[AcceptanceCounts] = None
     held_out_fade: float = 0.98
     margin: float = 1.1
@@ -283,12 +283,14 @@ class AutoSpeculation:
     def __post_init__(self):
         self.widths = auto_widths(self.block_size)
         self._counts = AcceptanceCounts(self.block_size - 1, decay=self.recent)
+        if self.held_out is None:
+            self.held_out = AcceptanceCounts(self.block_size - 1)
 
     def expected_tokens(self, width: int) -> float:
         """1 + the expected accepted drafts of a cycle of `width`: P(accepted through j), each
         from this generation's counts and the prior, the latter weighted as `prior_weight` cycles."""
         total, through = 1.0, 1.0
-        held = self.held_out or AcceptanceCounts(len(self.prior.verified))
+        held = self.held_out
         weight = self.prior_weight / ((self.prior.verified[0] + held.verified[0]) or 1.0)
         for j in range(width - 1):
             accepted = self._counts.accepted[j] + weight * (self.prior.accepted[j] + held.accepted[j])
@@ -341,7 +343,7 @@ class AutoSpeculation:
         rates = {w: self.expected_tokens(w) / t for w, t in cycles.items()}
         best = max(rates, key=rates.get) if rates else self.widths[0]
         if not self.speculating and not (self._counts.verified[-1] or self.prior.verified[-1]
-                                         or (self.held_out is not None and self.held_out.verified[-1])):
+                                         or self.held_out.verified[-1]):
             best = self.widths[0]  # the block's last positions never verified: probe the whole block
         # Cycles go on while they beat steps at all; starting them, or going on where the expected
         # tokens rest mostly on the drafter's report rather than this model's own cycles, takes the
@@ -384,7 +386,7 @@ class AutoSpeculation:
 
     def _mostly_reported(self) -> bool:
         """Whether the drafter's held-out acceptance weighs more than this model's own cycles."""
-        return self.held_out is not None and self.held_out.verified[0] > self.prior.verified[0]
+        return self.held_out.verified[0] > self.prior.verified[0]
 
     def cycles_next(self, width: int) -> bool:
         """Whether the cycle of `width` just planned queues the next one's drafts ahead of its read
@@ -402,7 +404,7 @@ class AutoSpeculation:
         # plain steps, the write of their taps into the drafter's context). In a batch the wall is
         # the round's, not this step's: the rounds price it (rounds.py).
         alone = self._batch_rows() == 1
-        if self.held_out is not None:
+        if self.held_out.verified[0]:  # (none without a report)
             self.held_out.fade(self.held_out_fade)
         # (0 s: a clock too coarse for the step, no time)
         timed = seconds is not None and seconds > 0 and alone and (width == 0 or width == self._last)

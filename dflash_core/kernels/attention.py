@@ -183,9 +183,9 @@ def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     if backend() == "cuda" and kernels.exact_attention:
         cores = " on tensor cores for bf16/fp16 head_dim 16-256" if kernels.tensor_core_attention else ""
         return (f"dflash's kernel for a target's 1-{attention_cuda.MAX_QUERIES} queries (head_dim in "
-                f"{attention_cuda.HEAD_DIMS}, rows rounded alike{cores}); a drafter's blocks there too"
-                + (" up to a context of 8 MiB of keys, as stacked GEMMs beyond" if kernels.drafter_exact_attention
-                   else ", as stacked GEMMs"))
+                f"{attention_cuda.HEAD_DIMS}, rows rounded alike{cores}); a drafter's blocks "
+                + (f"there too up to a context of {JOIN_MAX_BYTES >> 20} MiB of keys, as stacked GEMMs beyond"
+                   if kernels.drafter_exact_attention else "as stacked GEMMs"))
     if backend() == "cuda" and kernels.block_attention:
         return f"stacked GEMMs for 2-{MAX_QUERIES} queries with a mask (head_dim <= {MAX_HEAD_DIM}); MLX fused otherwise"
     if backend() == "cpu" and kernels.cpu_softmax and cpu_extension.extension() is not None:

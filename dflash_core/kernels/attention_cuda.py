@@ -266,7 +266,9 @@ def supported(q: mx.array, k: mx.array, v: mx.array, mask, chunk: int = CHUNK) -
     """q [B, Hq, 1..16, D], k and v [1 or B, Hkv, T, D] of q's dtype (bf16, fp16 or fp32), D one of
     HEAD_DIMS, and no mask or a boolean one, [L, T] or [1 or B, 1 or Hq, 1 or L, T]; within CUDA's
     grid limits (chunks of `chunk` slots and B x Hkv at most 65535 blocks)."""
-    return supported_segments(q, [k], [v], mask, chunk)
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or v.dtype != k.dtype:
+        return False
+    return _takes(q, k, k.shape[2], mask, chunk)
 
 
 def supported_segments(q: mx.array, keys, values, mask, chunk: int = CHUNK) -> bool:
@@ -278,12 +280,17 @@ def supported_segments(q: mx.array, keys, values, mask, chunk: int = CHUNK) -> b
     if any(k.ndim != 4 or v.shape != k.shape or k.shape[:2] + k.shape[3:] != k0.shape[:2] + k0.shape[3:]
            or k.dtype != k0.dtype or v.dtype != k0.dtype for k, v in zip(keys, values)):
         return False
+    return _takes(q, k0, sum(k.shape[2] for k in keys), mask, chunk)
+
+
+def _takes(q: mx.array, k: mx.array, T: int, mask, chunk: int) -> bool:
+    """`supported`'s checks of q, the mask and keys shaped as `k` (4-d, values alike) but T slots long."""
     B, Hq, L, D = q.shape
-    Hkv, T = k0.shape[1], sum(k.shape[2] for k in keys)
-    if not (B >= 1 and 1 <= L <= MAX_QUERIES and D in HEAD_DIMS and k0.shape[3] == D and k0.shape[0] in (1, B)
+    Hkv = k.shape[1]
+    if not (B >= 1 and 1 <= L <= MAX_QUERIES and D in HEAD_DIMS and k.shape[3] == D and k.shape[0] in (1, B)
             and Hkv > 0 and Hq % Hkv == 0 and 0 < T <= MAX_GRID * chunk and B * Hkv <= MAX_GRID):
         return False
-    if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or k0.dtype != q.dtype:
+    if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or k.dtype != q.dtype:
         return False
     if mask is None:
         return True
