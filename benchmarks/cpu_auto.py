@@ -13,10 +13,17 @@ Four pairs, each run in all three modes on the same prompts, alternating, median
   it by `dflash train` on the target's own responses (about 3 minutes to build here). It knows what
   the target will say, so nearly every draft is accepted: speed where acceptance is high.
 
-`--pairs` picks some of them (all by default).
+`--pairs` picks some of them (all by default). `--without-report` also runs `auto` as if the
+drafter had no training report (its held-out acceptance, which `auto` starts from), alternated on
+the same engine, for pairs whose drafter has one (the demo's):
 
-Prints the ratios `auto / target` and `auto / on`; `auto` should not fall below 0.95 of the better
-mode. The first generation of each mode is a warm-up (auto's first measurements and probes); auto
+    python benchmarks/cpu_auto.py --max-tokens 128 --repeats 2 --pairs demo --without-report
+
+Prints the ratios `auto / target` and `auto / on`, and the median over runs of each `auto` run against
+the target alone's run of the same prompt (paired: what the machine's drift between prompts does not
+move); `auto` should not fall below 0.95 of the better mode. Each prompt starts the modes one further
+along, so that no mode always runs right after the same other one. The first generation of each mode
+is a warm-up (auto's first measurements and probes); auto
 keeps what it measured across the prompts of a pair, as a server does across requests.
 """
 
@@ -41,6 +48,7 @@ import mlx.core as mx  # noqa: E402
 from dflash_core.bench import run_once  # noqa: E402
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.sampling import SamplingParams  # noqa: E402
+from dflash_core.speculation import MODES, ModelSpeculation  # noqa: E402
 
 PROMPTS = [
     "The lighthouse keeper wrote in his diary that",
@@ -101,19 +109,31 @@ def pairs(work: Path, names=PAIRS):
         yield "tiny-trained", load_model(str(target), str(drafter)).engine
 
 
-def measure(engine, prompts, max_tokens: int, repeats: int) -> dict:
+def measure(engine, prompts, max_tokens: int, repeats: int, without_report: bool = False) -> dict:
+    """`without_report`: also `auto` as if the drafter had no training report (`auto-no-report`: a
+    model's auto state that starts from nothing), on the same engine, alternated with the rest."""
     sampling = SamplingParams()
-    modes = ("off", "on", "auto")
+    states = {"auto": engine.speculation_state}
+    if without_report and engine.speculation_state.held_out is not None:
+        states["auto-no-report"] = ModelSpeculation(engine.drafter.block_size)
+    modes = ("off", "on", *states)
     encoded = [engine.tokenizer.encode(p) for p in prompts]
+
+    def run(tokens, mode):
+        engine.speculation_state = states.get(mode, engine.speculation_state)
+        return run_once(engine, tokens, speculative=mode != "off", speculation=mode if mode in MODES else "auto",
+                        max_tokens=max_tokens, sampling=sampling, ignore_eos=True)
+
     for mode in modes:  # warm-up: kernels compile, and auto measures this machine as a server would
-        run_once(engine, encoded[0], speculative=mode != "off", speculation=mode, max_tokens=max_tokens,
-                 sampling=sampling, ignore_eos=True)
+        run(encoded[0], mode)
     runs = {m: [] for m in modes}
     for _ in range(repeats):
-        for tokens in encoded:
-            for mode in modes:
-                runs[mode].append(run_once(engine, tokens, speculative=mode != "off", speculation=mode,
-                                           max_tokens=max_tokens, sampling=sampling, ignore_eos=True))
+        for i, tokens in enumerate(encoded):
+            # Each prompt starts the modes at the next one: no mode always runs right after the same
+            # one (what a run leaves behind, in caches and the allocator, lands on the next).
+            for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
+                runs[mode].append(run(tokens, mode))
+    engine.speculation_state = states["auto"]
     out = {}
     for mode, rs in runs.items():
         cycles = sum(r.cycles for r in rs)
@@ -122,9 +142,15 @@ def measure(engine, prompts, max_tokens: int, repeats: int) -> dict:
             "tokens_per_cycle": (sum(r.draft_tokens_accepted for r in rs) + cycles) / cycles if cycles else None,
             "cycles": cycles, "plain_steps": sum(r.plain_steps for r in rs),
             "same_output": all(a.tokens == b.tokens for a, b in zip(rs, runs["off"])),
+            # each run against the target alone's run of the same prompt: the machine's drift between
+            # prompts cancels (on this CPU a plain step varied 30-57 ms in one run)
+            "vs_target_paired": statistics.median(r.decode_tokens_per_second / o.decode_tokens_per_second
+                                                  for r, o in zip(rs, runs["off"])),
         }
-    t, on, auto = (out[m]["decode_tokens_per_second"] for m in modes)
+    t, on, auto = (out[m]["decode_tokens_per_second"] for m in ("off", "on", "auto"))
     out["auto_vs_target"], out["auto_vs_on"], out["auto_vs_best"] = auto / t, auto / on, auto / max(t, on)
+    if "auto-no-report" in out:
+        out["auto_no_report_vs_target"] = out["auto-no-report"]["decode_tokens_per_second"] / t
     return out
 
 
@@ -134,6 +160,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma list of: {', '.join(PAIRS)}")
+    parser.add_argument("--without-report", action="store_true",
+                        help="also auto without the drafter's held-out acceptance (pairs whose drafter has one)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     names = args.pairs.split(",")
@@ -146,14 +174,18 @@ def main() -> None:
     report["blas"] = describe()
     with tempfile.TemporaryDirectory() as work:
         for name, engine in pairs(Path(work), names):
-            result = measure(engine, PROMPTS[: args.prompts], args.max_tokens, args.repeats)
+            result = measure(engine, PROMPTS[: args.prompts], args.max_tokens, args.repeats, args.without_report)
             report["pairs"][name] = result
             print(f"{name:<16} target {result['off']['decode_tokens_per_second']:7.1f} tok/s | "
                   f"on {result['on']['decode_tokens_per_second']:7.1f} ({result['on']['tokens_per_cycle'] or 0:.2f} tok/cycle) | "
                   f"auto {result['auto']['decode_tokens_per_second']:7.1f} ({result['auto']['cycles']} cycles, "
                   f"{result['auto']['plain_steps']} steps) | auto/target {result['auto_vs_target']:.2f}x "
                   f"auto/on {result['auto_vs_on']:.2f}x | same output: "
-                  f"{result['on']['same_output'] and result['auto']['same_output']}", flush=True)
+                  f"{result['on']['same_output'] and result['auto']['same_output']}"
+                  + f" | paired auto/target {result['auto']['vs_target_paired']:.2f}x"
+                  + (f" | auto without the report {result['auto_no_report_vs_target']:.2f}x the target "
+                     f"(paired {result['auto-no-report']['vs_target_paired']:.2f}x)"
+                     if "auto_no_report_vs_target" in result else ""), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

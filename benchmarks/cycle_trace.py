@@ -10,7 +10,9 @@ from the read before to its read (None where the engine did not time it: the fir
 the prompt), its width and the drafts accepted. Per prompt it reports the decode time, the summed
 timed cycles, what the untimed ones took (the decode time less the timed sum: the first cycle,
 which also writes the prompt's taps into the drafter's context), the median and slowest timed
-cycle, and the cycle time by drafts accepted; the target alone's time a token beside it.
+cycle, and the cycle time by drafts accepted; the target alone's time a token beside it; and the
+same generation run again (`again`), so that what the first run paid once for the prompt's shapes
+shows.
 
     MLX_USE_CUDA_GRAPHS=1 python benchmarks/cycle_trace.py --target DIR --drafter DIR --dtype bfloat16 \\
         --prompts prompts.jsonl --prompts-per-set 4 --out cycle_trace.json
@@ -98,16 +100,25 @@ def main() -> None:
                               ignore_eos=True, speculation=policy)
             if dflash.tokens != alone.tokens:
                 sys.exit(f"{name}: DFlash's output differed from the target alone's")
+            # The same generation again: what its first run paid once for this prompt's shapes (a
+            # prompt of a new length compiles and captures what the first cycle's write of its taps
+            # into the drafter's context runs) shows as the difference.
+            again_policy = TracedCycles(engine.drafter.block_size)
+            again = run_once(engine, tokens, speculative=True, max_tokens=args.max_tokens, sampling=greedy,
+                             ignore_eos=True, speculation=again_policy)
             row = {"set": name, "prompt_tokens": len(tokens),
                    "alone_ms_per_token": 1e3 * alone.stats.decode_seconds / (alone.stats.generated_tokens - 1),
                    "tokens_per_cycle": dflash.stats.tokens_per_cycle,
-                   **summary(dflash.stats.decode_seconds, policy.steps)}
+                   **summary(dflash.stats.decode_seconds, policy.steps),
+                   "again": summary(again.stats.decode_seconds, again_policy.steps)}
             rows.append(row)
             cycles = (f"cycle median {row['median_cycle_ms']:.2f}, slowest {row['slowest_cycle_ms']:.2f} ms"
                       if row["timed_cycles"] else "no cycle timed")
             print(f"{name}: alone {row['alone_ms_per_token']:.2f} ms/token; {row['cycles']} cycles at "
                   f"{row['tokens_per_cycle']:.2f} tokens, decode {row['decode_ms']:.1f} ms = timed "
-                  f"{row['timed_ms']:.1f} + untimed {row['untimed_ms']:.1f}; {cycles}", flush=True)
+                  f"{row['timed_ms']:.1f} + untimed {row['untimed_ms']:.1f}; {cycles}; again: decode "
+                  f"{row['again']['decode_ms']:.1f} = timed {row['again']['timed_ms']:.1f} + untimed "
+                  f"{row['again']['untimed_ms']:.1f}", flush=True)
 
     result = {"date": time.strftime("%Y-%m-%d"), "device": str(mx.default_device()), "mlx": mx.__version__,
               "target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "max_tokens": args.max_tokens,

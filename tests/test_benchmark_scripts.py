@@ -54,6 +54,8 @@ def test_cycle_trace_times_a_real_pairs_cycles_one_by_one(qwen3_pair, tmp_path):
         assert row["timed_ms"] + row["untimed_ms"] == pytest.approx(row["decode_ms"])
         assert 0 < row["median_cycle_ms"] <= row["slowest_cycle_ms"] and row["alone_ms_per_token"] > 0
         assert sum(1 for _ in row["median_cycle_ms_by_accepted"]) >= 1
+        again = row["again"]  # the same generation run again: the same cycles
+        assert again["cycles"] == row["cycles"] and again["timed_ms"] + again["untimed_ms"] == pytest.approx(again["decode_ms"])
 
 
 def test_cycle_profile_splits_each_paths_cycles_on_a_tiny_shape(tmp_path):
@@ -379,3 +381,18 @@ def test_gpu_plain_steps_times_each_kind_of_step(tmp_path):
     runs = report["generations"]
     assert all(r["cycles"] == 0 for r in runs["off"] + runs["plain"]) and all(r["cycles"] == 1 for r in runs["cycle1"])
     assert all(r["plain_steps"] == 23 for r in runs["plain"]) and set(report["fastest"]) == set(report["median"])
+
+
+def test_cpu_auto_runs_every_mode_on_the_same_prompts(tmp_path):
+    """The CPU `auto` benchmark on a tiny pair: each mode on each prompt (their outputs the target
+    alone's), and each run's ratio to the target alone's run of the same prompt (1 for the target)."""
+    out = tmp_path / "cpu_auto.json"
+    done = _run("benchmarks/cpu_auto.py", "--pairs", "tiny-untrained", "--max-tokens", "12", "--prompts", "4",
+                "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())["pairs"]["tiny-untrained"]
+    assert result["off"]["vs_target_paired"] == 1.0
+    for mode in ("on", "auto"):
+        assert result[mode]["same_output"] and result[mode]["vs_target_paired"] > 0
+    assert result["on"]["cycles"] > 0 and result["on"]["plain_steps"] == 0
+    assert "auto-no-report" not in result  # (asked for only with --without-report)
