@@ -37,7 +37,6 @@ import pstats
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_cycle import PATHS, parse_paths  # noqa: E402
 
 from dflash_core.engine import Engine  # noqa: E402
-from dflash_core.random_models import ForcedAcceptance, parse_shape, random_drafter, random_target  # noqa: E402
+from dflash_core.random_models import ByteTokenizer, ForcedAcceptance, parse_shape, random_drafter, random_target  # noqa: E402
 
 # What each part of a step's host time is: (file name ending, function name, tottime or cumtime)
 # summed, less what other parts count inside it.
@@ -105,7 +104,7 @@ def main() -> None:
     for p in set(paths):
         engine = Engine(ForcedAcceptance(target.with_kernels(PATHS[p]), [args.accepted]), None,
                         drafter.with_kernels(PATHS[p]), prefill_chunk=args.context)
-        engine.tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
+        engine.tokenizer = ByteTokenizer(target.vocab_size)
         engines[p] = engine
 
     def run(engine, tokens, speculative=True):

@@ -31,7 +31,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -49,7 +48,7 @@ from dflash_core.prefix_cache import PrefixCache  # noqa: E402
 
 # One copy of the real-shape builders, shared with `dflash bench --random-weights` (and, through
 # these names, with gpu_profile.py).
-from dflash_core.random_models import ForcedAcceptance  # noqa: E402
+from dflash_core.random_models import ByteTokenizer, ForcedAcceptance  # noqa: E402
 from dflash_core.random_models import random_drafter as build_drafter  # noqa: E402
 from dflash_core.random_models import random_target as build_target  # noqa: E402
 
@@ -149,7 +148,7 @@ def run_context(name, adapter, drafter, context, decode_tokens, prefill_chunk=40
     mx.random.seed(rng_seed)
     prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
     engine = Engine(adapter, None, drafter, prefill_chunk=prefill_chunk, prefix_cache=PrefixCache(16 << 30))
-    engine.tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
+    engine.tokenizer = ByteTokenizer(adapter.vocab_size)
     result = {"context": context}
 
     def gen(eng, n, **kw):

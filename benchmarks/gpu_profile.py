@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 
@@ -37,6 +36,7 @@ from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.kernels import KernelOptions  # noqa: E402
 from dflash_core.kernels import gated_delta as gd  # noqa: E402
 from dflash_core.prefix_cache import PrefixCache  # noqa: E402
+from dflash_core.random_models import ByteTokenizer  # noqa: E402
 
 
 def build_only(fn, iters=8) -> float:
@@ -58,7 +58,7 @@ def prefilled(adapter, drafter, context: int):
     """The prefix-cache snapshot after prefilling `context` random tokens (with the drafter's
     context when there is a drafter): each measurement restores it. Prefilled in the server's
     2048-token chunks: Gemma-4-31B's 4096-token chunks run out of memory at 32K (performance.md)."""
-    tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda *a, **k: "")
+    tokenizer = ByteTokenizer(adapter.vocab_size)
     engine = Engine(adapter, tokenizer, drafter, prefill_chunk=2048, prefix_cache=PrefixCache(16 << 30))
     prompt = mx.random.randint(0, adapter.vocab_size, (context,)).tolist()
     list(engine.generate(prompt, max_tokens=2, stop_token_ids=set()))
