@@ -18,8 +18,9 @@ machine measured:
   weigh most, so a generation whose text turns easy or hard is followed) on top of the model's
   pooled history (`AcceptanceCounts` that decay), giving the expected tokens of a cycle of width w.
 
-It runs cycles at the width with the best expected tokens per second while that beats plain
-steps by `margin` (with a few plain steps now and then to keep that time current, costing at most
+It runs cycles at the width with the best expected tokens per second (the widest within
+`width_tie` of it: noisy timings must not narrow cycles that cost the same at any width) while that
+beats plain steps by `margin` (with a few plain steps now and then to keep that time current, costing at most
 2 % of the cycles' time); otherwise plain steps, whose taps (from the same target forward) go into
 the drafter's context in one block before the next cycle, so switching back costs nothing, and a
 probe cycle every so often. After a losing probe the next one waits as long as keeps probing
@@ -260,6 +261,10 @@ class AutoSpeculation:
     held_out: Optional[AcceptanceCounts] = None
     held_out_fade: float = 0.98
     margin: float = 1.1
+    # A narrower width runs only where its rate beats every wider one's by this: enough that +-10 %
+    # noise per sample does not narrow cycles that cost the same at any width (a GPU), little
+    # enough that a batch's narrower verify, 7-9 % cheaper a round, is still taken.
+    width_tie: float = 1.05
     settled: int = 3  # samples of a width after which it is not explored again while another one runs
     refresh_steps: int = 4  # plain steps observed untimed after which a refresh gives up (one more
     # may be queued already)
@@ -341,15 +346,19 @@ class AutoSpeculation:
             return 0
         self._steps_since_check = 0
         rates = {w: self.expected_tokens(w) / t for w, t in cycles.items()}
-        best = max(rates, key=rates.get) if rates else self.widths[0]
+        top = max(rates, key=rates.get) if rates else self.widths[0]
+        # The width run: the widest whose rate is within `width_tie` of the best. Where widths cost
+        # about the same (a GPU), the lower medians of noisy samples rank them by luck, a width timed
+        # less often looking cheaper; a narrower width then gives up the drafts past it for nothing.
+        best = max((w for w in rates if rates[w] * self.width_tie >= rates[top]), default=top)
         if not self.speculating and not (self._counts.verified[-1] or self.prior.verified[-1]
                                          or self.held_out.verified[-1]):
-            best = self.widths[0]  # the block's last positions never verified: probe the whole block
+            top = best = self.widths[0]  # the block's last positions never verified: probe the whole block
         # Cycles go on while they beat steps at all; starting them, or going on where the expected
         # tokens rest mostly on the drafter's report rather than this model's own cycles, takes the
         # margin (where cycles are about even, as on a CPU, a report does not keep them going).
         keep = self.speculating and not self._mostly_reported()
-        if rates and rates[best] > (1.0 if keep else self.margin) / step:
+        if rates and rates[top] > (1.0 if keep else self.margin) / step:
             self.speculating, self._note = True, None
             # A refresh's cost, in cycles: alone, three plain steps make their tokens where cycles
             # would have made them, and cost about two steps more at their edges (on an H100 three
