@@ -15,6 +15,14 @@ a p that changes every 128 tokens through a list (prompts of different kinds), i
 4000 tokens or in 32 of 125. Steps are planned and timed in the engine's order. Reported: tok/s of
 plain steps only, always-on cycles and auto, and auto over the better of the other two, the mean
 over --seeds.
+
+`--noise S` multiplies every step's and cycle's time by a lognormal noise of sigma S (a machine
+whose samples vary, as an H100's did by +-10 % and more); `--width-tie T` runs auto with that
+`AutoSpeculation.width_tie` (1.0: no tolerance, the width of the best rate); `--machines GPU` keeps
+the machines whose name contains it. So the width tie's effect, in one run each:
+
+    python benchmarks/auto_simulated.py --machines GPU --noise 0.1 --width-tie 1.0
+    python benchmarks/auto_simulated.py --machines GPU --noise 0.1
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import random
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,12 +64,15 @@ def scenarios() -> dict:
 
 
 def run(mode: str, p_of, cycle_steps: float, generations: int, seed: int, total: int = 4000,
-        first: float = 1.0, first_step: float = 0.0) -> float:
+        first: float = 1.0, first_step: float = 0.0, noise: float = 0.0, width_tie: Optional[float] = None) -> float:
     """`first`: what a cycle costs, in cycles, right after a plain step or a cycle of another width;
-    `first_step`: what a plain step right after a cycle costs more, in steps."""
+    `first_step`: what a plain step right after a cycle costs more, in steps; `noise`: the sigma of
+    a lognormal factor on every time (0: none drawn, the runs as before it existed)."""
     rng, model, seconds, made_all = random.Random(seed), ModelSpeculation(16), 0.0, 0
     for gen in range(generations):
         policy, context, made, last = model.policy(mode), 64, 0, None
+        if width_tie is not None and hasattr(policy, "width_tie"):
+            policy.width_tie = width_tie
         # In the engine's order (engine.py): the plan after a plain step is asked before that step
         # is observed (a plain step is queued early), and read to read is a step's time only where
         # it and the next were queued alike; a generation's first step is not timed.
@@ -72,6 +84,8 @@ def run(mode: str, p_of, cycle_steps: float, generations: int, seed: int, total:
                 wall = STEP * (1 + (first_step if last else 0))
             else:
                 wall = STEP * cycle_steps * (1 + 0.05 * rng.random()) * (1 if width == last else first)
+            if noise:
+                wall *= rng.lognormvariate(0, noise)
             timed = not opening and queued_early == (planned == 0)
             policy.observe(width, context, wall if timed else None, accepted)
             seconds, made, context, last = seconds + wall, made + accepted + 1, context + accepted + 1, width
@@ -84,13 +98,19 @@ def run(mode: str, p_of, cycle_steps: float, generations: int, seed: int, total:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--noise", type=float, default=0.0, help="lognormal sigma on every time (0: none)")
+    parser.add_argument("--width-tie", type=float, help="auto's width_tie (default: AutoSpeculation's)")
+    parser.add_argument("--machines", default="", help="only the machines whose name contains this")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
     for machine, cycle_steps, first, first_step in MACHINES:
+        if args.machines not in machine:
+            continue
         for name, p_of in scenarios().items():
             for generations in (1, 32):
-                runs = {m: [run(m, p_of, cycle_steps, generations, s, first=first, first_step=first_step)
+                runs = {m: [run(m, p_of, cycle_steps, generations, s, first=first, first_step=first_step,
+                                noise=args.noise, width_tie=args.width_tie)
                             for s in range(args.seeds)] for m in ("off", "on", "auto")}
                 mean = {m: statistics.mean(v) for m, v in runs.items()}
                 ratio = statistics.mean(a / max(o, n) for a, o, n in zip(runs["auto"], runs["off"], runs["on"]))
@@ -99,7 +119,8 @@ def main() -> None:
                 print(f"{machine:26s} {name:32s} {generations:>2} gen  plain {mean['off']:5.0f}  on {mean['on']:5.0f}  "
                       f"auto {mean['auto']:5.0f}  auto/best {ratio:.2f}", flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"step_seconds": STEP, "seeds": args.seeds, "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"step_seconds": STEP, "seeds": args.seeds, "noise": args.noise,
+                                        "width_tie": args.width_tie, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -369,6 +369,22 @@ def test_auto_simulated_keeps_auto_near_the_better_mode(tmp_path):
         assert ratios[0] > (0.8 if "first steps" in machine else 0.85), (machine, ratios[:3])
 
 
+def test_auto_simulated_takes_noise_a_width_tie_and_a_machine_filter(tmp_path):
+    """`--machines` keeps the machines named so, `--noise` and `--width-tie` reach the runs (a
+    noisy run differs from a quiet one) and are recorded."""
+    outputs = {}
+    for noise in ("0", "0.2"):
+        out = tmp_path / f"sim_{noise}.json"
+        done = _run("benchmarks/auto_simulated.py", "--seeds", "1", "--machines", "CPU", "--noise", noise,
+                    "--width-tie", "1.0", "--out", str(out))
+        assert done.returncode == 0, done.stderr
+        outputs[noise] = json.loads(out.read_text())
+    quiet, noisy = outputs["0"], outputs["0.2"]
+    assert {r["machine"] for r in noisy["rows"]} == {"CPU-like"} and len(noisy["rows"]) == 16
+    assert noisy["noise"] == 0.2 and noisy["width_tie"] == 1.0
+    assert [r["plain"] for r in quiet["rows"]] != [r["plain"] for r in noisy["rows"]]
+
+
 def test_gpu_plain_steps_times_each_kind_of_step(tmp_path):
     """gpu_plain_steps.py's step variants and generations, on the tiny shape: every variant timed in
     every repeat, and the generations made of what they say (plain steps only, or a cycle first)."""
