@@ -125,14 +125,13 @@ class AcceptanceCounts:
 
     def fade(self, factor: float) -> None:
         """Every count `factor` as large (what they say stays; how much it weighs against others fades)."""
-        self.accepted = [a * factor for a in self.accepted]
-        self.verified = [v * factor for v in self.verified]
+        for j in range(len(self.verified)):
+            self.accepted[j] *= factor
+            self.verified[j] *= factor
 
     def add(self, width: int, accepted: int) -> None:
         if self.decay != 1.0:
-            for j in range(len(self.verified)):
-                self.accepted[j] *= self.decay
-                self.verified[j] *= self.decay
+            self.fade(self.decay)
         for j in range(width - 1):
             self.verified[j] += 1
             self.accepted[j] += j < accepted

@@ -505,32 +505,43 @@ def test_auto_finds_the_width_that_pays():
     assert max(set(tail), key=tail.count) == 4
 
 
+# P(accepted through block position j) on held-out sequences, as the demo drafter's training measured
+DEMO_THROUGH = (0.6, 0.45, 0.35, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def _simulated_h100(expected, seed: int, generations: int, unlucky: int = 0, noise: float = 0.0) -> list[list[int]]:
+    """The demo pair on a simulated H100, each generation's 128 plans: a plain step 4 ms, a cycle
+    7.6 ms at any width and twice that right after a plain step, drafts accepted by position as
+    DEMO_THROUGH says, but none in the model's first `unlucky` cycles; `expected`: the drafter's
+    report the model starts from (None: none); `noise`: the sigma of a lognormal factor on every
+    time (0: none drawn)."""
+    import random
+
+    rng, model, cycles, out = random.Random(seed), ModelSpeculation(16, expected), 0, []
+    for _ in range(generations):
+        policy, context, last, plans = model.policy("auto"), 100, 0, []
+        for _ in range(128):
+            width = policy.plan(context)
+            accepted, seconds = 0, 0.004 * (rng.lognormvariate(0, noise) if noise else 1.0)
+            if width:
+                cycles, draw = cycles + 1, rng.random()
+                accepted = 0 if cycles <= unlucky else min(sum(draw < t for t in DEMO_THROUGH), width - 1)
+                seconds = 0.0076 * (2 if last == 0 else 1) * (rng.lognormvariate(0, noise) if noise else 1.0)
+            policy.observe(width, context, seconds, accepted)
+            plans.append(width)
+            context, last = context + accepted + 1, width
+        out.append(plans)
+    return out
+
+
 def test_noisy_timings_do_not_narrow_cycles_that_cost_the_same_at_any_width():
     """A GPU-like machine whose samples vary (+-10 %, as an H100's did): a cycle costs 7.6 ms at any
     width, the drafter's acceptance by position as the demo pair's. The lower medians of noisy
     samples rank the widths by luck, a width timed less often looking cheaper; a narrower width runs
     only where it beats the wider ones by `width_tie` (5 %), so over 90 % of the cycles stay 16 wide
     (without it, a quarter ran narrower, giving up the drafts past their width for nothing)."""
-    import random
-
-    from dflash_core.speculation import ModelSpeculation
-
-    through = (0.6, 0.45, 0.35, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0)
-    widths = []
-    for seed in range(3):
-        rng, model = random.Random(seed), ModelSpeculation(16, through)
-        for _ in range(8):
-            policy, context, last = model.policy("auto"), 100, 0
-            for _ in range(128):
-                width = policy.plan(context)
-                accepted, seconds = 0, 0.004 * rng.lognormvariate(0, 0.1)
-                if width:
-                    draw = rng.random()
-                    accepted = min(sum(draw < t for t in through), width - 1)
-                    seconds = 0.0076 * (2 if last == 0 else 1) * rng.lognormvariate(0, 0.1)
-                    widths.append(width)
-                policy.observe(width, context, seconds, accepted)
-                context, last = context + accepted + 1, width
+    widths = [w for seed in range(3) for plans in _simulated_h100(DEMO_THROUGH, seed, 8, noise=0.1)
+              for w in plans if w]
     assert widths.count(16) >= 0.9 * len(widths), {w: widths.count(w) for w in set(widths)}  # (without `width_tie`: 0.75)
 
 
@@ -675,31 +686,8 @@ def test_a_drafter_s_held_out_acceptance_outweighs_two_unlucky_first_cycles():
     first two cycles, which make one token each. A model that knows nothing of the drafter judges
     cycles by those two and waits long before it probes again: whole generations of plain steps.
     One given the drafter's held-out acceptance keeps speculating at full width."""
-    import random
-
-    from dflash_core.speculation import ModelSpeculation
-
-    through = (0.6, 0.45, 0.35, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0)
-
-    def generations(expected, seed):
-        rng, model, cycles, out = random.Random(seed), ModelSpeculation(16, expected), 0, []
-        for _ in range(4):
-            policy, context, last, plans = model.policy("auto"), 100, 0, []
-            for _ in range(128):
-                width = policy.plan(context)
-                accepted, seconds = 0, 0.004
-                if width:
-                    cycles, draw = cycles + 1, rng.random()
-                    accepted = 0 if cycles <= 2 else min(sum(draw < t for t in through), width - 1)
-                    seconds = 0.0076 * (2 if last == 0 else 1)
-                policy.observe(width, context, seconds, accepted)
-                plans.append(width)
-                context, last = context + accepted + 1, width
-            out.append(plans)
-        return out
-
-    unknown = [g for seed in range(4) for g in generations(None, seed)]
-    held_out = [g for seed in range(4) for g in generations(through, seed)]
+    unknown = [g for seed in range(4) for g in _simulated_h100(None, seed, 4, unlucky=2)]
+    held_out = [g for seed in range(4) for g in _simulated_h100(DEMO_THROUGH, seed, 4, unlucky=2)]
     assert max(g.count(0) for g in unknown) > 100  # a generation of plain steps but for its probe
     assert max(g.count(0) for g in held_out) <= 32
     assert sum(g.count(16) for g in held_out) >= 0.9 * sum(map(len, held_out))
