@@ -14,14 +14,24 @@ cycle, and the cycle time by drafts accepted; the target alone's time a token be
 same generation run again (`again`), so that what the first run paid once for the prompt's shapes
 shows.
 
+`--replay` also runs each generation's cycles forced (`random_models.ForcedAcceptance`, the real
+weights) to accept exactly what the real run accepted, cycle by cycle: the same widths, the same
+context lengths and the same drafts accepted, the target's choices replaced by what the forcing
+computes from the verify's input. A forced cycle that is faster than the real one with the same
+acceptance is what the forced benchmarks miss; one as fast says the gap is elsewhere (the
+prompt's context, the machine). `--profile` splits each real (`again`) and replayed cycle's host
+time as `cycle_profile.py` does (build, launch, the read's wait, the rest), under cProfile.
+
     MLX_USE_CUDA_GRAPHS=1 python benchmarks/cycle_trace.py --target DIR --drafter DIR --dtype bfloat16 \\
-        --prompts prompts.jsonl --prompts-per-set 4 --out cycle_trace.json
+        --prompts prompts.jsonl --prompts-per-set 4 --replay --profile --out cycle_trace.json
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -33,10 +43,13 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cycle_profile import CYCLE_PARTS, split  # noqa: E402
 from demo_pair import add_pair_arguments, load_pair  # noqa: E402
 from pair_paths import held_out_prompts  # noqa: E402
 
 from dflash_core.bench import run_once  # noqa: E402
+from dflash_core.engine import Engine  # noqa: E402
+from dflash_core.random_models import ForcedAcceptance  # noqa: E402
 from dflash_core.sampling import SamplingParams  # noqa: E402
 from dflash_core.speculation import AlwaysSpeculate  # noqa: E402
 
@@ -55,8 +68,25 @@ class TracedCycles(AlwaysSpeculate):
         self.steps.append((width, seconds, accepted))
 
 
-def summary(decode_seconds: float, steps: list[tuple[int, Optional[float], int]]) -> dict:
-    """One generation's cycles: what was timed, what was not, and the timed ones by acceptance."""
+def traced(generate, profile: bool, stats: int = 0, label: str = ""):
+    """(run, host ms a cycle split as cycle_profile.py splits it, or None) of `generate()`; with
+    `stats`, its top functions by own time printed under `label`."""
+    if not profile:
+        return generate(), None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run = generate()
+    profiler.disable()
+    if stats:
+        print(f"{label}: top {stats} functions of {run.stats.cycles} cycles by own time", flush=True)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(stats)
+    return run, {k: round(v, 3) for k, v in split(profiler, max(run.stats.cycles, 1), CYCLE_PARTS).items()}
+
+
+def summary(decode_seconds: float, steps: list[tuple[int, Optional[float], int]],
+            host_ms: Optional[dict] = None) -> dict:
+    """One generation's cycles: what was timed, what was not, and the timed ones by acceptance
+    (and `host_ms`, the host's time a cycle by part, when profiled)."""
     timed = [s for _, s, _ in steps if s is not None]
     by_accepted: dict[int, list[float]] = {}
     for _, seconds, accepted in steps:
@@ -68,6 +98,7 @@ def summary(decode_seconds: float, steps: list[tuple[int, Optional[float], int]]
         "median_cycle_ms": 1e3 * statistics.median(timed) if timed else None,
         "slowest_cycle_ms": 1e3 * max(timed) if timed else None,
         "median_cycle_ms_by_accepted": {a: 1e3 * statistics.median(v) for a, v in sorted(by_accepted.items())},
+        **({"host_ms": host_ms} if host_ms is not None else {}),
     }
 
 
@@ -77,6 +108,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, help="a `dflash corpus` JSONL file")
     parser.add_argument("--prompts-per-set", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--replay", action="store_true",
+                        help="also run each generation's cycles forced to the real run's acceptance")
+    parser.add_argument("--profile", action="store_true",
+                        help="split the host time of the real (again) and replayed cycles under cProfile")
+    parser.add_argument("--stats", type=int, default=0,
+                        help="with --profile: also print the first prompt's top N functions by own time")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.prompts_per_set < 1 or args.max_tokens < 2:
@@ -104,13 +141,26 @@ def main() -> None:
             # prompt of a new length compiles and captures what the first cycle's write of its taps
             # into the drafter's context runs) shows as the difference.
             again_policy = TracedCycles(engine.drafter.block_size)
-            again = run_once(engine, tokens, speculative=True, max_tokens=args.max_tokens, sampling=greedy,
-                             ignore_eos=True, speculation=again_policy)
+            again, again_host = traced(lambda: run_once(engine, tokens, speculative=True, max_tokens=args.max_tokens,
+                                                        sampling=greedy, ignore_eos=True, speculation=again_policy),
+                                       args.profile, args.stats if not rows else 0, f"{name}, real")
             row = {"set": name, "prompt_tokens": len(tokens),
                    "alone_ms_per_token": 1e3 * alone.stats.decode_seconds / (alone.stats.generated_tokens - 1),
                    "tokens_per_cycle": dflash.stats.tokens_per_cycle,
                    **summary(dflash.stats.decode_seconds, policy.steps),
-                   "again": summary(again.stats.decode_seconds, again_policy.steps)}
+                   "again": summary(again.stats.decode_seconds, again_policy.steps, again_host)}
+            if args.replay:
+                schedule = [accepted for _, _, accepted in policy.steps]
+                forced = Engine(ForcedAcceptance(engine.target, schedule, engine.drafter.block_size), engine.tokenizer,
+                                engine.drafter, prefill_chunk=engine.prefill_chunk)
+                replay_policy = TracedCycles(engine.drafter.block_size)
+                replay, replay_host = traced(lambda: run_once(forced, tokens, speculative=True,
+                                                              max_tokens=args.max_tokens, sampling=greedy,
+                                                              ignore_eos=True, speculation=replay_policy),
+                                             args.profile, args.stats if not rows else 0, f"{name}, replayed")
+                if [a for _, _, a in replay_policy.steps] != schedule:
+                    sys.exit(f"{name}: the replay accepted other drafts than the real run")
+                row["replay"] = summary(replay.stats.decode_seconds, replay_policy.steps, replay_host)
             rows.append(row)
             cycles = (f"cycle median {row['median_cycle_ms']:.2f}, slowest {row['slowest_cycle_ms']:.2f} ms"
                       if row["timed_cycles"] else "no cycle timed")
@@ -119,6 +169,12 @@ def main() -> None:
                   f"{row['timed_ms']:.1f} + untimed {row['untimed_ms']:.1f}; {cycles}; again: decode "
                   f"{row['again']['decode_ms']:.1f} = timed {row['again']['timed_ms']:.1f} + untimed "
                   f"{row['again']['untimed_ms']:.1f}", flush=True)
+            for label in ("again", "replay"):
+                part = row.get(label)
+                if part is not None and (label == "replay" or part.get("host_ms")):
+                    host = part.get("host_ms")
+                    print(f"    {label}: cycle median {part['median_cycle_ms']:.2f} ms, decode {part['decode_ms']:.1f}"
+                          + (": " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()) if host else ""), flush=True)
 
     result = {"date": time.strftime("%Y-%m-%d"), "device": str(mx.default_device()), "mlx": mx.__version__,
               "target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "max_tokens": args.max_tokens,

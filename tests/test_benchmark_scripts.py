@@ -41,11 +41,12 @@ def test_host_build_times_each_graph_on_a_tiny_shape(tmp_path):
 
 def test_cycle_trace_times_a_real_pairs_cycles_one_by_one(qwen3_pair, tmp_path):
     """A tiny pair's generations always-on, each cycle as the engine timed it: the first (after the
-    prompt) untimed, the rest timed, their sum and the untimed part adding up to the decode time."""
+    prompt) untimed, the rest timed, their sum and the untimed part adding up to the decode time;
+    replayed forced to the same acceptance, and profiled."""
     target, drafter = qwen3_pair
     out = tmp_path / "trace.json"
     done = _run("benchmarks/cycle_trace.py", "--target", str(target), "--drafter", str(drafter),
-                "--prompts-per-set", "1", "--max-tokens", "24", "--out", str(out))
+                "--prompts-per-set", "1", "--max-tokens", "24", "--replay", "--profile", "--out", str(out))
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["generations"]
     assert {r["set"] for r in rows} == {"text", "code"}
@@ -56,6 +57,13 @@ def test_cycle_trace_times_a_real_pairs_cycles_one_by_one(qwen3_pair, tmp_path):
         assert sum(1 for _ in row["median_cycle_ms_by_accepted"]) >= 1
         again = row["again"]  # the same generation run again: the same cycles
         assert again["cycles"] == row["cycles"] and again["timed_ms"] + again["untimed_ms"] == pytest.approx(again["decode_ms"])
+        # The replay: the real run's acceptance, cycle by cycle, forced (the script checks it took
+        # exactly those), and both split by part of the host's time.
+        replay = row["replay"]
+        assert replay["cycles"] == row["cycles"]
+        assert replay["median_cycle_ms_by_accepted"].keys() == row["median_cycle_ms_by_accepted"].keys()
+        for part in (again, replay):
+            assert part["host_ms"]["verify_build"] > 0 and part["host_ms"]["draft_build"] > 0
 
 
 def test_cycle_profile_splits_each_paths_cycles_on_a_tiny_shape(tmp_path):
