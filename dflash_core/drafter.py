@@ -312,7 +312,10 @@ class DFlashDrafter(nn.Module):
         """`add_context(taps, cache)` for each row, with fc, hidden_norm and the k/v projections run
         once over all rows' positions, RoPE and the cache writes for all rows at once."""
         widths = [taps.shape[1] for taps, _ in rows]
-        c = self.hidden_norm(self.fc(_concat([taps for taps, _ in rows], axis=1)))
+        # Through `linear`, as the layers' products: on CUDA a cycle's few rows take the stream
+        # kernel, which rounds a row alike whatever rows share the call, where MLX's GEMM was the
+        # cycle's one cuBLASLt call.
+        c = self.hidden_norm(linear(self.fc, _concat([taps for taps, _ in rows], axis=1), self.kernels))
         if len(rows) > 1:  # the writes for all rows at once, into their buffers stacked
             bounds = [(e - w, e) for w, e in zip(widths, itertools.accumulate(widths))]
             starts = [cache[0].offset for _, cache in rows]

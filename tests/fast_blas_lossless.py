@@ -7,7 +7,8 @@ stay the target's.
 
     python tests/fast_blas_lossless.py OUT.json FAMILY=TARGET_DIR,DRAFTER_DIR ...
 
-Per family: a 16-token verify against 16 single steps (to the bit), then speculative output against
+Per family: a 16-token verify against 16 single steps (to the bit), the drafter's context of 16
+taps added at once against one at a time (to the bit), then speculative output against
 target-alone output, greedy with the random drafter and with every acceptance length 0..15 forced,
 and with seeded sampling. OUT.json gets the BLAS that ran and each check's result.
 """
@@ -25,6 +26,7 @@ from dflash_core.blas import preload, provider  # noqa: E402
 
 LOADED = preload()  # before anything imports MLX, as `dflash` does
 
+import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from families import sample_prompt  # noqa: E402
 from forced import ForcedDrafter, verify_and_steps  # noqa: E402
@@ -42,6 +44,20 @@ def tokens_of(engine: Engine, prompt: list[int], **kwargs) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
+def context_difference(drafter) -> float:
+    """The largest difference between a drafter's context K/V of 16 taps added at once (a verify's)
+    and one at a time (plain steps'): 0 when its `fc` and projections round a row alike whatever
+    rows share the product."""
+    mx.random.seed(5)
+    taps = mx.random.normal((1, 16, drafter.fc.weight.shape[1]))
+    at_once, one_by_one = drafter.make_cache(), drafter.make_cache()
+    drafter.add_context(taps, at_once)
+    for i in range(16):
+        drafter.add_context(taps[:, i : i + 1], one_by_one)
+    return max(float(mx.abs(getattr(a, part)[..., :16, :] - getattr(b, part)[..., :16, :]).max())
+               for a, b in zip(at_once, one_by_one) for part in ("keys", "values"))
+
+
 def check(target_dir: str, drafter_dir: str) -> dict:
     engine = load_engine(target_dir, drafter_dir, prefill_chunk=16)
     # As loaded: the tiny model's layers and head are below the narrow copies' sizes, so each goes
@@ -50,7 +66,8 @@ def check(target_dir: str, drafter_dir: str) -> dict:
     assert engine.target.narrow_linears == 0
     prompt = sample_prompt(engine)
     verify, steps = verify_and_steps(engine.target, (prompt * 8)[:100], prompt[:16])
-    result = {"verify_difference": float(np.abs(verify - steps).max())}
+    result = {"verify_difference": float(np.abs(verify - steps).max()),
+              "context_difference": context_difference(engine.drafter)}
     reference = tokens_of(engine, prompt, speculative=False)
     result["random_drafter"] = tokens_of(engine, prompt) == reference
     forced = ForcedDrafter(reference=prompt + reference, prompt_length=len(prompt), schedule=SCHEDULE,

@@ -66,5 +66,5 @@ def test_lossless_with_the_fast_blas(request, tmp_path, cpu_kernels):
     result = json.loads(out.read_text())
     assert result["loaded"] == candidates()[0] and result["provider"] == result["loaded"]
     for family, checks in result["families"].items():
-        assert checks == {"verify_difference": 0.0, "random_drafter": True, "every_acceptance_length": True,
-                          "seeded_sampling": True}, family
+        assert checks == {"verify_difference": 0.0, "context_difference": 0.0, "random_drafter": True,
+                          "every_acceptance_length": True, "seeded_sampling": True}, family
