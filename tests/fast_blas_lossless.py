@@ -26,10 +26,9 @@ from dflash_core.blas import preload, provider  # noqa: E402
 
 LOADED = preload()  # before anything imports MLX, as `dflash` does
 
-import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from families import sample_prompt  # noqa: E402
-from forced import ForcedDrafter, verify_and_steps  # noqa: E402
+from forced import ForcedDrafter, context_difference, verify_and_steps  # noqa: E402
 
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.loading import load_engine  # noqa: E402
@@ -42,20 +41,6 @@ SCHEDULE = list(range(16))
 def tokens_of(engine: Engine, prompt: list[int], **kwargs) -> list[int]:
     chunks = engine.generate(prompt, max_tokens=N_TOKENS, stop_token_ids=set(), **kwargs)
     return [t for c in chunks for t in c.token_ids]
-
-
-def context_difference(drafter) -> float:
-    """The largest difference between a drafter's context K/V of 16 taps added at once (a verify's)
-    and one at a time (plain steps'): 0 when its `fc` and projections round a row alike whatever
-    rows share the product."""
-    mx.random.seed(5)
-    taps = mx.random.normal((1, 16, drafter.fc.weight.shape[1]))
-    at_once, one_by_one = drafter.make_cache(), drafter.make_cache()
-    drafter.add_context(taps, at_once)
-    for i in range(16):
-        drafter.add_context(taps[:, i : i + 1], one_by_one)
-    return max(float(mx.abs(getattr(a, part)[..., :16, :] - getattr(b, part)[..., :16, :]).max())
-               for a, b in zip(at_once, one_by_one) for part in ("keys", "values"))
 
 
 def check(target_dir: str, drafter_dir: str) -> dict:

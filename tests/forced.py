@@ -119,6 +119,24 @@ def verify_and_steps(target, prompt: list[int], block: list[int]):
     return np.array(verify.astype(mx.float32)), np.array(steps.astype(mx.float32))  # (exact from bf16 too)
 
 
+def context_difference(drafter, dtype=None) -> float:
+    """The largest difference between a drafter's context K/V of 16 taps added at once (a verify's)
+    and one at a time (plain steps'), taps in `dtype` (None: float32): 0 when its `fc` and
+    projections round a row alike whatever rows share the product."""
+    import mlx.core as mx
+
+    mx.random.seed(5)
+    taps = mx.random.normal((1, 16, drafter.fc.weight.shape[1]))
+    taps = taps.astype(dtype) if dtype is not None else taps
+    at_once, one_by_one = drafter.make_cache(), drafter.make_cache()
+    drafter.add_context(taps, at_once)
+    for i in range(16):
+        drafter.add_context(taps[:, i : i + 1], one_by_one)
+    return max(float(mx.abs(getattr(a, part)[..., :16, :].astype(mx.float32)
+                            - getattr(b, part)[..., :16, :].astype(mx.float32)).max())
+               for a, b in zip(at_once, one_by_one) for part in ("keys", "values"))
+
+
 def assert_verify_is_single_steps(target, prompt: list[int], block: list[int]) -> None:
     """After `prompt`, a verify of `block` (16 tokens) gives each token the logits 16 one-token
     steps give it (what the token checks rest on; a last-bit difference would rarely change a
