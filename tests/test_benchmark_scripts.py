@@ -420,3 +420,14 @@ def test_cpu_auto_runs_every_mode_on_the_same_prompts(tmp_path):
         assert result[mode]["same_output"] and result[mode]["vs_target_paired"] > 0
     assert result["on"]["cycles"] > 0 and result["on"]["plain_steps"] == 0
     assert "auto-no-report" not in result  # (asked for only with --without-report)
+
+
+def test_drafter_fc_times_both_products_by_row_count(tmp_path):
+    """drafter_fc.py times the shipped drafter's fc through `linear` and through MLX's own product
+    at each row count asked, and says which BLAS answered."""
+    out = tmp_path / "fc.json"
+    done = _run("benchmarks/drafter_fc.py", "--rows", "1,40", "--repeats", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [r["rows"] for r in report["rows"]] == [1, 40] and "blas" in report
+    assert all(r["linear_ms"] > 0 and r["mlx_ms"] > 0 for r in report["rows"])
