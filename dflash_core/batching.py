@@ -158,7 +158,7 @@ def step_together(engine, streams: Sequence[Iterator[Any]]) -> list[Stepped]:
         # Clean: every row decoded (a prefill chunk, or the first token's read of the prompt's last
         # chunk, would put host-timed work into this round's wall).
         clean = len(called) == len(streams) and all(r.chunk is None or _decoded(r.chunk) for r in results)
-        spec.rounds.end_round(widths, clean)
+        spec.rounds.end_round(widths, clean, engine.clock())
     return results
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -86,6 +86,7 @@ class Engine:
         drafter_off_reason: Optional[str] = None,
         prefix_cache: Optional[PrefixCache] = None,
         speculation: str = "on",
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -102,6 +103,10 @@ class Engine:
         if speculation not in MODES:
             raise ValueError(f"speculation must be one of {MODES}, got {speculation!r}")
         self.speculation = speculation  # what generate() does unless told otherwise
+        # What `auto` times steps and rounds by (seconds): the wall clock, or in a test a clock
+        # that a cost model advances, so that a test of auto's choices does not hang on the
+        # load of the machine running it.
+        self.clock = clock
         # What `auto` measured on this machine, kept across this model's generations.
         held_out = getattr(drafter, "held_out_acceptance", None)
         self.speculation_state = (ModelSpeculation(drafter.block_size, held_out.through if held_out else None)
@@ -417,7 +422,7 @@ class Engine:
                 if planned == 0:
                     ahead = yield from self._launch(step.choice, index + 1, 0, sampler, state, scorer, constraint)
             committed, token, logprobs, accepted = step.read()  # the one blocking read of a step
-            now = time.perf_counter()
+            now = self.clock()
             # Read to read is a step's time where it and the next were queued alike: within a run
             # of plain steps each queued a step early, or none. At a run's edges it is not: the
             # first (queued after a cycle's read) also pays for building the second, and the last

@@ -22,7 +22,6 @@ beyond the first costing what the narrowest's do; above the widest, as the wides
 
 from __future__ import annotations
 
-import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -50,13 +49,13 @@ class RoundCosts:
         self._shapes_seen: set[tuple[int, ...]] = set()
         self._last: Optional[tuple[list[int], float]] = None
 
-    def end_round(self, widths: Sequence[int], clean: bool, now: Optional[float] = None) -> None:
+    def end_round(self, widths: Sequence[int], clean: bool, now: float) -> None:
         """A round ended in which these rows made target forwards, each of `widths` tokens (1: a
         plain step, w > 1: a cycle verifying w). Its forwards run while the next round reads
         them, so it is the next round's wall that is this one's cost; a round is `clean` when no
         row in it did other work on the host's time (a prefill chunk, the prompt's last chunk
-        read for its first token), and only then does it time the round before it."""
-        now = time.perf_counter() if now is None else now
+        read for its first token), and only then does it time the round before it. `now`: the
+        engine's clock (seconds) at the round's end."""
         last = self._last
         self._last = (list(widths), now) if widths else None
         self.rows = len(widths)

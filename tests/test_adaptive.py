@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from cost_clock import CostClock, CostedTarget
 from families import ENGINE_FAMILIES
 from families import sample_prompt as _prompt
 from forced import ForcedDrafter
@@ -138,7 +139,8 @@ def test_a_probe_drafts_its_timed_cycle_ahead(engines):
     ahead = []  # for each block drafted: whether ahead of the read
     real = forced.propose
     forced.propose = lambda *args, **kwargs: ahead.append(kwargs.get("start") is not None) or real(*args, **kwargs)
-    probing = Engine(engine.target, engine.tokenizer, forced, prefill_chunk=16)
+    clock = CostClock()  # auto judges by modeled costs: a cycle dearer than a step, as anywhere
+    probing = Engine(CostedTarget(engine.target, clock), engine.tokenizer, forced, prefill_chunk=16, clock=clock)
     tokens, stats = _tokens(probing, prompt, SAMPLINGS["greedy"], speculation="auto")
     assert tokens == reference
     assert 0 < stats.cycles < N_TOKENS / 2  # it probed, and was mostly off
