@@ -19,6 +19,9 @@ the same engine, for pairs whose drafter has one (the demo's):
 
     python benchmarks/cpu_auto.py --max-tokens 128 --repeats 2 --pairs demo --without-report
 
+`--without-draft-vocab` also runs always-on and `auto` drafting over the whole LM head, for pairs
+whose drafter has a draft vocabulary (the demo's: docs/performance.md, "A draft vocabulary").
+
 Prints the ratios `auto / target` and `auto / on`, and the median over runs of each `auto` run against
 the target alone's run of the same prompt (paired: what the machine's drift between prompts does not
 move); `auto` should not fall below 0.95 of the better mode. Each prompt starts the modes one further
@@ -48,7 +51,7 @@ import mlx.core as mx  # noqa: E402
 from dflash_core.bench import run_once  # noqa: E402
 from dflash_core.engine import Engine  # noqa: E402
 from dflash_core.sampling import SamplingParams  # noqa: E402
-from dflash_core.speculation import MODES, ModelSpeculation  # noqa: E402
+from dflash_core.speculation import ModelSpeculation  # noqa: E402
 
 PROMPTS = [
     "The lighthouse keeper wrote in his diary that",
@@ -109,19 +112,32 @@ def pairs(work: Path, names=PAIRS):
         yield "tiny-trained", load_model(str(target), str(drafter)).engine
 
 
-def measure(engine, prompts, max_tokens: int, repeats: int, without_report: bool = False) -> dict:
+def measure(engine, prompts, max_tokens: int, repeats: int, without_report: bool = False,
+            without_draft_vocab: bool = False) -> dict:
     """`without_report`: also `auto` as if the drafter had no training report (`auto-no-report`: a
-    model's auto state that starts from nothing), on the same engine, alternated with the rest."""
+    model's auto state that starts from nothing); `without_draft_vocab`: also always-on and `auto`
+    drafting over the whole LM head where the drafter has a draft vocabulary (`on-whole-head`,
+    `auto-whole-head`, the latter with its own auto state); all on the same engine, alternated with
+    the rest."""
     sampling = SamplingParams()
-    states = {"auto": engine.speculation_state}
-    if without_report and engine.speculation_state.held_out is not None:
-        states["auto-no-report"] = ModelSpeculation(engine.drafter.block_size)
-    modes = ("off", "on", *states)
+    drafter, held_out = engine.drafter, engine.speculation_state.held_out
+    vocab = getattr(drafter, "draft_vocab", None)
+    # mode -> (speculation, its auto state or None, the drafter's draft vocabulary)
+    variants = {"off": ("off", None, vocab), "on": ("on", None, vocab), "auto": ("auto", engine.speculation_state, vocab)}
+    if without_report and held_out is not None:
+        variants["auto-no-report"] = ("auto", ModelSpeculation(drafter.block_size), vocab)
+    if without_draft_vocab and vocab is not None:
+        variants["on-whole-head"] = ("on", None, None)
+        report = getattr(drafter, "held_out_acceptance", None)  # (auto's start, as the engine's)
+        variants["auto-whole-head"] = ("auto", ModelSpeculation(drafter.block_size, report.through if report else None),
+                                       None)
+    modes = tuple(variants)
     encoded = [engine.tokenizer.encode(p) for p in prompts]
 
     def run(tokens, mode):
-        engine.speculation_state = states.get(mode, engine.speculation_state)
-        return run_once(engine, tokens, speculative=mode != "off", speculation=mode if mode in MODES else "auto",
+        speculation, state, drafter.draft_vocab = variants[mode]
+        engine.speculation_state = state or engine.speculation_state
+        return run_once(engine, tokens, speculative=speculation != "off", speculation=speculation,
                         max_tokens=max_tokens, sampling=sampling, ignore_eos=True)
 
     for mode in modes:  # warm-up: kernels compile, and auto measures this machine as a server would
@@ -133,7 +149,7 @@ def measure(engine, prompts, max_tokens: int, repeats: int, without_report: bool
             # one (what a run leaves behind, in caches and the allocator, lands on the next).
             for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
                 runs[mode].append(run(tokens, mode))
-    engine.speculation_state = states["auto"]
+    engine.speculation_state, drafter.draft_vocab = variants["auto"][1], vocab
     out = {}
     for mode, rs in runs.items():
         cycles = sum(r.cycles for r in rs)
@@ -149,8 +165,9 @@ def measure(engine, prompts, max_tokens: int, repeats: int, without_report: bool
         }
     t, on, auto = (out[m]["decode_tokens_per_second"] for m in ("off", "on", "auto"))
     out["auto_vs_target"], out["auto_vs_on"], out["auto_vs_best"] = auto / t, auto / on, auto / max(t, on)
-    if "auto-no-report" in out:
-        out["auto_no_report_vs_target"] = out["auto-no-report"]["decode_tokens_per_second"] / t
+    for mode in ("auto-no-report", "on-whole-head", "auto-whole-head"):
+        if mode in out:
+            out[mode.replace("-", "_") + "_vs_target"] = out[mode]["decode_tokens_per_second"] / t
     return out
 
 
@@ -162,6 +179,9 @@ def main() -> None:
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma list of: {', '.join(PAIRS)}")
     parser.add_argument("--without-report", action="store_true",
                         help="also auto without the drafter's held-out acceptance (pairs whose drafter has one)")
+    parser.add_argument("--without-draft-vocab", action="store_true",
+                        help="also always-on and auto drafting over the whole LM head (pairs whose drafter has a "
+                             "draft vocabulary)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     names = args.pairs.split(",")
@@ -174,7 +194,8 @@ def main() -> None:
     report["blas"] = describe()
     with tempfile.TemporaryDirectory() as work:
         for name, engine in pairs(Path(work), names):
-            result = measure(engine, PROMPTS[: args.prompts], args.max_tokens, args.repeats, args.without_report)
+            result = measure(engine, PROMPTS[: args.prompts], args.max_tokens, args.repeats, args.without_report,
+                             args.without_draft_vocab)
             report["pairs"][name] = result
             print(f"{name:<16} target {result['off']['decode_tokens_per_second']:7.1f} tok/s | "
                   f"on {result['on']['decode_tokens_per_second']:7.1f} ({result['on']['tokens_per_cycle'] or 0:.2f} tok/cycle) | "
@@ -185,7 +206,10 @@ def main() -> None:
                   + f" | paired auto/target {result['auto']['vs_target_paired']:.2f}x"
                   + (f" | auto without the report {result['auto_no_report_vs_target']:.2f}x the target "
                      f"(paired {result['auto-no-report']['vs_target_paired']:.2f}x)"
-                     if "auto_no_report_vs_target" in result else ""), flush=True)
+                     if "auto_no_report_vs_target" in result else "")
+                  + "".join(f" | {mode} {result[mode.replace('-', '_') + '_vs_target']:.2f}x the target (paired "
+                            f"{result[mode]['vs_target_paired']:.2f}x, {result[mode]['tokens_per_cycle'] or 0:.2f} tok/cycle)"
+                            for mode in ("on-whole-head", "auto-whole-head") if mode in result), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -35,6 +35,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .cache import RowsKVCache
 from .compiled import COMPILED_MAX_TOKENS, BlockCache
+from .draft_vocab import read_draft_vocab
 from .drafter_config import CheckpointError, DrafterConfig, HeldOutAcceptance, read_held_out_acceptance
 from .kernels import DEFAULT_KERNELS, KernelOptions, backend
 from .kernels.attention import attention, joins_for_exact
@@ -272,6 +273,9 @@ class DFlashDrafter(nn.Module):
         # Its training report's held-out acceptance by block position (`load_drafter`), if it has one:
         # what `speculation: auto` expects of it before its own cycles say more.
         self.held_out_acceptance: Optional[HeldOutAcceptance] = None
+        # The token ids its drafts are chosen among (`load_drafter`: draft_vocab.json), None: all.
+        self.draft_vocab: Optional[mx.array] = None
+        self._head_over: Optional[tuple[Any, Any, Any]] = None  # (target, draft_vocab, that head over it)
 
     @property
     def block_size(self) -> int:
@@ -444,8 +448,26 @@ class DFlashDrafter(nn.Module):
         h = self.hidden_rows(target.embed(block[None]), [row.cache for row in rows], widths, start)
         # The bonus position predicts nothing: only the others go through the LM head.
         h = _concat([h_i[:, 1:] for h_i in _split(h, widths, axis=1)], axis=1)
-        drafts = mx.argmax(self.logits(h, getattr(target, "decode_lm_head", target.lm_head)), axis=-1)[0].astype(mx.int32)
+        head, ids = self._draft_head(target)
+        drafts = mx.argmax(self.logits(h, head), axis=-1)[0].astype(mx.int32)
+        if ids is not None:
+            drafts = ids[drafts]
         return _split(drafts, [w - 1 for w in widths], axis=0)
+
+    def _draft_head(self, target):
+        """The LM head drafts are chosen by, and the ids its columns stand for (None: the head's
+        own, the whole vocabulary): over `draft_vocab` where the drafter has one, its kernel options
+        use it (`KernelOptions.draft_vocab`) and the target can cut its head (`head_over`), made once
+        per target and vocabulary."""
+        whole = getattr(target, "decode_lm_head", target.lm_head)
+        use = self.kernels.draft_vocab if self.kernels.draft_vocab is not None else backend() == "cpu"
+        if self.draft_vocab is None or not use:
+            return whole, None
+        if self._head_over is None or self._head_over[0] is not target or self._head_over[1] is not self.draft_vocab:
+            over = getattr(target, "head_over", None)
+            self._head_over = (target, self.draft_vocab, over(self.draft_vocab) if over is not None else None)
+        head = self._head_over[2]
+        return (whole, None) if head is None else (head, self.draft_vocab)
 
 
 def _split(a: mx.array, widths: Sequence[int], axis: int) -> list[mx.array]:
@@ -504,6 +526,7 @@ def load_drafter(path: str | Path, *, dtype: Optional[mx.Dtype] = None,
     mx.eval(model.parameters())
     model.stack_shared_inputs()
     model.held_out_acceptance = read_held_out_acceptance(path, cfg.block_size - 1)
+    model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
     return model
 
 

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .draft_vocab import DRAFT_VOCAB_FILE, most_frequent, write_draft_vocab
 from .drafter import DFlashDrafter, load_drafter, read_drafter_config
 from .drafter_config import DrafterConfig, default_target_layer_ids
 from .engine import Engine
@@ -107,6 +108,10 @@ class TrainOptions:
     # fine-tuned target or a domain.
     init_from: Optional[str] = None
     save_dtype: Optional[str] = None  # the drafter's weights on disk (default: the target's dtype)
+    # Write a draft vocabulary (draft_vocab.py) of the N tokens most frequent in the training
+    # responses: drafts over those columns of the head alone, cheaper where a draft's head is its
+    # cost (a CPU, a large vocabulary). Acceptance is then estimated as served, over them. 0: none.
+    draft_vocab: int = 0
 
     def with_new_drafter_defaults(self) -> "TrainOptions":
         return replace(self, layers=self.layers or 1, block_size=self.block_size or 16, head_dim=self.head_dim or 128)
@@ -286,14 +291,14 @@ def batch_of(pieces: list[tuple[list[int], mx.array, mx.array]], block: int) -> 
 
 
 def acceptance_walk(drafter, target, sequences, rng: random.Random, max_sequences: int = 32,
-                    batch: int = 16) -> tuple[float, list[float]]:
+                    batch: int = 16, draft_vocab: Optional[mx.array] = None) -> tuple[float, list[float]]:
     """Tokens per cycle the drafter reaches on these sequences (greedy, always-on) as the engine
     walks them, and its acceptance by block position 1..B-1. From the response's first token, each
     cycle accepts the leading drafts equal to the target's tokens and starts again after them, the
     target's own token counted. A position's acceptance is the engine's `acceptance_by_position`
     at full width: the share of all cycles in which its draft was accepted (a cycle near a
     sequence's end counts, as the engine counts one cut by max_tokens). Up to `max_sequences`
-    sequences, drawn by `rng`.
+    sequences, drawn by `rng`. With `draft_vocab`, drafts are chosen among those tokens, as served.
 
     The engine's figure is tokens over cycles, so a stretch it drafts well costs few cycles and a
     hard one many: an average of the accepted length over positions drawn at random counts every
@@ -311,7 +316,11 @@ def acceptance_walk(drafter, target, sequences, rng: random.Random, max_sequence
         while live:  # one cycle of every sequence still walking, batched
             pieces = [(group[i]["tokens"], taps[i], mx.array([at[i]], dtype=mx.int32)) for i in live]
             x, ids, anchors, sequence, labels = batch_of(pieces, drafter.config.block_size)
-            proposals = mx.argmax(block_logits(drafter, target, x, ids, anchors, sequence=sequence), axis=-1)
+            logits = block_logits(drafter, target, x, ids, anchors, sequence=sequence)
+            if draft_vocab is None:
+                proposals = mx.argmax(logits, axis=-1)
+            else:
+                proposals = draft_vocab[mx.argmax(mx.take(logits, draft_vocab, axis=-1), axis=-1)]
             leading = mx.cumprod((proposals == labels).astype(mx.int32), axis=1)  # [blocks, B-1]
             accepted_at = accepted_at + leading.sum(axis=0)
             accepted = leading.sum(axis=1).tolist()
@@ -457,6 +466,9 @@ def train(opts: TrainOptions) -> TrainReport:
         raise ValueError(f"{opts.data}: no training prompts left after holding out {len(held_out)}")
 
     drafter = initial_drafter(target, start_from) if start_from is not None else new_drafter(target, tokenizer, opts)
+    vocab_ids, coverage = (most_frequent((seq["tokens"][seq["response_start"]:] for seq in training), opts.draft_vocab)
+                           if opts.draft_vocab else ([], 0.0))
+    draft_vocab = mx.array(vocab_ids, dtype=mx.int32) if vocab_ids else None
     weights = position_weights(opts.block_size, opts.gamma)
     optimizer = optim.AdamW(learning_rate=opts.lr, weight_decay=opts.weight_decay)
     step, history, before = 0, [], 0.0  # before: seconds trained by the runs this one resumes
@@ -515,7 +527,8 @@ def train(opts: TrainOptions) -> TrainReport:
         step += 1
         history.append({"step": step, "loss": total, "lr": rate})
         if step % opts.eval_every == 0 or step == opts.steps:
-            estimate, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1))
+            estimate, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1),
+                                                    draft_vocab=draft_vocab)
             history[-1]["tokens_per_cycle"] = estimate
         if step % opts.save_every == 0 or step == opts.steps:
             save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained(), opts.target_dtype)
@@ -523,13 +536,18 @@ def train(opts: TrainOptions) -> TrainReport:
         progress.update(1)
     progress.close()
     if by_position is None or "tokens_per_cycle" not in history[-1]:  # this run did not walk its last step
-        walked, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1))
+        walked, by_position = acceptance_walk(drafter, target, held_out, random.Random(opts.seed + 1),
+                                              draft_vocab=draft_vocab)
         if history and "tokens_per_cycle" not in history[-1]:  # the time budget ended the run between evaluations
             history[-1]["tokens_per_cycle"] = walked
             save_checkpoint(drafter, optimizer, step, history, rng, opts.out, trained(), opts.target_dtype)
     if history:
         estimate = history[-1]["tokens_per_cycle"]
     save_drafter(drafter, opts.out, dtype=getattr(mx, opts.save_dtype) if opts.save_dtype else stored_dtype)
+    if vocab_ids:
+        write_draft_vocab(opts.out, vocab_ids, f"dflash train: the {len(training)} training responses", coverage)
+    else:  # (one an earlier run left there would be read with these weights)
+        (opts.out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     load_drafter(opts.out)  # the normal loader accepts what was written
     seconds = time.perf_counter() - start
     report = TrainReport(step, seconds, len(training), len(held_out),

@@ -158,12 +158,15 @@ def test_train_lowers_loss_and_writes_a_servable_drafter(qwen3_pair, tmp_path, c
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(PROMPTS))
     out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "draft_vocab.json").write_text('{"token_ids": [1]}')  # an earlier run's, not this one's
     code = cli.main(["train", "--target", str(qwen3_pair[0]), "--data", str(data), "--out", str(out),
                      "--layers", "1", "--head-dim", "16", "--heads", "4", "--kv-heads", "2",
                      "--intermediate-size", "128", "--steps", "40", "--batch", "2", "--anchors", "4",
                      "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "32", "--eval-every", "20",
                      "--save-every", "20"])
     assert code == 0
+    assert not (out / "draft_vocab.json").exists()  # (its drafts would have been over that one token)
     report = json.loads((out / "train_report.json").read_text())
     losses = [h["loss"] for h in report["history"]]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
@@ -380,24 +383,43 @@ def test_the_estimate_walks_a_sequence_as_the_engine_does(qwen3_pair, tmp_path):
                      "--layers", "1", "--head-dim", "16", "--heads", "4", "--kv-heads", "2",
                      "--intermediate-size", "128", "--steps", "120", "--batch", "3", "--anchors", "8",
                      "--lr", "3e-3", "--warmup", "5", "--max-new-tokens", "48", "--held-out", "0.25",
-                     "--eval-every", "1000", "--save-every", "1000", "--save-dtype", "float32"]) == 0
+                     "--eval-every", "1000", "--save-every", "1000", "--save-dtype", "float32",
+                     "--draft-vocab", "1000"]) == 0
     sequences = [json.loads(line) for line in (out / "data" / "sequences.jsonl").read_text().splitlines()]
     target, tokenizer, _ = load_target(qwen3_pair[0])
     drafter = load_drafter(out)
+    written = json.loads((out / "draft_vocab.json").read_text())
+    assert drafter.draft_vocab.tolist() == written["token_ids"] and 0 < written["coverage"] <= 1
+    assert set(written["token_ids"]) <= {t for s in sequences for t in s["tokens"][s["response_start"]:]}
     engine = Engine(target, tokenizer, drafter)
-    tokens = cycles = 0
-    accepted_at, verified_at = np.zeros(15), np.zeros(15)
-    for seq in sequences:
-        prompt, response = seq["tokens"][: seq["response_start"]], seq["tokens"][seq["response_start"] :]
-        chunks = list(engine.generate(prompt, max_tokens=len(response), speculation="on", stop_token_ids=set()))
-        assert [t for c in chunks for t in c.token_ids] == response
-        tokens, cycles = tokens + len(response) - 1, cycles + chunks[-1].stats.cycles  # the first: prefill's
-        accepted_at += chunks[-1].stats.accepted_by_position
-        verified_at += chunks[-1].stats.verified_by_position
+
+    def engine_walk():
+        tokens = cycles = 0
+        accepted_at, verified_at = np.zeros(15), np.zeros(15)
+        for seq in sequences:
+            prompt, response = seq["tokens"][: seq["response_start"]], seq["tokens"][seq["response_start"] :]
+            chunks = list(engine.generate(prompt, max_tokens=len(response), speculation="on", stop_token_ids=set()))
+            assert [t for c in chunks for t in c.token_ids] == response
+            tokens, cycles = tokens + len(response) - 1, cycles + chunks[-1].stats.cycles  # the first: prefill's
+            accepted_at += chunks[-1].stats.accepted_by_position
+            verified_at += chunks[-1].stats.verified_by_position
+        return tokens / cycles, accepted_at / verified_at
+
+    # The report's estimate drafts over the draft vocabulary, as the engine then does; with half of
+    # it the drafts past those tokens are never made, and both count that alike.
+    for vocab in (drafter.draft_vocab, drafter.draft_vocab[::2]):
+        drafter.draft_vocab = vocab
+        engine_tokens, _ = engine_walk()
+        walked_cut, _ = acceptance_walk(drafter, target, sequences, random.Random(0), draft_vocab=vocab)
+        assert walked_cut == pytest.approx(engine_tokens, rel=1e-9)
+    halved = walked_cut
+    drafter.draft_vocab = None
+    engine_tokens, engine_by_position = engine_walk()
     walked, by_position = acceptance_walk(drafter, target, sequences, random.Random(0))
-    assert walked == pytest.approx(tokens / cycles, rel=1e-9)
+    assert walked == pytest.approx(engine_tokens, rel=1e-9)
+    assert halved < walked
     # Acceptance by position too, as the engine counts it.
-    np.testing.assert_allclose(by_position, accepted_at / verified_at, rtol=1e-9)
+    np.testing.assert_allclose(by_position, engine_by_position, rtol=1e-9)
     report = json.loads((out / "train_report.json").read_text())
     assert len(report["acceptance_by_position"]) == 15 and report["acceptance_by_position"][0] > 0
     assert walked > 1.5  # the drafter drafts: the walk measured something

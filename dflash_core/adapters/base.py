@@ -357,6 +357,33 @@ class TargetAdapter:
         weight = cpu_linear.fixed_order_weight(self._dense_head_weight()) if self.kernels.cpu_narrow_linears else None
         return cpu_linear.narrow_linear(hidden, weight) if weight is not None else self.lm_head(hidden)
 
+    def head_over(self, token_ids: mx.array):
+        """`decode_lm_head` over `token_ids` alone, as a function of the final-normed hidden states
+        to logits [..., len(token_ids)], its rows taken now (the caller keeps it): a drafter's draft
+        vocabulary (draft_vocab.py). On the CPU a float32 head's rows go through our head kernel
+        where they are large enough, as the whole head does; elsewhere `linear`. None where the head
+        is not one matrix on this process (split by vocabulary across ranks)."""
+        if getattr(self.text_model, "sharding_group", None) is not None:
+            return None
+        head = self.inner.embed_tokens if self.tied_head() else getattr(self.text_model, "lm_head", None)
+        if head is None or "bias" in head:
+            return None
+        if hasattr(head, "scales"):  # quantized: its rows, still quantized
+            weight, scales = head.weight[token_ids], head.scales[token_ids]
+            biases = head.biases[token_ids] if "biases" in head else None
+            mx.eval(weight, scales, *([] if biases is None else [biases]))
+            options = dict(transpose=True, group_size=head.group_size, bits=head.bits,
+                           mode=getattr(head, "mode", "affine"))
+            return lambda hidden: mx.quantized_matmul(hidden, weight, scales, biases, **options)
+        rows = head.weight[token_ids]
+        mx.eval(rows)
+        kernel = half_head_for(rows, self.cpu_head_min_parameters) if self.kernels.cpu_half_head else None
+        if kernel is not None:
+            return kernel
+        layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+        layer.weight = rows
+        return lambda hidden: linear(layer, hidden, self.kernels)
+
     def _half_head(self):
         if self._cpu_head is _UNSET:
             weight = self._dense_head_weight()

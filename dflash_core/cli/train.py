@@ -78,6 +78,10 @@ def add_train(sub) -> None:
     p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), help="dtype of the saved weights")
     p.add_argument("--loss-vocab", choices=("full", "data"), default="full",
                    help="softmax over the whole vocabulary (default) or only the tokens in the training responses")
+    p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
+                   help="also write draft_vocab.json: the N tokens most frequent in the training responses, the only "
+                        "ones the drafter then drafts (cheaper drafts where the LM head is their cost, as on a CPU "
+                        "with a large vocabulary; docs/train.md). 0 (default): drafts over the whole vocabulary")
     p.set_defaults(func=run_train)
 
 
@@ -85,6 +89,13 @@ def _temperature(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"a sampling temperature must be above 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of 0 or more expected, got {text}")
     return value
 
 
@@ -158,7 +169,7 @@ def run_train(args) -> int:
         mask_token_id=args.mask_token_id, seed=args.seed, resume=args.resume, loss_vocab=args.loss_vocab,
         head_dtype=args.head_dtype,
         target_dtype=args.target_dtype,
-        save_dtype=args.save_dtype, tap_cache_gb=args.tap_cache_gb,
+        save_dtype=args.save_dtype, tap_cache_gb=args.tap_cache_gb, draft_vocab=args.draft_vocab,
     )
     report = train(opts)
     data = report.data

@@ -83,6 +83,13 @@ class KernelOptions:
     # H100, 6 % slower on a 2-core x86 CPU (docs/performance.md, "Drafts ahead and split outputs");
     # on for Metal by the same reasoning (a device beside the host's cores), not measured there.
     draft_ahead: Optional[bool] = None
+    # Drafts over the drafter's draft vocabulary where it has one (draft_vocab.json, draft_vocab.py),
+    # else over the whole LM head. None: on the CPU, where a large vocabulary's head is most of a
+    # draft (the demo drafter's always-on 0.45x -> 0.54x the target on a 2-core x86 CPU, tokens a
+    # cycle 2.61 -> 2.45), not on a GPU, where the head is a small part of a cycle the host's
+    # launches bound and the tokens left out would cost acceptance (docs/performance.md, "A draft
+    # vocabulary").
+    draft_vocab: Optional[bool] = None
     # The drafter's layers in the engine's drafts as two compiled blocks each around attention
     # (drafter.py, `DrafterLayer.forward`), else op by op: the same ops, fewer for the host to build.
     compiled_drafter: bool = True
