@@ -10,6 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import draft_vocab
 from .blas import describe as describe_blas
 from .kernels import attention, backend, cpu_head, cpu_linear, gated_delta, matmul, norms
 from .registry import KNOWN_PAIRS, find_pair
@@ -97,7 +98,8 @@ def doctor_report(check_hub: bool = True, settings: Optional[Settings] = None) -
         "blas": describe_blas(),
         "kernels": {"gated_delta": gated_delta.active_path(), "block_attention": attention.active_path(),
                     "small_m_matmul": matmul.active_path(), "cpu_lm_head": cpu_head.active_path(),
-                    "cpu_projections": cpu_linear.active_path(), "residual_norms": norms.active_path()},
+                    "cpu_projections": cpu_linear.active_path(), "residual_norms": norms.active_path(),
+                    "draft_vocab": draft_vocab.active_path()},
         "model_cache": str(hub_cache_dir()),
         "demo_cache": str(cache_root()),
         "hub": hub,

@@ -20,8 +20,22 @@ from typing import Iterable, Optional
 import mlx.core as mx
 
 from .drafter_config import CheckpointError
+from .kernels import DEFAULT_KERNELS, KernelOptions, backend
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def uses_draft_vocab(kernels: KernelOptions = DEFAULT_KERNELS) -> bool:
+    """Whether drafts go over a drafter's draft vocabulary here (`KernelOptions.draft_vocab`; by
+    default on the CPU only)."""
+    return kernels.draft_vocab if kernels.draft_vocab is not None else backend() == "cpu"
+
+
+def active_path(kernels: KernelOptions = DEFAULT_KERNELS) -> str:
+    """Which head drafts are chosen by here (for `dflash doctor`)."""
+    if uses_draft_vocab(kernels):
+        return f"a drafter's {DRAFT_VOCAB_FILE} where it has one: drafts over those tokens' columns of the LM head"
+    return f"the whole LM head (a drafter's {DRAFT_VOCAB_FILE} is used on the CPU only)"
 
 
 def read_draft_vocab(path: Path, vocab_size: int) -> Optional[mx.array]:

@@ -35,7 +35,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .cache import RowsKVCache
 from .compiled import COMPILED_MAX_TOKENS, BlockCache
-from .draft_vocab import read_draft_vocab
+from .draft_vocab import read_draft_vocab, uses_draft_vocab
 from .drafter_config import CheckpointError, DrafterConfig, HeldOutAcceptance, read_held_out_acceptance
 from .kernels import DEFAULT_KERNELS, KernelOptions, backend
 from .kernels.attention import attention, joins_for_exact
@@ -460,8 +460,7 @@ class DFlashDrafter(nn.Module):
         use it (`KernelOptions.draft_vocab`) and the target can cut its head (`head_over`), made once
         per target and vocabulary."""
         whole = getattr(target, "decode_lm_head", target.lm_head)
-        use = self.kernels.draft_vocab if self.kernels.draft_vocab is not None else backend() == "cpu"
-        if self.draft_vocab is None or not use:
+        if self.draft_vocab is None or not uses_draft_vocab(self.kernels):
             return whole, None
         if self._head_over is None or self._head_over[0] is not target or self._head_over[1] is not self.draft_vocab:
             over = getattr(target, "head_over", None)

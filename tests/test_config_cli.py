@@ -257,6 +257,7 @@ def test_models_and_doctor_commands(qwen3_pair, tmp_path, capsys):
     assert report["kernels"]["cpu_projections"].startswith("int8 or float16 copies in our MLX primitive" if
                                                            cpu_linear.extension() else "MLX's float32 product")
     assert report["kernels"]["residual_norms"] == "MLX ops"
+    assert report["kernels"]["draft_vocab"].startswith("a drafter's draft_vocab.json where it has one")
     assert "auto" in report["speculation"] and "lose" in report["speculation"]
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
