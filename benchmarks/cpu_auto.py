@@ -128,9 +128,8 @@ def measure(engine, prompts, max_tokens: int, repeats: int, without_report: bool
         variants["auto-no-report"] = ("auto", ModelSpeculation(drafter.block_size), vocab)
     if without_draft_vocab and vocab is not None:
         variants["on-whole-head"] = ("on", None, None)
-        report = getattr(drafter, "held_out_acceptance", None)  # (auto's start, as the engine's)
-        variants["auto-whole-head"] = ("auto", ModelSpeculation(drafter.block_size, report.through if report else None),
-                                       None)
+        start = engine.speculation_state.expected  # (the drafter's held-out acceptance, as auto's)
+        variants["auto-whole-head"] = ("auto", ModelSpeculation(drafter.block_size, start), None)
     modes = tuple(variants)
     encoded = [engine.tokenizer.encode(p) for p in prompts]
 

@@ -363,10 +363,8 @@ class TargetAdapter:
         vocabulary (draft_vocab.py). On the CPU a float32 head's rows go through our head kernel
         where they are large enough, as the whole head does; elsewhere `linear`. None where the head
         is not one matrix on this process (split by vocabulary across ranks)."""
-        if getattr(self.text_model, "sharding_group", None) is not None:
-            return None
-        head = self.inner.embed_tokens if self.tied_head() else getattr(self.text_model, "lm_head", None)
-        if head is None or "bias" in head:
+        head = self._head_module()
+        if head is None:
             return None
         if hasattr(head, "scales"):  # quantized: its rows, still quantized
             weight, scales = head.weight[token_ids], head.scales[token_ids]
@@ -392,11 +390,18 @@ class TargetAdapter:
 
     def _dense_head_weight(self) -> Optional[mx.array]:
         """The head's [vocab, hidden] weight where it is one plain matrix on this process, else None."""
-        head = self.inner.embed_tokens if self.tied_head() else getattr(self.text_model, "lm_head", None)
-        if head is None or hasattr(head, "scales") or "weight" not in head or "bias" in head \
-                or getattr(self.text_model, "sharding_group", None) is not None:
+        head = self._head_module()
+        if head is None or hasattr(head, "scales") or "weight" not in head:
             return None
         return head.weight
+
+    def _head_module(self) -> Optional[nn.Module]:
+        """The module whose weight is the LM head (the embedding where tied), where it is one matrix
+        on this process (not split by vocabulary across ranks) without a bias, else None."""
+        head = self.inner.embed_tokens if self.tied_head() else getattr(self.text_model, "lm_head", None)
+        if head is None or "bias" in head or getattr(self.text_model, "sharding_group", None) is not None:
+            return None
+        return head
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and LM head as the mlx-lm model computes them (the head on the CPU: `decode_lm_head`)."""
