@@ -38,11 +38,14 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from dflash_core.blas import preload  # noqa: E402
+
+preload()  # the fast BLAS `dflash` runs with on a Linux CPU, loaded before MLX
+
+import mlx.core as mx  # noqa: E402
 from gpu_cycle import PATHS, parse_paths  # noqa: E402
 
 from dflash_core.engine import Engine  # noqa: E402

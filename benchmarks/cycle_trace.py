@@ -38,11 +38,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import mlx.core as mx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from dflash_core.blas import preload  # noqa: E402
+
+preload()  # the fast BLAS `dflash` runs with on a Linux CPU, loaded before MLX
+
+import mlx.core as mx  # noqa: E402
 from cycle_profile import CYCLE_PARTS, split  # noqa: E402
 from demo_pair import add_pair_arguments, load_pair  # noqa: E402
 from pair_paths import held_out_prompts  # noqa: E402

@@ -23,9 +23,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import mlx.core as mx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_core.blas import preload  # noqa: E402
+
+preload()  # the fast BLAS `dflash` runs with on a Linux CPU, loaded before MLX
+
+import mlx.core as mx  # noqa: E402
 
 from dflash_core.random_models import parse_shape, random_drafter, random_target  # noqa: E402
 
