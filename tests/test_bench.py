@@ -91,6 +91,16 @@ def test_short_sweep_end_to_end(qwen3_pair, tmp_path, capsys):
             assert r.prompt_tokens == r.context and r.filler_tokens > 0
         else:  # the agent prompt with its tools is longer than both contexts: left as it is
             assert r.prompt_tokens > r.context and r.filler_tokens == 0
+    # Each row also as one workload: the prompts' decode tokens over their summed decode time.
+    for row in report.summary:
+        group = [r for r in report.results if r.context == row.context and row.set in ("all", r.set)]
+        for mode, pooled in (("dflash", row.pooled_speedup), ("auto", row.auto_pooled_speedup)):
+            seconds = [sum((getattr(r, m).generated_tokens - 1) / getattr(r, m).decode_tokens_per_second
+                           for r in group) for m in ("target", mode)]
+            tokens = sum(r.target.generated_tokens - 1 for r in group)
+            assert tokens == sum(getattr(r, mode).generated_tokens - 1 for r in group)  # the same outputs
+            assert pooled == pytest.approx(seconds[0] / seconds[1])
+    assert "prompts as one workload" in printed
     # The untrained drafter loses: auto says why, in numbers, as a response's stats do.
     notes = [r.auto.speculation_note for r in report.results if r.auto.speculation_note]
     assert notes and all("against a step of" in n for n in notes)
@@ -103,6 +113,28 @@ def test_short_sweep_end_to_end(qwen3_pair, tmp_path, capsys):
         bench.BenchReport.validate_python({**raw, "surprise": 1})
     with pytest.raises(pydantic.ValidationError):
         bench.BenchReport.validate_python({k: v for k, v in raw.items() if k != "summary"})
+
+
+def _mode(generated: int, tokens_per_second: float) -> bench.ModeResult:
+    return bench.ModeResult(speculative=True, runs=1, prompt_tokens=8, generated_tokens=generated,
+                            finish_reason="length", prefill_seconds=0.1, decode_seconds=(generated - 1) / tokens_per_second,
+                            prefill_tokens_per_second=80.0, decode_tokens_per_second=tokens_per_second,
+                            peak_memory_bytes=1)
+
+
+def test_a_workload_weighs_each_prompt_by_its_time():
+    # Two prompts of 101 tokens, 1 s each alone; DFlash takes 0.25 s on one and 1 s on the other:
+    # 200 tokens in 1.25 s against 2 s, 1.6x, where the ratio of medians says 2.5x.
+    from dflash_core.bench.engine_runs import pooled_speedup
+
+    targets = [_mode(101, 100.0), _mode(101, 100.0)]
+    dflash = [_mode(101, 400.0), _mode(101, 100.0)]
+    assert pooled_speedup(targets, dflash) == pytest.approx(1.6)
+    # A long generation weighs by its time: 1001 tokens at 2x and 11 at 10x is close to 2x.
+    assert pooled_speedup([_mode(1001, 100.0), _mode(11, 100.0)], [_mode(1001, 200.0), _mode(11, 1000.0)]) == \
+        pytest.approx(1010 / (5.0 + 0.01) / 100.0)
+    assert pooled_speedup(targets, dflash[:1]) is None  # a prompt without DFlash: no workload figure
+    assert pooled_speedup(targets, []) is None
 
 
 class PlantedDivergence:

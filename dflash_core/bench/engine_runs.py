@@ -221,6 +221,25 @@ def compare(prompt: BenchPrompt, context: int, tokens: list[int], filler: int, t
     )
 
 
+def pooled_speedup(targets: list[ModeResult], others: list[ModeResult]) -> Optional[float]:
+    """The prompts as one workload: `others`' decode tokens a second over all of them against the
+    targets' (a prompt's decode time: its tokens after the first over its median tok/s, as
+    `decode_tokens_per_second` counts them). A row's medians answer "a typical prompt"; this answers
+    "the whole set", each prompt weighing as much as the time it takes. None unless every prompt has
+    both."""
+    modes = [*targets, *others]
+    if not others or len(others) != len(targets) or not all(m.decode_tokens_per_second for m in modes):
+        return None
+
+    def rate(group: list[ModeResult]) -> Optional[float]:
+        tokens = [m.generated_tokens - 1 for m in group]
+        seconds = sum(n / m.decode_tokens_per_second for n, m in zip(tokens, group))
+        return sum(tokens) / seconds if seconds > 0 else None
+
+    mine, theirs = rate(others), rate(targets)
+    return mine / theirs if mine and theirs else None
+
+
 def summarize(results: list[PromptResult], sets: list[str]) -> list[Summary]:
     rows = []
     for context in dict.fromkeys(r.context for r in results):
@@ -244,6 +263,8 @@ def summarize(results: list[PromptResult], sets: list[str]) -> list[Summary]:
                 speedup=dflash_decode / target_decode if spec and target_decode else None,
                 auto_decode_tokens_per_second=auto_decode,
                 auto_speedup=auto_decode / target_decode if autos and target_decode else None,
+                pooled_speedup=pooled_speedup([r.target for r in group], spec),
+                auto_pooled_speedup=pooled_speedup([r.target for r in group], autos),
                 tokens_per_cycle=counts.tokens_per_cycle, acceptance_by_position=counts.acceptance_by_position,
                 target_peak_memory_bytes=max(r.target.peak_memory_bytes for r in group),
                 dflash_peak_memory_bytes=max(d.peak_memory_bytes for d in spec) if spec else None,

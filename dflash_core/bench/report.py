@@ -53,6 +53,11 @@ def engine_table(report: EngineReport) -> str:
             f"{_fmt(r.auto_decode_tokens_per_second):>8} | "
             f"{_fmt(r.speedup, '.2f') + 'x':>7} {_fmt(r.auto_speedup, '.2f') + 'x':>7} {_fmt(r.tokens_per_cycle, '.2f'):>9} | "
             f"{_gb(r.target_peak_memory_bytes):>5} {_gb(r.dflash_peak_memory_bytes):>5} | {match}")
+    for r in report.summary:
+        if r.set == "all" and r.pooled_speedup is not None:
+            auto = f", auto {r.auto_pooled_speedup:.2f}x" if r.auto_pooled_speedup is not None else ""
+            lines.append(f"context {r.context}, all {r.prompts} prompts as one workload (their tokens over their "
+                         f"summed decode time): dflash {r.pooled_speedup:.2f}x{auto} the target alone")
     for r in report.results:
         if r.divergence is not None:
             d = r.divergence

@@ -126,6 +126,10 @@ class Summary(_Strict):
     speedup: Optional[float] = Field(description="dflash_decode / target_decode of this row")
     auto_decode_tokens_per_second: Optional[float] = None
     auto_speedup: Optional[float] = Field(None, description="auto_decode / target_decode of this row")
+    pooled_speedup: Optional[float] = Field(
+        None, description="the row's prompts as one workload: their tokens over their summed decode time, DFlash "
+                          "against the target alone (each prompt's time: its tokens over its median tok/s)")
+    auto_pooled_speedup: Optional[float] = Field(None, description="the same for speculation auto")
     tokens_per_cycle: Optional[float]
     acceptance_by_position: Optional[list[float]]
     target_peak_memory_bytes: int
