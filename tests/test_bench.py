@@ -86,6 +86,8 @@ def test_short_sweep_end_to_end(qwen3_pair, tmp_path, capsys):
         assert r.dflash.peak_memory_bytes > 0 and not r.target.speculative
         # speculation auto beside them: the same output (checked in `match`), its own speed.
         assert r.auto.runs == 2 and r.auto.speculative
+        assert r.dflash.cycle_widths == {16: r.dflash.cycles}  # always-on: the whole block every cycle
+        assert sum(r.auto.cycle_widths.values()) == r.auto.cycles and not r.target.cycle_widths
         assert r.auto_speedup == pytest.approx(r.auto.decode_tokens_per_second / r.target.decode_tokens_per_second)
         if r.set == "math":  # padded with the filler document to exactly the context
             assert r.prompt_tokens == r.context and r.filler_tokens > 0

@@ -173,6 +173,8 @@ def mode_result(runs: list[Run]) -> ModeResult:
         cycles=counts.cycles, draft_tokens_accepted=counts.draft_tokens_accepted,
         accepted_by_position=counts.accepted_by_position, tokens_per_cycle=counts.tokens_per_cycle,
         acceptance_by_position=counts.acceptance_by_position,
+        cycle_widths={w: sum(r.stats.cycle_widths.get(w, 0) for r in runs)
+                      for w in sorted({w for r in runs for w in r.stats.cycle_widths})},
         plain_steps=sum(r.stats.plain_steps for r in runs),
         tokens_from_steps=sum(r.stats.tokens_from_steps for r in runs),
         speculation_note=first.speculation_note,

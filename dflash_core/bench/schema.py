@@ -88,6 +88,8 @@ class ModeResult(_Strict):
         default_factory=list, description="cycles in which the draft at block position 1..B-1 was accepted, summed")
     tokens_per_cycle: Optional[float] = Field(None, description="(draft_tokens_accepted + cycles) / cycles")
     acceptance_by_position: Optional[list[float]] = Field(None, description="accepted_by_position / cycles")
+    cycle_widths: dict[int, int] = Field(
+        default_factory=dict, description="cycles run at each width (the bonus token and its drafts), summed over runs")
     plain_steps: int = Field(0, description="speculation auto: plain target steps, summed over runs")
     tokens_from_steps: int = Field(0, description="tokens those plain steps made, summed over runs")
     speculation_note: Optional[str] = Field(
