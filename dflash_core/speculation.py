@@ -283,6 +283,16 @@ class AutoSpeculation:
     _first_seconds: Optional[float] = None  # a probe's first (untimed) cycle's wall time
     _first_ratio: float = 1.0  # what a probe's first cycle cost against its second (1 to 4)
     _explore: bool = False  # a refresh step just ran: look at the widths timed too few times
+    # Cycles narrower than the block verify none of the drafts past their width, so what they say
+    # of those drafts is the prior's (the drafter's report, the model's earlier cycles) and nothing
+    # would change it. Now and then the whole block runs instead (two cycles: the second timed),
+    # at most `wide_overhead` of the narrow cycles' time: on a GPU, where it costs about what a
+    # narrow one does, every few cycles; on a CPU, where it costs several, rarely.
+    wide_overhead: float = 0.03
+    wide_cost: float = 0.25  # ... and at once after a narrow cycle accepted all it verified, where a
+    # block cycle costs at most this much more than a narrow one
+    _narrow_cycles: int = 0  # cycles run narrower than the block since the block last ran
+    _narrow_full: bool = False  # the last cycle was narrower than the block and accepted all it verified
 
     def __post_init__(self):
         self.widths = auto_widths(self.block_size)
@@ -376,6 +386,8 @@ class AutoSpeculation:
                 unsettled = [w for w in self.widths if w != best and 0 < self.timings.count(w) < self.settled]
                 if unsettled and share == 1.0:
                     return unsettled[0]
+            if self._wide_due(best, cycles, share):
+                return self.widths[0]
             return best
         if self.speculating:
             self.probes.streak_ended()
@@ -391,6 +403,25 @@ class AutoSpeculation:
         # A probe of the most promising width (the block, before anything is measured).
         self._probe_width = best if rates else None
         return best if self.probes.due(share) else 0
+
+    def _wide_due(self, best: int, cycles: dict[int, float], share: float) -> bool:
+        """Whether a cycle planned at `best` runs the whole block instead, to verify the drafts past
+        `best` (`wide_overhead`). Alone only: a batch's rows are priced by rounds."""
+        block = self.widths[0]
+        if best == block or share < 1.0:
+            self._narrow_cycles = 0
+            return False
+        self._narrow_cycles += 1
+        narrow, wide = cycles.get(best), cycles.get(block)
+        # Two block cycles against two narrow ones, as a share of the narrow cycles between them.
+        extra = 2 * max(0.0, wide - narrow) / narrow if narrow and wide else 0.0
+        # A narrow cycle that accepted every draft it verified is the one sign that the drafts past
+        # it may be accepted too: the block runs next where it costs little more (a GPU).
+        full, self._narrow_full = self._narrow_full, False
+        if not (full and extra <= 2 * self.wide_cost) and self._narrow_cycles <= max(4.0, extra / self.wide_overhead):
+            return False
+        self._narrow_cycles = 0
+        return True
 
     def _mostly_reported(self) -> bool:
         """Whether the drafter's held-out acceptance weighs more than this model's own cycles."""
@@ -439,6 +470,7 @@ class AutoSpeculation:
                     self._first_seconds = None
             self._counts.add(width, accepted)
             self.prior.add(width, accepted)
+            self._narrow_full = width < self.block_size and accepted == width - 1
             if self.speculating:
                 self.probes.winning()  # probe quickly again if this streak ends
 

@@ -145,3 +145,27 @@ def test_a_row_does_not_depend_on_its_companions(qwen3_pair):
         drafts, hidden = run(companions, k)
         assert mx.array_equal(drafts, alone[0]) and mx.array_equal(hidden, alone[1])
     assert [c[0].offset for c in caches] == list(CONTEXTS)  # proposing writes nothing to the caches
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+def test_a_narrower_cycles_drafts_are_the_whole_blocks_first(request, family):
+    """A cycle that verifies fewer than the block's positions gets the whole block's first drafts,
+    alone and among rows of other widths: a block's positions attend to one another, and a block
+    of fewer masks than the drafter was trained on drafts worse (docs/performance.md)."""
+    target, drafter = _load(request.getfixturevalue(f"{family}_pair"))
+    taps = _split_taps(_taps(target, drafter, sum(CONTEXTS)), CONTEXTS)
+    caches = [drafter.make_cache() for _ in CONTEXTS]
+    drafter.add_context_rows(list(zip(taps, caches)))
+    bonuses = [mx.array([b], mx.int32) for b in (9, 5, 7)]
+    whole = [drafter.propose(b, target, cache) for b, cache in zip(bonuses, caches)]
+    assert all(w.shape == (15,) for w in whole)
+    for width in (2, 4, 8, 16):
+        for b, cache, w in zip(bonuses, caches, whole):
+            assert mx.array_equal(drafter.propose(b, target, cache, width), w[: width - 1])
+    widths = (2, 16, 8)
+    rows = drafter.propose_rows([DraftRow(b, cache, w) for b, cache, w in zip(bonuses, caches, widths)], target)
+    for got, w, width in zip(rows, whole, widths):
+        assert mx.array_equal(got, w[: width - 1])
+    for width in (1, 17):  # no draft at all, or more than the block: refused, naming the bounds
+        with pytest.raises(ValueError, match="2 to the block size 16"):
+            drafter.propose(bonuses[0], target, caches[0], width)

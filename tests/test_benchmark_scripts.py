@@ -431,3 +431,21 @@ def test_drafter_fc_times_both_products_by_row_count(tmp_path):
     report = json.loads(out.read_text())
     assert [r["rows"] for r in report["rows"]] == [1, 40] and "blas" in report
     assert all(r["linear_ms"] > 0 and r["mlx_ms"] > 0 for r in report["rows"])
+
+
+def test_auto_widths_compares_narrow_cycles_and_auto_with_always_on(qwen3_pair, tmp_path):
+    target, drafter = qwen3_pair
+    out = tmp_path / "auto_widths.json"
+    done = _run("benchmarks/auto_widths.py", "--target", str(target), "--drafter", str(drafter), "--set", "code",
+                "--prompts-per-set", "1", "--max-tokens", "24", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    (row,) = report["prompts"]
+    assert row["same_output"]
+    fixed, auto = row["fixed"], row["auto"]
+    assert 1 <= fixed["narrow_tokens_per_cycle"] <= 8 and 1 <= fixed["whole_tokens_per_cycle"] <= 16
+    # A narrow cycle's drafts are the whole block's first: it makes what the whole block predicts,
+    # give or take where the two runs' cycles start.
+    assert 1 <= fixed["narrow_from_whole_block"] <= 8
+    assert auto["on_seconds"] > 0 and auto["auto_seconds"] > 0 and report["auto_against_on"] > 0
+    assert all(int(w) in (2, 4, 8, 16) for w in auto["auto_cycle_widths"])
