@@ -41,8 +41,8 @@ from dflash_core.speculation import AlwaysSpeculate  # noqa: E402
 
 def modeled_seconds(stats, clock: CostClock) -> float:
     """A generation's decode time on `clock`'s model: its cycles by width and its plain steps."""
-    cycles = sum(n * (clock.step + clock.per_token * (w - 1)) for w, n in stats.cycle_widths.items())
-    return cycles + stats.plain_steps * clock.step
+    cycles = sum(n * clock.forward_cost(w) for w, n in stats.cycle_widths.items())
+    return cycles + stats.plain_steps * clock.forward_cost(1)
 
 
 def main() -> None:

@@ -443,17 +443,19 @@ class DFlashDrafter(nn.Module):
         """`propose` for each row (width-1 proposals each), in one forward over all their blocks.
         Every block is drafted whole, whatever width its cycle verifies: the drafter was trained on
         whole blocks, and a block's positions attend to one another, so a narrower block of masks
-        drafts worse, not only fewer (the demo pair on code prompts: 8-wide blocks made 3.1-4.2
-        tokens a cycle where the whole block's first 7 drafts would have made 4.8-6.6). Only the
-        drafts a row verifies go through the LM head."""
+        drafts worse, not only fewer (the demo pair's held-out code prompts, always 8 wide: 1.94-4.74
+        tokens a cycle where the whole block's first 7 drafts would have made 2.42-6.53;
+        benchmarks/auto_widths.py, docs/performance.md). Only the drafts a row verifies go through
+        the LM head."""
         mask_id, size, widths = self.config.mask_token_id, self.config.block_size, [row.width for row in rows]
         if any(not 2 <= w <= size for w in widths):
             raise ValueError(f"a draft's width (its bonus token and drafts) is 2 to the block size {size}, not {widths}")
+        blocks = [size] * len(rows)
         block = _concat([mx.concatenate([row.bonus.reshape(1).astype(mx.int32),
                                          mx.full((size - 1,), mask_id, mx.int32)]) for row in rows])
-        h = self.hidden_rows(target.embed(block[None]), [row.cache for row in rows], [size] * len(rows), start)
+        h = self.hidden_rows(target.embed(block[None]), [row.cache for row in rows], blocks, start)
         # The bonus position predicts nothing: only the drafts verified go through the LM head.
-        h = _concat([h_i[:, 1:w] for h_i, w in zip(_split(h, [size] * len(rows), axis=1), widths)], axis=1)
+        h = _concat([h_i[:, 1:w] for h_i, w in zip(_split(h, blocks, axis=1), widths)], axis=1)
         head, ids = self._draft_head(target)
         drafts = mx.argmax(self.logits(h, head), axis=-1)[0].astype(mx.int32)
         if ids is not None:

@@ -418,10 +418,10 @@ class AutoSpeculation:
         # A narrow cycle that accepted every draft it verified is the one sign that the drafts past
         # it may be accepted too: the block runs next where it costs little more (a GPU).
         full, self._narrow_full = self._narrow_full, False
-        if not (full and extra <= 2 * self.wide_cost) and self._narrow_cycles <= max(4.0, extra / self.wide_overhead):
-            return False
-        self._narrow_cycles = 0
-        return True
+        due = (full and extra <= 2 * self.wide_cost) or self._narrow_cycles > max(4.0, extra / self.wide_overhead)
+        if due:
+            self._narrow_cycles = 0
+        return due
 
     def _mostly_reported(self) -> bool:
         """Whether the drafter's held-out acceptance weighs more than this model's own cycles."""

@@ -25,8 +25,12 @@ class CostClock:
     def __call__(self) -> float:
         return self.now
 
+    def forward_cost(self, width: int) -> float:
+        """A row's forward of `width` tokens (1: a plain step)."""
+        return self.step + self.per_token * (width - 1)
+
     def charge(self, widths: list[int]) -> None:
-        cost = sum(self.step + self.per_token * (w - 1) for w in widths)
+        cost = sum(self.forward_cost(w) for w in widths)
         self._owed.append(cost + (self.round_base if len(widths) > 1 else 0.0))
         while len(self._owed) > self.lag:
             self.now += self._owed.pop(0)
